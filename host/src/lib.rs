@@ -1,0 +1,25 @@
+//! mlx-spec: a speculative-decoding host for Gemma 4 on MLX.
+//!
+//! The library holds everything the `mlx-spec` binary runs: the Gemma 4 target
+//! ([`model::gemma4`]), checkpoint loading ([`weights`]), the tokenizer and chat format
+//! ([`tokenizer`]), the sampler ([`sampler`]), device selection ([`device`]) and plain
+//! generation ([`generate`]).
+
+pub mod device;
+pub mod generate;
+pub mod model;
+pub mod sampler;
+pub mod tokenizer;
+pub mod weights;
+
+/// mlx-rs seeds its implicit random state from `mach_approximate_time`, a macOS-only symbol.
+/// Linux builds provide it here so that the binary links; the value only seeds a default
+/// RNG that mlx-spec never relies on (sampling keys are explicit).
+#[cfg(not(target_vendor = "apple"))]
+#[no_mangle]
+pub extern "C" fn mach_approximate_time() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,142 @@
+//! Gemma 4 self-attention: q/k norms, weightless v norm, per-kind RoPE, scale 1.0, GQA, and
+//! KV sharing (sharer layers project only Q and read a donor layer's K/V).
+
+use anyhow::Result;
+use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::{arange, logical_and};
+use mlx_rs::Array;
+
+use super::cache::{KvView, LayerKv};
+use super::config::{AttentionKind, Gemma4Config, LayerPlan};
+use super::linear::{Linear, Loader};
+use super::rope::Rope;
+
+/// K/V projections, present only on KV-owning layers.
+struct KvProjections {
+    k_proj: Linear,
+    /// `None` when V is the k_proj output (K=V full layers).
+    v_proj: Option<Linear>,
+    k_norm: Array,
+}
+
+pub struct Attention {
+    kind: AttentionKind,
+    num_heads: i32,
+    num_kv_heads: i32,
+    head_dim: i32,
+    eps: f32,
+    q_proj: Linear,
+    q_norm: Array,
+    o_proj: Linear,
+    kv: Option<KvProjections>,
+    rope: Rope,
+}
+
+impl Attention {
+    pub fn load(cfg: &Gemma4Config, index: usize, w: &Loader) -> Result<Self> {
+        let plan: &LayerPlan = &cfg.layers[index];
+        let p = format!("layers.{index}.self_attn.");
+        let (h, nh, nkv, hd) = (cfg.hidden_size, cfg.num_heads, plan.num_kv_heads, plan.head_dim);
+        let kv = if plan.owns_kv(index) {
+            Some(KvProjections {
+                k_proj: w.linear(&format!("{p}k_proj"), nkv * hd, h)?,
+                v_proj: if plan.k_eq_v {
+                    None
+                } else {
+                    Some(w.linear(&format!("{p}v_proj"), nkv * hd, h)?)
+                },
+                k_norm: w.tensor(&format!("{p}k_norm.weight"), &[hd])?,
+            })
+        } else {
+            None
+        };
+        Ok(Attention {
+            kind: plan.kind,
+            num_heads: nh as i32,
+            num_kv_heads: nkv as i32,
+            head_dim: hd as i32,
+            eps: cfg.rms_norm_eps,
+            q_proj: w.linear(&format!("{p}q_proj"), nh * hd, h)?,
+            q_norm: w.tensor(&format!("{p}q_norm.weight"), &[hd])?,
+            o_proj: w.linear(&format!("{p}o_proj"), h, nh * hd)?,
+            kv,
+            rope: Rope::new(cfg.rope(plan.kind), hd),
+        })
+    }
+
+    /// Attends `x` (`[1, T, hidden]`, first token at `offset`). A KV-owning layer appends its
+    /// new K/V to `cache` and returns the view it attended over so sharers can reuse it; a
+    /// sharer passes the donor's view in `shared`.
+    pub fn forward(
+        &self,
+        x: &Array,
+        offset: usize,
+        cache: Option<&mut LayerKv>,
+        shared: Option<&KvView>,
+        window: usize,
+    ) -> Result<(Array, Option<KvView>)> {
+        let t = x.shape()[1];
+        let q = self.q_proj.forward(x)?.reshape(&[1, t, self.num_heads, self.head_dim])?;
+        let q = rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
+        let q = self.rope.apply(&q, offset)?;
+
+        let (view, produced) = match (&self.kv, cache) {
+            (Some(kv), Some(cache)) => {
+                let k_raw = kv.k_proj.forward(x)?.reshape(&[1, t, self.num_kv_heads, self.head_dim])?;
+                let v_raw = match &kv.v_proj {
+                    Some(v_proj) => v_proj.forward(x)?.reshape(&[1, t, self.num_kv_heads, self.head_dim])?,
+                    // K=V: the un-normalised k_proj output, before k_norm and RoPE.
+                    None => k_raw.clone(),
+                };
+                let k = rms_norm(&k_raw, Some(&kv.k_norm), self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
+                let k = self.rope.apply(&k, offset)?;
+                let v = rms_norm(&v_raw, None, self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
+                let view = cache.append(&k, &v)?;
+                (view.clone(), Some(view))
+            }
+            _ => {
+                let view = shared
+                    .cloned()
+                    .ok_or_else(|| anyhow::anyhow!("KV-sharing layer called without its donor's keys"))?;
+                (view, None)
+            }
+        };
+
+        let mask = attention_mask(self.kind, offset, t as usize, &view, window)?;
+        let out = match &mask {
+            Some(m) => scaled_dot_product_attention(&q, &view.keys, &view.values, 1.0, ScaledDotProductAttentionMask::Array(m), None)?,
+            None => scaled_dot_product_attention(&q, &view.keys, &view.values, 1.0, None, None)?,
+        };
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, t, self.num_heads * self.head_dim])?;
+        Ok((self.o_proj.forward(&out)?, produced))
+    }
+}
+
+/// Boolean mask `[T, K]` (true = attend) for queries at `offset..offset+T` over keys at
+/// `view.first_position..`, or `None` when every key is visible to every query.
+fn attention_mask(
+    kind: AttentionKind,
+    offset: usize,
+    t: usize,
+    view: &KvView,
+    window: usize,
+) -> Result<Option<Array>> {
+    let keys = view.keys.shape()[2] as usize;
+    let last_query = offset + t - 1;
+    let all_causal = view.first_position + keys <= offset + 1; // every key precedes the first query
+    let all_in_window = kind == AttentionKind::Full || last_query < view.first_position + window;
+    if all_causal && all_in_window {
+        return Ok(None);
+    }
+    let q_pos = arange::<_, i32>(offset as i32, (offset + t) as i32, None)?.reshape(&[t as i32, 1])?;
+    let k_pos = arange::<_, i32>(view.first_position as i32, (view.first_position + keys) as i32, None)?
+        .reshape(&[1, keys as i32])?;
+    let causal = k_pos.le(&q_pos)?;
+    Ok(Some(match kind {
+        AttentionKind::Full => causal,
+        AttentionKind::Sliding => {
+            let in_window = q_pos.subtract(&k_pos)?.lt(Array::from_int(window as i32))?;
+            logical_and(&causal, &in_window)?
+        }
+    }))
+}

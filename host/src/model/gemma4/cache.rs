@@ -1,0 +1,203 @@
+//! Per-request KV state: one buffer per KV-owning layer, trimmable for speculative rollback.
+//!
+//! Full-attention layers keep every key. Sliding layers keep the window plus a rollback
+//! reserve: the attention of the next chunk needs the last `window - 1` keys, and a verify
+//! step that rejects `n` drafted tokens needs `n` more keys older than that. Keys are kept in
+//! temporal order (no ring), so a trim is always a length change; a trim deeper than what a
+//! sliding buffer still holds is refused with [`TrimError`] instead of silently attending over
+//! a wrong window. Buffers grow in steps and are written in place with slice updates.
+
+use anyhow::Result;
+use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+use mlx_rs::ops::{concatenate, zeros_dtype};
+use mlx_rs::Array;
+
+use super::config::{AttentionKind, Gemma4Config};
+
+/// Keys and values are allocated in multiples of this many positions.
+const GROWTH_STEP: usize = 256;
+
+/// Default number of positions a sliding buffer keeps beyond the window, so any verify
+/// window up to this size can be rolled back.
+pub const DEFAULT_ROLLBACK_RESERVE: usize = 64;
+
+/// A trim that a sliding-window buffer cannot honour because the keys it would need were
+/// already dropped.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot roll the KV cache back by {requested} tokens: layer {layer} keeps only {available}")]
+pub struct TrimError {
+    pub layer: usize,
+    pub requested: usize,
+    pub available: usize,
+}
+
+/// The K/V one attention call reads: keys for absolute positions `first_position ..`.
+#[derive(Clone)]
+pub struct KvView {
+    pub keys: Array,
+    pub values: Array,
+    pub first_position: usize,
+}
+
+/// K/V of one layer: `[1, kv_heads, capacity, head_dim]`, valid in `[0, len)`, slot 0 holding
+/// absolute position `start`.
+pub struct LayerKv {
+    kind: AttentionKind,
+    window: usize,
+    reserve: usize,
+    keys: Option<Array>,
+    values: Option<Array>,
+    start: usize,
+    len: usize,
+}
+
+impl LayerKv {
+    fn new(kind: AttentionKind, window: usize, reserve: usize) -> Self {
+        LayerKv { kind, window, reserve, keys: None, values: None, start: 0, len: 0 }
+    }
+
+    fn capacity(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.shape()[2] as usize)
+    }
+
+    /// Number of tokens this layer has seen.
+    pub fn end_position(&self) -> usize {
+        self.start + self.len
+    }
+
+    /// Appends `[1, kv_heads, t, head_dim]` keys/values for positions `end_position()..` and
+    /// returns what the new queries attend over.
+    pub fn append(&mut self, k: &Array, v: &Array) -> Result<KvView> {
+        let t = k.shape()[2] as usize;
+        let offset = self.end_position();
+        if self.kind == AttentionKind::Sliding {
+            // Drop keys no future query (nor a rollback within the reserve) can reach.
+            let keep_from = offset.saturating_sub(self.window - 1 + self.reserve);
+            if keep_from > self.start {
+                self.drop_front(keep_from - self.start)?;
+            }
+        }
+        if self.len + t > self.capacity() {
+            self.grow(k, v, self.len + t)?;
+        }
+        let (a, b) = (self.len as i32, (self.len + t) as i32);
+        let keys = self.keys.as_mut().expect("allocated by grow");
+        keys.try_index_mut((.., .., a..b, ..), k)?;
+        let values = self.values.as_mut().expect("allocated by grow");
+        values.try_index_mut((.., .., a..b, ..), v)?;
+        self.len += t;
+
+        let first_position = match self.kind {
+            AttentionKind::Full => self.start,
+            // The earliest new query (at `offset`) sees back to `offset - (window - 1)`.
+            AttentionKind::Sliding => (offset + 1).saturating_sub(self.window).max(self.start),
+        };
+        let from = (first_position - self.start) as i32;
+        let to = self.len as i32;
+        Ok(KvView {
+            keys: self.keys.as_ref().unwrap().index((.., .., from..to, ..)),
+            values: self.values.as_ref().unwrap().index((.., .., from..to, ..)),
+            first_position,
+        })
+    }
+
+    fn grow(&mut self, k: &Array, v: &Array, needed: usize) -> Result<()> {
+        let capacity = needed.div_ceil(GROWTH_STEP) * GROWTH_STEP;
+        let shape = |a: &Array| {
+            let s = a.shape();
+            [s[0], s[1], (capacity - self.len) as i32, s[3]]
+        };
+        let fresh_k = zeros_dtype(&shape(k), k.dtype())?;
+        let fresh_v = zeros_dtype(&shape(v), v.dtype())?;
+        let len = self.len as i32;
+        self.keys = Some(match &self.keys {
+            Some(old) => concatenate(&[old.index((.., .., ..len, ..)), fresh_k], 2)?,
+            None => fresh_k,
+        });
+        self.values = Some(match &self.values {
+            Some(old) => concatenate(&[old.index((.., .., ..len, ..)), fresh_v], 2)?,
+            None => fresh_v,
+        });
+        Ok(())
+    }
+
+    fn drop_front(&mut self, n: usize) -> Result<()> {
+        let (from, to) = (n as i32, self.len as i32);
+        if let (Some(k), Some(v)) = (&self.keys, &self.values) {
+            self.keys = Some(k.index((.., .., from..to, ..)));
+            self.values = Some(v.index((.., .., from..to, ..)));
+        }
+        self.start += n;
+        self.len -= n;
+        Ok(())
+    }
+
+    /// Forgets the last `n` positions.
+    fn trim(&mut self, layer: usize, n: usize) -> Result<(), TrimError> {
+        let available = match self.kind {
+            AttentionKind::Full => self.len,
+            // After the trim the next query (at end - n) must still see back `window - 1`.
+            AttentionKind::Sliding if self.start == 0 => self.len,
+            AttentionKind::Sliding => (self.len + 1).saturating_sub(self.window),
+        };
+        if n > available {
+            return Err(TrimError { layer, requested: n, available });
+        }
+        self.len -= n;
+        Ok(())
+    }
+}
+
+/// The KV state of one sequence: a buffer per KV-owning layer (`None` for sharers).
+pub struct ModelCache {
+    layers: Vec<Option<LayerKv>>,
+    offset: usize,
+}
+
+impl ModelCache {
+    pub fn new(config: &Gemma4Config) -> Self {
+        Self::with_reserve(config, DEFAULT_ROLLBACK_RESERVE)
+    }
+
+    /// A cache whose sliding layers can roll back up to `reserve` tokens at any time.
+    pub fn with_reserve(config: &Gemma4Config, reserve: usize) -> Self {
+        let layers = config
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| l.owns_kv(i).then(|| LayerKv::new(l.kind, config.sliding_window.max(1), reserve)))
+            .collect();
+        ModelCache { layers, offset: 0 }
+    }
+
+    /// Number of tokens processed so far (the position of the next token).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    pub(crate) fn layer_mut(&mut self, i: usize) -> Option<&mut LayerKv> {
+        self.layers[i].as_mut()
+    }
+
+    pub(crate) fn advance(&mut self, t: usize) {
+        self.offset += t;
+    }
+
+    /// Rolls every layer back by `n` tokens (rejected drafts). On error nothing changes.
+    pub fn trim(&mut self, n: usize) -> Result<(), TrimError> {
+        for (i, layer) in self.layers.iter().enumerate() {
+            if let Some(l) = layer {
+                // Dry run first so a refusal leaves the cache consistent.
+                let mut probe = LayerKv { keys: None, values: None, ..*l };
+                probe.trim(i, n)?;
+            }
+        }
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            if let Some(l) = layer {
+                l.trim(i, n)?;
+            }
+        }
+        self.offset -= n;
+        Ok(())
+    }
+}

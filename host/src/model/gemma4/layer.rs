@@ -1,0 +1,121 @@
+//! One Gemma 4 decoder layer: sandwich-normed attention and feed-forward blocks, the optional
+//! MoE branch, the optional per-layer-embedding gate, and the learned `layer_scalar`.
+
+use anyhow::Result;
+use mlx_rs::fast::rms_norm;
+use mlx_rs::nn::gelu_approximate;
+use mlx_rs::Array;
+
+use super::attention::Attention;
+use super::cache::{KvView, LayerKv};
+use super::config::Gemma4Config;
+use super::linear::{Linear, Loader};
+use super::mlp::Mlp;
+use super::moe::Experts;
+
+/// The MoE branch and its three extra norms.
+struct MoeBranch {
+    experts: Experts,
+    pre_norm: Array,
+    post_norm_dense: Array,
+    post_norm_experts: Array,
+}
+
+/// The per-layer-embedding gate.
+struct PleGate {
+    input_gate: Linear,
+    projection: Linear,
+    post_norm: Array,
+}
+
+pub struct DecoderLayer {
+    eps: f32,
+    window: usize,
+    input_norm: Array,
+    attention: Attention,
+    post_attention_norm: Array,
+    pre_feedforward_norm: Array,
+    mlp: Mlp,
+    moe: Option<MoeBranch>,
+    post_feedforward_norm: Array,
+    ple: Option<PleGate>,
+    layer_scalar: Array,
+}
+
+impl DecoderLayer {
+    pub fn load(cfg: &Gemma4Config, index: usize, w: &Loader) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let p = format!("layers.{index}.");
+        let norm = |name: &str| w.tensor(&format!("{p}{name}.weight"), &[h]);
+        let moe = match cfg.moe {
+            Some(m) => Some(MoeBranch {
+                experts: Experts::load(w, index, m, h, cfg.rms_norm_eps)?,
+                pre_norm: norm("pre_feedforward_layernorm_2")?,
+                post_norm_dense: norm("post_feedforward_layernorm_1")?,
+                post_norm_experts: norm("post_feedforward_layernorm_2")?,
+            }),
+            None => None,
+        };
+        let ple = if cfg.per_layer_input_size > 0 {
+            let pw = cfg.per_layer_input_size;
+            Some(PleGate {
+                input_gate: w.linear(&format!("{p}per_layer_input_gate"), pw, h)?,
+                projection: w.linear(&format!("{p}per_layer_projection"), h, pw)?,
+                post_norm: norm("post_per_layer_input_norm")?,
+            })
+        } else {
+            None
+        };
+        Ok(DecoderLayer {
+            eps: cfg.rms_norm_eps,
+            window: cfg.sliding_window,
+            input_norm: norm("input_layernorm")?,
+            attention: Attention::load(cfg, index, w)?,
+            post_attention_norm: norm("post_attention_layernorm")?,
+            pre_feedforward_norm: norm("pre_feedforward_layernorm")?,
+            mlp: Mlp::load(w, &format!("{p}mlp."), h, cfg.layers[index].mlp_width)?,
+            moe,
+            post_feedforward_norm: norm("post_feedforward_layernorm")?,
+            ple,
+            layer_scalar: w.tensor(&format!("{p}layer_scalar"), &[1])?,
+        })
+    }
+
+    fn norm(&self, x: &Array, w: &Array) -> Result<Array> {
+        Ok(rms_norm(x, Some(w), self.eps)?)
+    }
+
+    /// Runs the layer on `x` (`[1, T, H]`). `per_layer_input` is this layer's `[1, T, P]`
+    /// slice of the per-layer embeddings. Returns the new hidden state and, for KV-owning
+    /// layers, the K/V view sharers of this layer read.
+    pub fn forward(
+        &self,
+        x: &Array,
+        offset: usize,
+        cache: Option<&mut LayerKv>,
+        shared: Option<&KvView>,
+        per_layer_input: Option<&Array>,
+    ) -> Result<(Array, Option<KvView>)> {
+        let (attn, view) =
+            self.attention.forward(&self.norm(x, &self.input_norm)?, offset, cache, shared, self.window)?;
+        let x = x.add(&self.norm(&attn, &self.post_attention_norm)?)?;
+
+        let dense = self.mlp.forward(&self.norm(&x, &self.pre_feedforward_norm)?)?;
+        let ff = match &self.moe {
+            None => dense,
+            Some(moe) => {
+                let dense = self.norm(&dense, &moe.post_norm_dense)?;
+                let routed = moe.experts.forward(&x, &self.norm(&x, &moe.pre_norm)?)?;
+                dense.add(&self.norm(&routed, &moe.post_norm_experts)?)?
+            }
+        };
+        let mut x = x.add(&self.norm(&ff, &self.post_feedforward_norm)?)?;
+
+        if let (Some(gate), Some(input)) = (&self.ple, per_layer_input) {
+            let g = gelu_approximate(gate.input_gate.forward(&x)?)?.multiply(input)?;
+            let g = gate.projection.forward(&g)?;
+            x = x.add(&self.norm(&g, &gate.post_norm)?)?;
+        }
+        Ok((x.multiply(&self.layer_scalar)?, view))
+    }
+}

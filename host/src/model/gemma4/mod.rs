@@ -1,0 +1,232 @@
+//! The Gemma 4 text decoder (dense E2B/E4B/12B/31B and MoE 26B-A4B) on MLX.
+//!
+//! One file per block: [`config`] (both config.json forms and the derived per-layer plan),
+//! [`linear`] (dense and quantized matrices, the checkpoint loader), [`rope`], [`attention`],
+//! [`mlp`], [`moe`], [`ple`] (per-layer embeddings), [`layer`] and [`cache`] (per-request KV
+//! state). Weights are immutable; all per-request state lives in [`cache::ModelCache`].
+
+pub mod attention;
+pub mod cache;
+pub mod config;
+pub mod layer;
+pub mod linear;
+pub mod mlp;
+pub mod moe;
+pub mod ple;
+pub mod rope;
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use mlx_rs::fast::rms_norm;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::tanh;
+use mlx_rs::{Array, Dtype};
+
+use crate::weights::WeightStore;
+pub use cache::{KvView, ModelCache, TrimError};
+pub use config::{AttentionKind, Gemma4Config};
+use layer::DecoderLayer;
+use linear::{Embedding, Linear, Loader};
+use ple::PerLayerEmbeddings;
+
+/// A scalar in the compute dtype, so multiplying by it does not promote the activations.
+pub(crate) fn scalar(value: f32, dtype: Dtype) -> Result<Array> {
+    Ok(Array::from_f32(value).as_dtype(dtype)?)
+}
+
+/// Which positions of a forward pass need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Only the last position (prefill, plain decode).
+    Last,
+    /// Every position (verification of drafted tokens, oracle tests).
+    All,
+}
+
+/// What a forward pass returns.
+pub struct ForwardOutput {
+    /// `[positions, vocab]` float32 logits after the soft-cap.
+    pub logits: Array,
+    /// With `capture_hidden`: the scaled embedding, the output of each layer, and the final
+    /// norm output (`num_layers + 1` entries of `[T, hidden]`, as transformers reports them).
+    pub hidden: Vec<Array>,
+}
+
+/// Compute dtype selection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DtypeChoice {
+    /// The checkpoint's float dtype (for quantized checkpoints, that of the scales).
+    Auto,
+    Fixed(Dtype),
+}
+
+/// The loaded target model.
+pub struct Gemma4Model {
+    pub config: Gemma4Config,
+    pub dtype: Dtype,
+    embed: Embedding,
+    embed_scale: Array,
+    per_layer: Option<PerLayerEmbeddings>,
+    layers: Vec<DecoderLayer>,
+    final_norm: Array,
+    head: Option<Linear>,
+}
+
+/// Tensor name prefixes of the decoder in the layouts we know, most specific first.
+const PREFIXES: [&str; 4] = ["model.language_model.", "language_model.model.", "model.", ""];
+
+fn detect_prefix(store: &WeightStore) -> Result<&'static str> {
+    PREFIXES
+        .into_iter()
+        .find(|p| store.contains(&format!("{p}embed_tokens.weight")))
+        .context("no embed_tokens.weight under any known prefix (model., model.language_model., language_model.model.): is this a Gemma 4 checkpoint?")
+}
+
+fn float_dtype(d: Dtype) -> bool {
+    matches!(d, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
+}
+
+impl Gemma4Model {
+    /// Loads `config.json` and the safetensors weights from `dir`.
+    pub fn load(dir: &Path, dtype: DtypeChoice, progress: Option<indicatif::ProgressBar>) -> Result<Self> {
+        if !dir.is_dir() {
+            bail!("model folder {} does not exist", dir.display());
+        }
+        let config = Gemma4Config::from_dir(dir)?;
+        let mut store = WeightStore::open(dir)?;
+        if let Some(bar) = progress {
+            bar.set_length(store.total_bytes());
+            store.set_progress(bar);
+        }
+        Self::from_store(config, &store, dtype)
+    }
+
+    pub fn from_store(config: Gemma4Config, store: &WeightStore, dtype: DtypeChoice) -> Result<Self> {
+        let prefix = detect_prefix(store)?;
+        let embed_name = format!("{prefix}embed_tokens");
+        let dtype = match dtype {
+            DtypeChoice::Fixed(d) => d,
+            DtypeChoice::Auto => {
+                let probe = if store.contains(&format!("{embed_name}.scales")) {
+                    format!("{embed_name}.scales")
+                } else {
+                    format!("{embed_name}.weight")
+                };
+                let d = store.array_any_shape(&probe)?.dtype();
+                if !float_dtype(d) {
+                    bail!("{probe} has dtype {d:?}; expected a float dtype");
+                }
+                d
+            }
+        };
+        let w = Loader { store, prefix: prefix.to_owned(), dtype, quant: &config.quantization };
+        let c = &config;
+        let h = c.hidden_size;
+
+        let embed = w.embedding("embed_tokens", c.vocab_size, h)?;
+        let per_layer = if c.per_layer_input_size > 0 {
+            Some(PerLayerEmbeddings::load(&w, h, c.num_layers, c.per_layer_input_size, c.per_layer_vocab_size, c.rms_norm_eps)?)
+        } else {
+            None
+        };
+        let layers = (0..c.num_layers)
+            .map(|i| DecoderLayer::load(c, i, &w).with_context(|| format!("loading layer {i}")))
+            .collect::<Result<Vec<_>>>()?;
+        let final_norm = w.tensor("norm.weight", &[h])?;
+        let head = if c.tie_word_embeddings {
+            None
+        } else {
+            // An untied head sits beside the decoder: `lm_head` or `language_model.lm_head`.
+            let outer = prefix.strip_suffix("model.").unwrap_or("").replace("model.language_model.", "");
+            let hw = Loader { store, prefix: outer, dtype, quant: &config.quantization };
+            Some(hw.linear("lm_head", c.vocab_size, h)?)
+        };
+        Ok(Gemma4Model {
+            embed_scale: scalar((h as f32).sqrt(), dtype)?,
+            config,
+            dtype,
+            embed,
+            per_layer,
+            layers,
+            final_norm,
+            head,
+        })
+    }
+
+    /// A fresh KV state for one sequence.
+    pub fn new_cache(&self) -> ModelCache {
+        ModelCache::new(&self.config)
+    }
+
+    /// Runs `ids` (positions `cache.offset()..`) through the model, extending `cache`.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        cache: &mut ModelCache,
+        logits_for: LogitsFor,
+        capture_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        if ids.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
+            bail!("token id {bad} is outside the vocabulary (size {})", self.config.vocab_size);
+        }
+        let t = ids.len() as i32;
+        let offset = cache.offset();
+        let ids = Array::from_slice(ids, &[1, t]);
+
+        let mut x = self.embed.lookup(&ids)?.multiply(&self.embed_scale)?;
+        let per_layer = match &self.per_layer {
+            Some(p) => Some(p.inputs(&ids, &x)?),
+            None => None,
+        };
+        let mut hidden = Vec::new();
+        if capture_hidden {
+            hidden.push(x.reshape(&[t, -1])?);
+        }
+
+        let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let plan = &self.config.layers[i];
+            let ple_i = match &per_layer {
+                Some(p) => Some(p.index((.., .., i as i32, ..))),
+                None => None,
+            };
+            let shared = if plan.owns_kv(i) { None } else { views[plan.kv_source].as_ref() };
+            let (out, view) = layer.forward(&x, offset, cache.layer_mut(i), shared, ple_i.as_ref())?;
+            views[i] = view;
+            x = out;
+            if capture_hidden && i + 1 < self.layers.len() {
+                hidden.push(x.reshape(&[t, -1])?);
+            }
+        }
+        cache.advance(ids.shape()[1] as usize);
+
+        let x = rms_norm(&x, Some(&self.final_norm), self.config.rms_norm_eps)?;
+        if capture_hidden {
+            hidden.push(x.reshape(&[t, -1])?);
+        }
+        let x = match logits_for {
+            LogitsFor::All => x,
+            LogitsFor::Last => x.index((.., (t - 1).., ..)),
+        };
+        Ok(ForwardOutput { logits: self.logits_from_hidden(&x)?, hidden })
+    }
+
+    /// Final-norm hidden states `[.., T, H]` → `[T, vocab]` float32 soft-capped logits.
+    pub fn logits_from_hidden(&self, x: &Array) -> Result<Array> {
+        let logits = match &self.head {
+            Some(head) => head.forward(x)?,
+            None => self.embed.as_head(x)?,
+        };
+        let v = self.config.vocab_size as i32;
+        let mut logits = logits.reshape(&[-1, v])?.as_dtype(Dtype::Float32)?;
+        if let Some(cap) = self.config.final_logit_softcapping {
+            let cap_arr = Array::from_f32(cap);
+            logits = tanh(logits.divide(&cap_arr)?)?.multiply(&cap_arr)?;
+        }
+        Ok(logits)
+    }
+}

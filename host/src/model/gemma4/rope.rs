@@ -1,0 +1,48 @@
+//! Rotary position embedding in the rotate-half layout (pairs `j` and `j + head_dim/2`).
+
+use anyhow::Result;
+use mlx_rs::{fast, Array};
+
+use super::config::RopeKind;
+
+/// RoPE for one layer kind, ready to apply to `[batch, heads, tokens, head_dim]`.
+pub struct Rope {
+    head_dim: i32,
+    base: Option<f32>,
+    /// Per-pair periods (`1 / inverse frequency`) when not a plain `base^(2j/d)` schedule.
+    periods: Option<Array>,
+}
+
+impl Rope {
+    pub fn new(kind: &RopeKind, head_dim: usize) -> Self {
+        match *kind {
+            RopeKind::Default { theta } => Rope { head_dim: head_dim as i32, base: Some(theta), periods: None },
+            RopeKind::Proportional { theta, partial_factor, factor } => {
+                // The rotated pairs use the frequencies of a full head_dim RoPE (denominator
+                // head_dim, not the rotated width); the remaining pairs get an infinite period,
+                // i.e. angle 0, so they pass through unchanged.
+                let half = head_dim / 2;
+                let rotated = ((partial_factor * head_dim as f32) as usize / 2).min(half);
+                let periods: Vec<f32> = (0..half)
+                    .map(|j| {
+                        if j < rotated {
+                            factor * theta.powf(2.0 * j as f32 / head_dim as f32)
+                        } else {
+                            f32::INFINITY
+                        }
+                    })
+                    .collect();
+                Rope {
+                    head_dim: head_dim as i32,
+                    base: None,
+                    periods: Some(Array::from_slice(&periods, &[half as i32])),
+                }
+            }
+        }
+    }
+
+    /// Rotates `x` (`[batch, heads, tokens, head_dim]`) whose first token sits at `offset`.
+    pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
+        Ok(fast::rope(x, self.head_dim, false, self.base, 1.0, offset as i32, self.periods.as_ref())?)
+    }
+}
