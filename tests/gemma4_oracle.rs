@@ -8,6 +8,7 @@ mod common;
 
 use common::{fixture, max_abs_diff, Golden, FIXTURES};
 use mlx_rs::Dtype;
+use mlx_spec::generate::greedy_token;
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
 
 /// Tolerance for float32 logits against the float32 oracle.
@@ -20,7 +21,10 @@ fn load_f32(name: &str) -> Gemma4Model {
 }
 
 fn to_vec(a: &mlx_rs::Array) -> Vec<f32> {
-    a.as_dtype(Dtype::Float32).unwrap().as_slice::<f32>().to_vec()
+    a.as_dtype(Dtype::Float32)
+        .unwrap()
+        .as_slice::<f32>()
+        .to_vec()
 }
 
 #[test]
@@ -30,7 +34,9 @@ fn full_sequence_logits_and_hidden_states_match_transformers() {
         let golden = Golden::load(name);
         let ids = golden.ids("prompt_ids");
         let mut cache = model.new_cache();
-        let out = model.forward(&ids, &mut cache, LogitsFor::All, true).unwrap();
+        let out = model
+            .forward(&ids, &mut cache, LogitsFor::All, true)
+            .unwrap();
         let (_, want) = golden.f32("logits");
         let diff = max_abs_diff(&to_vec(&out.logits), &want);
         assert!(diff < LOGITS_TOL, "{name}: logits differ by {diff}");
@@ -52,13 +58,26 @@ fn cached_decode_past_the_window_matches_transformers() {
         let (shape, want) = golden.f32("decode_logits");
         let vocab = shape[1];
         let mut cache = model.new_cache();
-        let mut got = to_vec(&model.forward(&ids[..7], &mut cache, LogitsFor::All, false).unwrap().logits);
+        let mut got = to_vec(
+            &model
+                .forward(&ids[..7], &mut cache, LogitsFor::All, false)
+                .unwrap()
+                .logits,
+        );
         for &id in &ids[7..] {
-            got.extend(to_vec(&model.forward(&[id], &mut cache, LogitsFor::All, false).unwrap().logits));
+            got.extend(to_vec(
+                &model
+                    .forward(&[id], &mut cache, LogitsFor::All, false)
+                    .unwrap()
+                    .logits,
+            ));
         }
         assert_eq!(got.len(), ids.len() * vocab);
         let diff = max_abs_diff(&got, &want);
-        assert!(diff < LOGITS_TOL, "{name}: cached decode logits differ by {diff}");
+        assert!(
+            diff < LOGITS_TOL,
+            "{name}: cached decode logits differ by {diff}"
+        );
     }
 }
 
@@ -76,11 +95,19 @@ fn chunked_prefill_matches_transformers() {
         let mut start = 0;
         for len in [3, 5, 4, 8] {
             let chunk = &ids[start..start + len];
-            got.extend(to_vec(&model.forward(chunk, &mut cache, LogitsFor::All, false).unwrap().logits));
+            got.extend(to_vec(
+                &model
+                    .forward(chunk, &mut cache, LogitsFor::All, false)
+                    .unwrap()
+                    .logits,
+            ));
             start += len;
         }
         let diff = max_abs_diff(&got, &want);
-        assert!(diff < LOGITS_TOL, "{name}: chunked prefill logits differ by {diff}");
+        assert!(
+            diff < LOGITS_TOL,
+            "{name}: chunked prefill logits differ by {diff}"
+        );
     }
 }
 
@@ -92,14 +119,19 @@ fn greedy_continuation_matches_transformers() {
         let ids = golden.ids("prompt_ids");
         let want = golden.ids("greedy_ids");
         let mut cache = model.new_cache();
-        let mut logits = model.forward(&ids, &mut cache, LogitsFor::Last, false).unwrap().logits;
+        let mut logits = model
+            .forward(&ids, &mut cache, LogitsFor::Last, false)
+            .unwrap()
+            .logits;
         let mut got = Vec::new();
         for _ in 0..want.len() {
-            let next = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false).unwrap().item::<u32>();
+            let next = greedy_token(&logits).unwrap();
             got.push(next);
-            logits = model.forward(&[next], &mut cache, LogitsFor::Last, false).unwrap().logits;
+            logits = model
+                .forward(&[next], &mut cache, LogitsFor::Last, false)
+                .unwrap()
+                .logits;
         }
         assert_eq!(got, want, "{name}: greedy continuation differs");
     }
 }
-

@@ -1,1 +1,69 @@
-//! placeholder
+//! Device selection at run time (`--device cpu|gpu`), never at build time: the same binary
+//! runs on the CPU libmlx, on a CUDA libmlx swapped in by library path, or on Metal.
+
+use std::ffi::CStr;
+
+use anyhow::{bail, Result};
+use mlx_rs::{Device, DeviceType};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    Cpu,
+    Gpu,
+}
+
+/// The version string of the libmlx this process loaded (e.g. `0.32.2`).
+pub fn mlx_version() -> String {
+    // SAFETY: mlx_string is created, read and freed here; mlx_version only writes into it.
+    unsafe {
+        let mut s = mlx_sys::mlx_string_new();
+        let out = if mlx_sys::mlx_version(&mut s) == 0 {
+            CStr::from_ptr(mlx_sys::mlx_string_data(s))
+                .to_string_lossy()
+                .into_owned()
+        } else {
+            "unknown".to_owned()
+        };
+        mlx_sys::mlx_string_free(s);
+        out
+    }
+}
+
+/// Whether the loaded libmlx can run on `kind`.
+pub fn is_available(kind: DeviceKind) -> bool {
+    let device_type = match kind {
+        DeviceKind::Cpu => mlx_sys::mlx_device_type__MLX_CPU,
+        DeviceKind::Gpu => mlx_sys::mlx_device_type__MLX_GPU,
+    };
+    let mut available = false;
+    // SAFETY: the probe handle is created, queried and freed here.
+    unsafe {
+        let device = mlx_sys::mlx_device_new_type(device_type, 0);
+        let rc = mlx_sys::mlx_device_is_available(&mut available, device);
+        mlx_sys::mlx_device_free(device);
+        rc == 0 && available
+    }
+}
+
+/// Makes `kind` the default device of this process, or explains why it cannot be used.
+pub fn select(kind: DeviceKind) -> Result<()> {
+    if !is_available(kind) {
+        match kind {
+            DeviceKind::Gpu => bail!(
+                "--device gpu: the loaded libmlx {} has no GPU backend (it is a CPU build, or no GPU is visible). \
+                 On Linux, point LD_LIBRARY_PATH at the libmlx of mlx-cuda-13=={} (see bench/gpu/README.md)",
+                mlx_version(),
+                mlx_version()
+            ),
+            DeviceKind::Cpu => bail!("--device cpu: the loaded libmlx reports no CPU device"),
+        }
+    }
+    let device = match kind {
+        DeviceKind::Cpu => Device::new(DeviceType::Cpu, 0),
+        DeviceKind::Gpu => Device::new(DeviceType::Gpu, 0),
+    };
+    Device::set_default(&device);
+    Ok(())
+}

@@ -1,1 +1,141 @@
-//! placeholder
+//! Plain (non-speculative) generation: chunked prefill, then one token per target forward.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use mlx_rs::ops::indexing::argmax_axis;
+use mlx_rs::Array;
+use serde::Serialize;
+
+use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
+use crate::sampler::SamplingParams;
+
+/// Prompts longer than this are prefilled in chunks, bounding activation memory.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends (without emitting it) at any of these tokens…
+    pub stop_ids: Vec<u32>,
+    /// …unless this is set (benchmarks, oracle comparisons).
+    pub ignore_eos: bool,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// A stop token was sampled.
+    Stop,
+    /// `max_tokens` were generated.
+    Length,
+}
+
+/// Counts and timings of one generation, as printed by `--json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerateStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Prompt processing up to and including the first generated token.
+    pub prefill_seconds: f64,
+    pub prefill_tokens_per_s: f64,
+    /// Every later token.
+    pub decode_seconds: f64,
+    pub decode_tokens_per_s: f64,
+    pub stop_reason: StopReason,
+    /// The stop token that ended generation, if any.
+    pub stop_token: Option<u32>,
+}
+
+/// The argmax of `[1, vocab]` logits, computed on the device (only the id is copied back).
+pub fn greedy_token(logits: &Array) -> Result<u32> {
+    Ok(argmax_axis(logits, -1, false)?.item_cast::<u32>())
+}
+
+/// Picks the token at emitted index `index` from `[1, vocab]` logits.
+pub fn pick_token(logits: &Array, sampling: &SamplingParams, index: u64) -> Result<u32> {
+    if sampling.is_greedy() {
+        return greedy_token(logits);
+    }
+    logits.eval()?;
+    Ok(sampling.sample(logits.as_slice::<f32>(), index))
+}
+
+/// Runs `ids` through the model in chunks; returns the last position's logits.
+pub fn prefill(model: &Gemma4Model, cache: &mut ModelCache, ids: &[u32]) -> Result<Array> {
+    let mut last = None;
+    for chunk in ids.chunks(PREFILL_CHUNK) {
+        let out = model.forward(chunk, cache, LogitsFor::Last, false)?;
+        out.logits.eval()?;
+        last = Some(out.logits);
+    }
+    last.ok_or_else(|| anyhow::anyhow!("empty prompt"))
+}
+
+/// Generates up to `max_tokens` tokens, calling `on_token` with each as soon as it is known.
+pub fn generate(
+    model: &Gemma4Model,
+    req: &GenerateRequest,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, GenerateStats)> {
+    if req.prompt_ids.is_empty() {
+        bail!("the prompt is empty: give at least one token");
+    }
+    req.sampling.validate()?;
+    let mut cache = model.new_cache();
+    let mut tokens = Vec::new();
+    let mut stop_token = None;
+
+    let start = Instant::now();
+    let mut logits = prefill(model, &mut cache, &req.prompt_ids)?;
+    let mut prefill_seconds = 0.0;
+    let mut decode_start = start;
+
+    while tokens.len() < req.max_tokens {
+        let token = pick_token(&logits, &req.sampling, tokens.len() as u64)?;
+        if tokens.is_empty() {
+            prefill_seconds = start.elapsed().as_secs_f64();
+            decode_start = Instant::now();
+        }
+        if !req.ignore_eos && req.stop_ids.contains(&token) {
+            stop_token = Some(token);
+            break;
+        }
+        tokens.push(token);
+        on_token(token)?;
+        if tokens.len() == req.max_tokens {
+            break;
+        }
+        logits = model
+            .forward(&[token], &mut cache, LogitsFor::Last, false)?
+            .logits;
+    }
+
+    let decode_seconds = if tokens.len() > 1 || stop_token.is_some() {
+        decode_start.elapsed().as_secs_f64()
+    } else {
+        0.0
+    };
+    let decoded =
+        tokens.len().saturating_sub(1) + usize::from(stop_token.is_some() && !tokens.is_empty());
+    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let stats = GenerateStats {
+        prompt_tokens: req.prompt_ids.len(),
+        generated_tokens: tokens.len(),
+        prefill_seconds,
+        prefill_tokens_per_s: rate(req.prompt_ids.len(), prefill_seconds),
+        decode_seconds,
+        decode_tokens_per_s: rate(decoded, decode_seconds),
+        stop_reason: if stop_token.is_some() {
+            StopReason::Stop
+        } else {
+            StopReason::Length
+        },
+        stop_token,
+    };
+    Ok((tokens, stats))
+}

@@ -1,1 +1,451 @@
-fn main() {}
+//! The `mlx-spec` command line: argument parsing and output only; the work lives in the library.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use mlx_rs::Dtype;
+use serde_json::json;
+
+use mlx_spec::device::{self, DeviceKind};
+use mlx_spec::generate::{generate, greedy_token, prefill, GenerateRequest};
+use mlx_spec::model::gemma4::config::{Gemma4Config, QuantSpec};
+use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
+use mlx_spec::sampler::SamplingParams;
+use mlx_spec::tokenizer::{stop_ids, ChatMessage, StreamDecoder, Tokenizer};
+
+#[derive(Parser)]
+#[command(
+    name = "mlx-spec",
+    version,
+    about = "Speculative decoding host for Gemma 4 on MLX",
+    long_about = "Runs a Gemma 4 text decoder on MLX (CPU, CUDA or Metal) and generates text.\n\
+                  Logs go to stderr (-v for more, or RUST_LOG); results go to stdout."
+)]
+struct Cli {
+    /// More logging on stderr (-v info, -vv debug).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt, streaming it to stdout.
+    Generate(GenerateArgs),
+    /// Measure prefill and decode speed (tokens/s) of a model.
+    Bench(BenchArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DtypeArg {
+    /// The checkpoint's own float dtype.
+    Auto,
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DtypeArg {
+    fn choice(self) -> DtypeChoice {
+        match self {
+            DtypeArg::Auto => DtypeChoice::Auto,
+            DtypeArg::F32 => DtypeChoice::Fixed(Dtype::Float32),
+            DtypeArg::Bf16 => DtypeChoice::Fixed(Dtype::Bfloat16),
+            DtypeArg::F16 => DtypeChoice::Fixed(Dtype::Float16),
+        }
+    }
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Model folder (config.json + safetensors [+ tokenizer.json]). With --random-weights, a
+    /// config.json file or a folder holding one.
+    #[arg(long, env = "MLX_SPEC_MODEL", value_name = "PATH")]
+    model: PathBuf,
+    /// Device to run on. `gpu` needs a GPU build of libmlx (CUDA on Linux, Metal on macOS).
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceKind,
+    /// Compute dtype.
+    #[arg(long, value_enum, default_value = "auto")]
+    dtype: DtypeArg,
+    /// Ignore the checkpoint's weights: build the config's shapes with seeded random weights.
+    #[arg(long)]
+    random_weights: bool,
+    /// Seed of --random-weights.
+    #[arg(long, default_value_t = 0, requires = "random_weights")]
+    weights_seed: u64,
+    /// Quantize --random-weights to this many bits (affine, mlx-community layout).
+    #[arg(long, value_parser = ["4", "8"], requires = "random_weights")]
+    random_bits: Option<String>,
+    /// Group size of --random-bits.
+    #[arg(long, default_value_t = 64, requires = "random_bits")]
+    random_group_size: i32,
+}
+
+#[derive(Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "chat", "prompt_ids"])))]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Plain completion prompt (BOS is added).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// A user message, wrapped in Gemma 4's chat turn format.
+    #[arg(long)]
+    chat: Option<String>,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Prompt as comma-separated token ids (for models without a tokenizer).
+    #[arg(long, value_delimiter = ',', value_name = "ID,ID,...")]
+    prompt_ids: Option<Vec<u32>>,
+    /// Maximum number of tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Drop tokens below this fraction of the top probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Sampling seed: the same seed, prompt and settings give the same output.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Keep generating through end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print one JSON object {"tokens", "text", "stats"} instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Tokens generated in the decode measurement.
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Measured repetitions (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// A loaded model plus what came with it.
+struct Loaded {
+    model: Gemma4Model,
+    tokenizer: Option<Tokenizer>,
+    stop_ids: Vec<u32>,
+    load_seconds: f64,
+}
+
+fn load_model(args: &ModelArgs) -> Result<Loaded> {
+    device::select(args.device)?;
+    let start = Instant::now();
+    let path = &args.model;
+    if args.random_weights {
+        let (dir, config_path) = if path.is_file() {
+            (
+                path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+                path.clone(),
+            )
+        } else {
+            (path.clone(), path.join("config.json"))
+        };
+        let text = std::fs::read_to_string(&config_path)
+            .with_context(|| format!("cannot read {}", config_path.display()))?;
+        let raw: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", config_path.display()))?;
+        let config = Gemma4Config::from_json(&raw)
+            .with_context(|| format!("invalid config {}", config_path.display()))?;
+        let dtype = match args.dtype.choice() {
+            DtypeChoice::Fixed(d) => d,
+            DtypeChoice::Auto => Dtype::Bfloat16,
+        };
+        let quant = match &args.random_bits {
+            Some(bits) => Some(QuantSpec {
+                bits: bits.parse()?,
+                group_size: args.random_group_size,
+            }),
+            None => None,
+        };
+        tracing::info!(
+            "building random weights for {} ({dtype:?}, quant {quant:?})",
+            config_path.display()
+        );
+        let stops = config.eos_token_ids.clone();
+        let model = Gemma4Model::random(config, args.weights_seed, dtype, quant)?;
+        return Ok(Loaded {
+            tokenizer: Tokenizer::from_dir(&dir, model.config.bos_token_id)?,
+            model,
+            stop_ids: stops,
+            load_seconds: start.elapsed().as_secs_f64(),
+        });
+    }
+
+    if !path.is_dir() {
+        bail!(
+            "model folder {} does not exist (pass --model DIR)",
+            path.display()
+        );
+    }
+    let bar = if std::io::stderr().is_terminal() {
+        let bar = ProgressBar::new(0);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "loading weights {bar:30} {bytes}/{total_bytes} {elapsed}",
+            )
+            .expect("static template"),
+        );
+        Some(bar)
+    } else {
+        None
+    };
+    let model = Gemma4Model::load(path, args.dtype.choice(), bar.clone())?;
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let tokenizer = Tokenizer::from_dir(path, model.config.bos_token_id)?;
+    if let Some(tok) = &tokenizer {
+        if tok.vocab_size() > model.config.vocab_size {
+            tracing::warn!(
+                "tokenizer has {} tokens but the model only {}: ids past the model's vocabulary will be rejected",
+                tok.vocab_size(),
+                model.config.vocab_size
+            );
+        }
+    }
+    let stop_ids = stop_ids(path, &model.config.eos_token_ids)?;
+    tracing::info!(
+        "loaded {} ({} layers, {:?}) in {:.2}s",
+        path.display(),
+        model.config.num_layers,
+        model.dtype,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(Loaded {
+        model,
+        tokenizer,
+        stop_ids,
+        load_seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn run_generate(args: GenerateArgs) -> Result<()> {
+    let loaded = load_model(&args.model)?;
+    let tok = loaded.tokenizer.as_ref();
+    let need_tokenizer = || {
+        tok.with_context(|| {
+            format!(
+                "{} has no tokenizer.json, so --prompt/--chat cannot be tokenized; pass --prompt-ids",
+                args.model.model.display()
+            )
+        })
+    };
+    let prompt_ids = if let Some(ids) = &args.prompt_ids {
+        ids.clone()
+    } else if let Some(text) = &args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage {
+                role: "system".into(),
+                content: system.clone(),
+            });
+        }
+        messages.push(ChatMessage {
+            role: "user".into(),
+            content: text.clone(),
+        });
+        need_tokenizer()?.encode_chat(&messages)?
+    } else {
+        need_tokenizer()?.encode_prompt(args.prompt.as_deref().unwrap_or_default())?
+    };
+
+    let request = GenerateRequest {
+        prompt_ids,
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            seed: args.seed,
+        },
+        stop_ids: loaded.stop_ids.clone(),
+        ignore_eos: args.ignore_eos,
+    };
+    request.sampling.validate()?;
+
+    let mut stdout = std::io::stdout().lock();
+    let mut stream = StreamDecoder::new();
+    let (tokens, stats) = generate(&loaded.model, &request, |id| {
+        if args.json {
+            return Ok(());
+        }
+        match tok {
+            Some(t) => write!(stdout, "{}", stream.push(t, id)?)?,
+            None => write!(stdout, "{id} ")?,
+        }
+        stdout.flush()?;
+        Ok(())
+    })?;
+
+    let text = match tok {
+        Some(t) => t.decode(&tokens)?,
+        None => String::new(),
+    };
+    if args.json {
+        let out = json!({
+            "tokens": tokens,
+            "text": text,
+            "stats": {
+                "prompt_tokens": stats.prompt_tokens,
+                "generated_tokens": stats.generated_tokens,
+                "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+                "decode_tokens_per_s": stats.decode_tokens_per_s,
+                "prefill_seconds": stats.prefill_seconds,
+                "decode_seconds": stats.decode_seconds,
+                "load_seconds": loaded.load_seconds,
+                "stop_reason": stats.stop_reason,
+                "stop_token": stats.stop_token,
+                "device": args.model.device,
+                "dtype": format!("{:?}", loaded.model.dtype),
+            }
+        });
+        writeln!(stdout, "{out}")?;
+    } else {
+        writeln!(stdout)?;
+        eprintln!(
+            "prompt: {} tokens, {:.1} tokens/s | generation: {} tokens, {:.1} tokens/s",
+            stats.prompt_tokens,
+            stats.prefill_tokens_per_s,
+            stats.generated_tokens,
+            stats.decode_tokens_per_s
+        );
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn run_bench(args: BenchArgs) -> Result<()> {
+    if args.prompt_tokens == 0 || args.gen_tokens == 0 || args.repeats == 0 {
+        bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
+    }
+    let loaded = load_model(&args.model)?;
+    let model = &loaded.model;
+    let weight_bytes = mlx_rs::memory::active_memory().unwrap_or(0);
+    // Deterministic prompt ids away from the special-token range.
+    let vocab = model.config.vocab_size as u64;
+    let low = 3.min(vocab - 1);
+    let prompt: Vec<u32> = (0..args.prompt_tokens as u64)
+        .map(|i| (low + (i * 2_654_435_761) % (vocab - low)) as u32)
+        .collect();
+
+    let mut prefill_rates = Vec::new();
+    let mut decode_rates = Vec::new();
+    for round in 0..=args.repeats {
+        let mut cache = model.new_cache();
+        let start = Instant::now();
+        let logits = prefill(model, &mut cache, &prompt)?;
+        let prefill_s = start.elapsed().as_secs_f64();
+        let mut token = greedy_token(&logits)?;
+        let start = Instant::now();
+        for _ in 0..args.gen_tokens {
+            let logits = model
+                .forward(&[token], &mut cache, LogitsFor::Last, false)?
+                .logits;
+            token = greedy_token(&logits)?;
+        }
+        let decode_s = start.elapsed().as_secs_f64();
+        if round > 0 {
+            prefill_rates.push(args.prompt_tokens as f64 / prefill_s);
+            decode_rates.push(args.gen_tokens as f64 / decode_s);
+        }
+    }
+    let (prefill_rate, decode_rate) = (median(prefill_rates), median(decode_rates));
+    let name = args.model.model.display().to_string();
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "model": name, "random_weights": args.model.random_weights, "dtype": format!("{:?}", model.dtype),
+                "device": args.model.device, "mlx_version": device::mlx_version(), "weight_bytes": weight_bytes,
+                "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+                "prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": decode_rate,
+            })
+        );
+    } else {
+        println!("| model | dtype | device | weights (MB) | prefill {} tok (tok/s) | decode {} tok (tok/s) |", args.prompt_tokens, args.gen_tokens);
+        println!("|---|---|---|---|---|---|");
+        println!(
+            "| {name}{} | {:?} | {:?} | {:.1} | {prefill_rate:.1} | {decode_rate:.1} |",
+            if args.model.random_weights {
+                " (random)"
+            } else {
+                ""
+            },
+            model.dtype,
+            args.model.device,
+            weight_bytes as f64 / 1e6
+        );
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let result = match cli.command {
+        Command::Generate(args) => run_generate(args),
+        Command::Bench(args) => run_bench(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // A closed stdout (e.g. `| head`) is not an error worth reporting.
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            {
+                return ExitCode::SUCCESS;
+            }
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -32,6 +32,17 @@ pub struct TensorEntry {
     end: usize,
 }
 
+/// Anything the model loader can read named tensors from: a checkpoint on disk
+/// ([`WeightStore`]) or generated weights (`--random-weights`).
+pub trait TensorSource {
+    /// Whether a tensor of this name exists.
+    fn contains(&self, name: &str) -> bool;
+    /// The tensor as an MLX array in its stored dtype, after checking its shape.
+    fn array(&self, name: &str, expected_shape: &[usize]) -> Result<Array>;
+    /// The stored dtype of a tensor, if it exists.
+    fn dtype_of(&self, name: &str) -> Option<Dtype>;
+}
+
 /// All tensors of a checkpoint folder, by full name.
 pub struct WeightStore {
     shards: Vec<Shard>,
@@ -64,7 +75,12 @@ impl WeightStore {
                 .values()
                 .map(|v| v.as_str().map(str::to_owned))
                 .collect::<Option<_>>()
-                .with_context(|| format!("{}: `weight_map` values must be file names", index_path.display()))?;
+                .with_context(|| {
+                    format!(
+                        "{}: `weight_map` values must be file names",
+                        index_path.display()
+                    )
+                })?;
             names.sort();
             names.dedup();
             names.into_iter().map(|n| dir.join(n)).collect()
@@ -80,10 +96,17 @@ impl WeightStore {
             found
         };
         if files.is_empty() {
-            bail!("no weights in {}: expected model.safetensors or model.safetensors.index.json", dir.display());
+            bail!(
+                "no weights in {}: expected model.safetensors or model.safetensors.index.json",
+                dir.display()
+            );
         }
 
-        let mut store = WeightStore { shards: Vec::new(), tensors: BTreeMap::new(), progress: None };
+        let mut store = WeightStore {
+            shards: Vec::new(),
+            tensors: BTreeMap::new(),
+            progress: None,
+        };
         for path in files {
             store.add_shard(path)?;
         }
@@ -92,11 +115,17 @@ impl WeightStore {
 
     fn add_shard(&mut self, path: PathBuf) -> Result<()> {
         if !path.is_file() {
-            bail!("weight file {} is missing (listed in the index)", path.display());
+            bail!(
+                "weight file {} is missing (listed in the index)",
+                path.display()
+            );
         }
         let map = map_file(&path)?;
         let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
-            anyhow::anyhow!("{} is not a valid safetensors file ({e}); is it truncated or corrupt?", path.display())
+            anyhow::anyhow!(
+                "{} is not a valid safetensors file ({e}); is it truncated or corrupt?",
+                path.display()
+            )
         })?;
         let data_start = 8 + header_len;
         let shard = self.shards.len();
@@ -105,26 +134,54 @@ impl WeightStore {
             let numel: usize = info.shape.iter().product();
             let want = numel * info.dtype.bitsize() / 8;
             if e < b || e - b != want {
-                bail!("{}: tensor {name} has {} bytes but its shape {:?} and dtype {:?} need {want}", path.display(), e.saturating_sub(b), info.shape, info.dtype);
+                bail!(
+                    "{}: tensor {name} has {} bytes but its shape {:?} and dtype {:?} need {want}",
+                    path.display(),
+                    e.saturating_sub(b),
+                    info.shape,
+                    info.dtype
+                );
             }
             if data_start + e > map.len() {
-                bail!("{}: tensor {name} ends at byte {} but the file has {} bytes (truncated?)", path.display(), data_start + e, map.len());
+                bail!(
+                    "{}: tensor {name} ends at byte {} but the file has {} bytes (truncated?)",
+                    path.display(),
+                    data_start + e,
+                    map.len()
+                );
             }
             if let Some(prev) = self.tensors.get(&name) {
-                bail!("tensor {name} appears in both {} and {}", self.shards[prev.shard].path.display(), path.display());
+                bail!(
+                    "tensor {name} appears in both {} and {}",
+                    self.shards[prev.shard].path.display(),
+                    path.display()
+                );
             }
             self.tensors.insert(
                 name,
-                TensorEntry { shard, dtype: info.dtype, shape: info.shape.clone(), begin: b, end: e },
+                TensorEntry {
+                    shard,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    begin: b,
+                    end: e,
+                },
             );
         }
-        self.shards.push(Shard { path, map, data_start });
+        self.shards.push(Shard {
+            path,
+            map,
+            data_start,
+        });
         Ok(())
     }
 
     /// Total bytes of tensor data, for the load progress bar.
     pub fn total_bytes(&self) -> u64 {
-        self.tensors.values().map(|t| (t.end - t.begin) as u64).sum()
+        self.tensors
+            .values()
+            .map(|t| (t.end - t.begin) as u64)
+            .sum()
     }
 
     /// Advances `bar` by each tensor's size as it is read.
@@ -132,62 +189,18 @@ impl WeightStore {
         self.progress = Some(bar);
     }
 
-    pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-    }
-
-    pub fn entry(&self, name: &str) -> Option<&TensorEntry> {
-        self.tensors.get(name)
-    }
-
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(String::as_str)
     }
 
-    /// The file a tensor lives in (for error messages).
-    pub fn file_of(&self, name: &str) -> String {
-        match self.tensors.get(name) {
-            Some(t) => self.shards[t.shard].path.display().to_string(),
-            None => "the checkpoint".to_owned(),
-        }
-    }
-
-    /// Reads tensor `name` as an MLX array in its stored dtype, checking its shape.
-    pub fn array(&self, name: &str, expected_shape: &[usize]) -> Result<Array> {
-        let t = self
-            .tensors
-            .get(name)
-            .with_context(|| format!("tensor {name} is missing from the checkpoint"))?;
-        if t.shape != expected_shape {
-            bail!(
-                "tensor {name} in {}: expected shape {expected_shape:?}, found {:?} (does config.json match the weights?)",
-                self.shards[t.shard].path.display(),
-                t.shape
-            );
-        }
-        self.read(name, t)
-    }
-
-    /// Reads tensor `name` whatever its shape.
-    pub fn array_any_shape(&self, name: &str) -> Result<Array> {
-        let t = self
-            .tensors
-            .get(name)
-            .with_context(|| format!("tensor {name} is missing from the checkpoint"))?;
-        self.read(name, t)
-    }
-
     fn read(&self, name: &str, t: &TensorEntry) -> Result<Array> {
         let shard = &self.shards[t.shard];
-        let dtype = match t.dtype {
-            StDtype::F32 => Dtype::Float32,
-            StDtype::F16 => Dtype::Float16,
-            StDtype::BF16 => Dtype::Bfloat16,
-            StDtype::U32 => Dtype::Uint32,
-            StDtype::I32 => Dtype::Int32,
-            StDtype::I64 => Dtype::Int64,
-            StDtype::U8 => Dtype::Uint8,
-            other => bail!("tensor {name} in {}: dtype {other:?} is not supported", shard.path.display()),
+        let Some(dtype) = mlx_dtype(t.dtype) else {
+            bail!(
+                "tensor {name} in {}: dtype {:?} is not supported",
+                shard.path.display(),
+                t.dtype
+            );
         };
         let bytes = &shard.map[shard.data_start + t.begin..shard.data_start + t.end];
         let shape: Vec<i32> = t
@@ -203,5 +216,44 @@ impl WeightStore {
             bar.inc(bytes.len() as u64);
         }
         Ok(array)
+    }
+}
+
+fn mlx_dtype(d: StDtype) -> Option<Dtype> {
+    Some(match d {
+        StDtype::F32 => Dtype::Float32,
+        StDtype::F16 => Dtype::Float16,
+        StDtype::BF16 => Dtype::Bfloat16,
+        StDtype::U32 => Dtype::Uint32,
+        StDtype::I32 => Dtype::Int32,
+        StDtype::I64 => Dtype::Int64,
+        StDtype::U8 => Dtype::Uint8,
+        _ => return None,
+    })
+}
+
+impl TensorSource for WeightStore {
+    fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Reads tensor `name` as an MLX array in its stored dtype, checking its shape.
+    fn array(&self, name: &str, expected_shape: &[usize]) -> Result<Array> {
+        let t = self
+            .tensors
+            .get(name)
+            .with_context(|| format!("tensor {name} is missing from the checkpoint"))?;
+        if t.shape != expected_shape {
+            bail!(
+                "tensor {name} in {}: expected shape {expected_shape:?}, found {:?} (does config.json match the weights?)",
+                self.shards[t.shard].path.display(),
+                t.shape
+            );
+        }
+        self.read(name, t)
+    }
+
+    fn dtype_of(&self, name: &str) -> Option<Dtype> {
+        self.tensors.get(name).and_then(|t| mlx_dtype(t.dtype))
     }
 }

@@ -36,7 +36,12 @@ impl Attention {
     pub fn load(cfg: &Gemma4Config, index: usize, w: &Loader) -> Result<Self> {
         let plan: &LayerPlan = &cfg.layers[index];
         let p = format!("layers.{index}.self_attn.");
-        let (h, nh, nkv, hd) = (cfg.hidden_size, cfg.num_heads, plan.num_kv_heads, plan.head_dim);
+        let (h, nh, nkv, hd) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            plan.num_kv_heads,
+            plan.head_dim,
+        );
         let kv = if plan.owns_kv(index) {
             Some(KvProjections {
                 k_proj: w.linear(&format!("{p}k_proj"), nkv * hd, h)?,
@@ -76,38 +81,58 @@ impl Attention {
         window: usize,
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[1];
-        let q = self.q_proj.forward(x)?.reshape(&[1, t, self.num_heads, self.head_dim])?;
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape(&[1, t, self.num_heads, self.head_dim])?;
         let q = rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
         let q = self.rope.apply(&q, offset)?;
 
         let (view, produced) = match (&self.kv, cache) {
             (Some(kv), Some(cache)) => {
-                let k_raw = kv.k_proj.forward(x)?.reshape(&[1, t, self.num_kv_heads, self.head_dim])?;
+                let k_raw =
+                    kv.k_proj
+                        .forward(x)?
+                        .reshape(&[1, t, self.num_kv_heads, self.head_dim])?;
                 let v_raw = match &kv.v_proj {
-                    Some(v_proj) => v_proj.forward(x)?.reshape(&[1, t, self.num_kv_heads, self.head_dim])?,
+                    Some(v_proj) => {
+                        v_proj
+                            .forward(x)?
+                            .reshape(&[1, t, self.num_kv_heads, self.head_dim])?
+                    }
                     // K=V: the un-normalised k_proj output, before k_norm and RoPE.
                     None => k_raw.clone(),
                 };
-                let k = rms_norm(&k_raw, Some(&kv.k_norm), self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
+                let k =
+                    rms_norm(&k_raw, Some(&kv.k_norm), self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
                 let k = self.rope.apply(&k, offset)?;
                 let v = rms_norm(&v_raw, None, self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
                 let view = cache.append(&k, &v)?;
                 (view.clone(), Some(view))
             }
             _ => {
-                let view = shared
-                    .cloned()
-                    .ok_or_else(|| anyhow::anyhow!("KV-sharing layer called without its donor's keys"))?;
+                let view = shared.cloned().ok_or_else(|| {
+                    anyhow::anyhow!("KV-sharing layer called without its donor's keys")
+                })?;
                 (view, None)
             }
         };
 
         let mask = attention_mask(self.kind, offset, t as usize, &view, window)?;
         let out = match &mask {
-            Some(m) => scaled_dot_product_attention(&q, &view.keys, &view.values, 1.0, ScaledDotProductAttentionMask::Array(m), None)?,
+            Some(m) => scaled_dot_product_attention(
+                &q,
+                &view.keys,
+                &view.values,
+                1.0,
+                ScaledDotProductAttentionMask::Array(m),
+                None,
+            )?,
             None => scaled_dot_product_attention(&q, &view.keys, &view.values, 1.0, None, None)?,
         };
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, t, self.num_heads * self.head_dim])?;
+        let out =
+            out.transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[1, t, self.num_heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, produced))
     }
 }
@@ -128,9 +153,14 @@ fn attention_mask(
     if all_causal && all_in_window {
         return Ok(None);
     }
-    let q_pos = arange::<_, i32>(offset as i32, (offset + t) as i32, None)?.reshape(&[t as i32, 1])?;
-    let k_pos = arange::<_, i32>(view.first_position as i32, (view.first_position + keys) as i32, None)?
-        .reshape(&[1, keys as i32])?;
+    let q_pos =
+        arange::<_, i32>(offset as i32, (offset + t) as i32, None)?.reshape(&[t as i32, 1])?;
+    let k_pos = arange::<_, i32>(
+        view.first_position as i32,
+        (view.first_position + keys) as i32,
+        None,
+    )?
+    .reshape(&[1, keys as i32])?;
     let causal = k_pos.le(&q_pos)?;
     Ok(Some(match kind {
         AttentionKind::Full => causal,

@@ -24,7 +24,9 @@ pub const DEFAULT_ROLLBACK_RESERVE: usize = 64;
 /// A trim that a sliding-window buffer cannot honour because the keys it would need were
 /// already dropped.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot roll the KV cache back by {requested} tokens: layer {layer} keeps only {available}")]
+#[error(
+    "cannot roll the KV cache back by {requested} tokens: layer {layer} keeps only {available}"
+)]
 pub struct TrimError {
     pub layer: usize,
     pub requested: usize,
@@ -53,7 +55,15 @@ pub struct LayerKv {
 
 impl LayerKv {
     fn new(kind: AttentionKind, window: usize, reserve: usize) -> Self {
-        LayerKv { kind, window, reserve, keys: None, values: None, start: 0, len: 0 }
+        LayerKv {
+            kind,
+            window,
+            reserve,
+            keys: None,
+            values: None,
+            start: 0,
+            len: 0,
+        }
     }
 
     fn capacity(&self) -> usize {
@@ -141,7 +151,11 @@ impl LayerKv {
             AttentionKind::Sliding => (self.len + 1).saturating_sub(self.window),
         };
         if n > available {
-            return Err(TrimError { layer, requested: n, available });
+            return Err(TrimError {
+                layer,
+                requested: n,
+                available,
+            });
         }
         self.len -= n;
         Ok(())
@@ -165,7 +179,10 @@ impl ModelCache {
             .layers
             .iter()
             .enumerate()
-            .map(|(i, l)| l.owns_kv(i).then(|| LayerKv::new(l.kind, config.sliding_window.max(1), reserve)))
+            .map(|(i, l)| {
+                l.owns_kv(i)
+                    .then(|| LayerKv::new(l.kind, config.sliding_window.max(1), reserve))
+            })
             .collect();
         ModelCache { layers, offset: 0 }
     }
@@ -188,7 +205,11 @@ impl ModelCache {
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(l) = layer {
                 // Dry run first so a refusal leaves the cache consistent.
-                let mut probe = LayerKv { keys: None, values: None, ..*l };
+                let mut probe = LayerKv {
+                    keys: None,
+                    values: None,
+                    ..*l
+                };
                 probe.trim(i, n)?;
             }
         }

@@ -157,19 +157,25 @@ fn opt_bool(t: &Value, key: &str) -> Result<bool> {
 fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|n| n as u32).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|n| n as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
 
 fn parse_rope(t: &Value, key: &str) -> Result<RopeKind> {
     let params = get(t, "rope_parameters").context("missing required key `rope_parameters`")?;
-    let entry = get(params, key).with_context(|| format!("`rope_parameters` has no `{key}` entry"))?;
+    let entry =
+        get(params, key).with_context(|| format!("`rope_parameters` has no `{key}` entry"))?;
     let raw: RawRope = serde_json::from_value(entry.clone())
         .with_context(|| format!("`rope_parameters.{key}` is malformed"))?;
     let theta = raw
         .rope_theta
-        .with_context(|| format!("`rope_parameters.{key}.rope_theta` is missing"))? as f32;
+        .with_context(|| format!("`rope_parameters.{key}.rope_theta` is missing"))?
+        as f32;
     match raw.rope_type.as_deref().unwrap_or("default") {
         "default" => Ok(RopeKind::Default { theta }),
         "proportional" => Ok(RopeKind::Proportional {
@@ -191,10 +197,10 @@ fn parse_quant_spec(v: &Value, what: &str) -> Result<Option<QuantSpec>> {
                 }
             }
             let group_size = o.get("group_size").and_then(Value::as_i64).unwrap_or(64) as i32;
-            let bits = o
-                .get("bits")
-                .and_then(Value::as_i64)
-                .with_context(|| format!("{what}: `bits` is missing"))? as i32;
+            let bits =
+                o.get("bits")
+                    .and_then(Value::as_i64)
+                    .with_context(|| format!("{what}: `bits` is missing"))? as i32;
             if ![2, 3, 4, 5, 6, 8].contains(&bits) {
                 bail!("{what}: {bits}-bit quantization is not supported");
             }
@@ -240,7 +246,12 @@ impl Gemma4Config {
     pub fn from_json(outer: &Value) -> Result<Self> {
         let t = get(outer, "text_config").unwrap_or(outer);
         let model_type = get(t, "model_type").and_then(Value::as_str).unwrap_or("");
-        const KNOWN: [&str; 4] = ["gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified"];
+        const KNOWN: [&str; 4] = [
+            "gemma4_text",
+            "gemma4",
+            "gemma4_unified_text",
+            "gemma4_unified",
+        ];
         if !KNOWN.contains(&model_type) {
             bail!(
                 "model_type {model_type:?} is not supported: mlx-spec runs Gemma 4 text decoders ({})",
@@ -256,10 +267,17 @@ impl Gemma4Config {
         let vocab_size = req_usize(t, "vocab_size")?;
         let intermediate_size = req_usize(t, "intermediate_size")?;
         let sliding_window = req_usize(t, "sliding_window")?;
-        if hidden_size == 0 || num_layers == 0 || num_heads == 0 || num_kv_heads == 0 || head_dim == 0 {
+        if hidden_size == 0
+            || num_layers == 0
+            || num_heads == 0
+            || num_kv_heads == 0
+            || head_dim == 0
+        {
             bail!("hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads and head_dim must be positive");
         }
-        let rms_norm_eps = get(t, "rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32;
+        let rms_norm_eps = get(t, "rms_norm_eps")
+            .and_then(Value::as_f64)
+            .unwrap_or(1e-6) as f32;
 
         let layer_types: Vec<String> = match get(t, "layer_types") {
             Some(v) => serde_json::from_value(v.clone())
@@ -278,13 +296,17 @@ impl Gemma4Config {
             .map(|(i, s)| match s.as_str() {
                 "sliding_attention" => Ok(AttentionKind::Sliding),
                 "full_attention" => Ok(AttentionKind::Full),
-                other => bail!("`layer_types[{i}]` = {other:?} (expected sliding_attention or full_attention)"),
+                other => bail!(
+                    "`layer_types[{i}]` = {other:?} (expected sliding_attention or full_attention)"
+                ),
             })
             .collect::<Result<Vec<_>>>()?;
 
         // Full-layer head dim and KV heads: released form first, then transformers' per_layer_config.
         let per_layer: BTreeMap<String, Value> = match get(t, "per_layer_config") {
-            Some(v) => serde_json::from_value(v.clone()).context("`per_layer_config` must be an object")?,
+            Some(v) => {
+                serde_json::from_value(v.clone()).context("`per_layer_config` must be an object")?
+            }
             None => BTreeMap::new(),
         };
         let first_full_entry = kinds
@@ -293,7 +315,10 @@ impl Gemma4Config {
             .and_then(|i| per_layer.get(&i.to_string()));
         let global_head_dim = match opt_usize(t, "global_head_dim")? {
             Some(d) if d > 0 => d,
-            _ => match first_full_entry.and_then(|e| e.get("head_dim")).and_then(Value::as_u64) {
+            _ => match first_full_entry
+                .and_then(|e| e.get("head_dim"))
+                .and_then(Value::as_u64)
+            {
                 Some(d) => d as usize,
                 None => head_dim,
             },
@@ -326,7 +351,11 @@ impl Gemma4Config {
                 expert_intermediate_size: req_usize(t, "moe_intermediate_size")?,
             };
             if m.top_k == 0 || m.top_k > m.num_experts {
-                bail!("top_k_experts ({}) must be between 1 and num_experts ({})", m.top_k, m.num_experts);
+                bail!(
+                    "top_k_experts ({}) must be between 1 and num_experts ({})",
+                    m.top_k,
+                    m.num_experts
+                );
             }
             Some(m)
         } else {
@@ -502,8 +531,20 @@ mod tests {
             "model.layers.0.router.proj": false});
         let c = Gemma4Config::from_json(&t).unwrap();
         let q = &c.quantization;
-        assert_eq!(q.for_module("model.layers.0.mlp.up_proj"), Some(QuantSpec { group_size: 32, bits: 4 }));
-        assert_eq!(q.for_module("model.layers.1.mlp.down_proj"), Some(QuantSpec { group_size: 64, bits: 8 }));
+        assert_eq!(
+            q.for_module("model.layers.0.mlp.up_proj"),
+            Some(QuantSpec {
+                group_size: 32,
+                bits: 4
+            })
+        );
+        assert_eq!(
+            q.for_module("model.layers.1.mlp.down_proj"),
+            Some(QuantSpec {
+                group_size: 64,
+                bits: 8
+            })
+        );
         assert_eq!(q.for_module("model.layers.0.router.proj"), None);
     }
 }

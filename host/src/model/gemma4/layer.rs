@@ -96,11 +96,18 @@ impl DecoderLayer {
         shared: Option<&KvView>,
         per_layer_input: Option<&Array>,
     ) -> Result<(Array, Option<KvView>)> {
-        let (attn, view) =
-            self.attention.forward(&self.norm(x, &self.input_norm)?, offset, cache, shared, self.window)?;
+        let (attn, view) = self.attention.forward(
+            &self.norm(x, &self.input_norm)?,
+            offset,
+            cache,
+            shared,
+            self.window,
+        )?;
         let x = x.add(&self.norm(&attn, &self.post_attention_norm)?)?;
 
-        let dense = self.mlp.forward(&self.norm(&x, &self.pre_feedforward_norm)?)?;
+        let dense = self
+            .mlp
+            .forward(&self.norm(&x, &self.pre_feedforward_norm)?)?;
         let ff = match &self.moe {
             None => dense,
             Some(moe) => {

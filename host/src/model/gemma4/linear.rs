@@ -6,7 +6,7 @@ use mlx_rs::ops::{dequantize, matmul, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 
 use super::config::{QuantConfig, QuantSpec};
-use crate::weights::WeightStore;
+use crate::weights::TensorSource;
 
 /// Packed affine-quantized weight: `w = scales * q + biases` per group of input elements.
 pub struct Quantized {
@@ -65,7 +65,7 @@ impl Embedding {
 
 /// Reads modules of one checkpoint, casting float weights to the compute dtype.
 pub struct Loader<'a> {
-    pub store: &'a WeightStore,
+    pub store: &'a dyn TensorSource,
     /// Name prefix of the decoder's tensors, e.g. `model.` or `model.language_model.`.
     pub prefix: String,
     pub dtype: Dtype,
@@ -124,21 +124,41 @@ impl Loader<'_> {
         let QuantSpec { group_size, bits } = spec;
         let (g, b) = (group_size as usize, bits as usize);
         if in_dim % g != 0 || (in_dim * b) % 32 != 0 {
-            bail!("{full_module}: input width {in_dim} does not split into groups of {g} at {b} bits");
+            bail!(
+                "{full_module}: input width {in_dim} does not split into groups of {g} at {b} bits"
+            );
         }
-        let packed_shape: Vec<usize> = lead.iter().copied().chain([out_dim, in_dim * b / 32]).collect();
+        let packed_shape: Vec<usize> = lead
+            .iter()
+            .copied()
+            .chain([out_dim, in_dim * b / 32])
+            .collect();
         let group_shape: Vec<usize> = lead.iter().copied().chain([out_dim, in_dim / g]).collect();
-        let packed = self.store.array(&self.name(weight), &packed_shape).with_context(|| {
-            format!("{full_module}: packed weight does not match {b}-bit, group {g} quantization")
-        })?;
+        let packed = self
+            .store
+            .array(&self.name(weight), &packed_shape)
+            .with_context(|| {
+                format!(
+                    "{full_module}: packed weight does not match {b}-bit, group {g} quantization"
+                )
+            })?;
         if packed.dtype() != Dtype::Uint32 {
-            bail!("{}: quantized weight must be U32, found {:?}", self.name(weight), packed.dtype());
+            bail!(
+                "{}: quantized weight must be U32, found {:?}",
+                self.name(weight),
+                packed.dtype()
+            );
         }
         let scales = self.tensor(&scales_name, &group_shape)?;
         let biases = self
             .tensor(&format!("{module}.biases"), &group_shape)
             .with_context(|| format!("{full_module}: affine quantization needs `.biases`"))?;
-        Ok(Linear::Quantized(Quantized { packed, scales, biases, spec }))
+        Ok(Linear::Quantized(Quantized {
+            packed,
+            scales,
+            biases,
+            spec,
+        }))
     }
 
     pub fn embedding(&self, module: &str, rows: usize, dim: usize) -> Result<Embedding> {

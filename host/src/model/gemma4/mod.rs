@@ -13,6 +13,7 @@ pub mod linear;
 pub mod mlp;
 pub mod moe;
 pub mod ple;
+pub mod random_weights;
 pub mod rope;
 
 use std::path::Path;
@@ -23,7 +24,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::tanh;
 use mlx_rs::{Array, Dtype};
 
-use crate::weights::WeightStore;
+use crate::weights::{TensorSource, WeightStore};
 pub use cache::{KvView, ModelCache, TrimError};
 pub use config::{AttentionKind, Gemma4Config};
 use layer::DecoderLayer;
@@ -74,9 +75,14 @@ pub struct Gemma4Model {
 }
 
 /// Tensor name prefixes of the decoder in the layouts we know, most specific first.
-const PREFIXES: [&str; 4] = ["model.language_model.", "language_model.model.", "model.", ""];
+const PREFIXES: [&str; 4] = [
+    "model.language_model.",
+    "language_model.model.",
+    "model.",
+    "",
+];
 
-fn detect_prefix(store: &WeightStore) -> Result<&'static str> {
+fn detect_prefix(store: &dyn TensorSource) -> Result<&'static str> {
     PREFIXES
         .into_iter()
         .find(|p| store.contains(&format!("{p}embed_tokens.weight")))
@@ -89,7 +95,11 @@ fn float_dtype(d: Dtype) -> bool {
 
 impl Gemma4Model {
     /// Loads `config.json` and the safetensors weights from `dir`.
-    pub fn load(dir: &Path, dtype: DtypeChoice, progress: Option<indicatif::ProgressBar>) -> Result<Self> {
+    pub fn load(
+        dir: &Path,
+        dtype: DtypeChoice,
+        progress: Option<indicatif::ProgressBar>,
+    ) -> Result<Self> {
         if !dir.is_dir() {
             bail!("model folder {} does not exist", dir.display());
         }
@@ -102,7 +112,23 @@ impl Gemma4Model {
         Self::from_store(config, &store, dtype)
     }
 
-    pub fn from_store(config: Gemma4Config, store: &WeightStore, dtype: DtypeChoice) -> Result<Self> {
+    /// A model of `config`'s shapes with seeded random weights (see [`random_weights`]).
+    pub fn random(
+        mut config: Gemma4Config,
+        seed: u64,
+        dtype: Dtype,
+        quant: Option<config::QuantSpec>,
+    ) -> Result<Self> {
+        let source = random_weights::RandomWeights::new(seed, dtype, quant);
+        config.quantization = source.quant_config();
+        Self::from_store(config, &source, DtypeChoice::Fixed(dtype))
+    }
+
+    pub fn from_store(
+        config: Gemma4Config,
+        store: &dyn TensorSource,
+        dtype: DtypeChoice,
+    ) -> Result<Self> {
         let prefix = detect_prefix(store)?;
         let embed_name = format!("{prefix}embed_tokens");
         let dtype = match dtype {
@@ -113,20 +139,34 @@ impl Gemma4Model {
                 } else {
                     format!("{embed_name}.weight")
                 };
-                let d = store.array_any_shape(&probe)?.dtype();
+                let d = store
+                    .dtype_of(&probe)
+                    .with_context(|| format!("tensor {probe} is missing"))?;
                 if !float_dtype(d) {
                     bail!("{probe} has dtype {d:?}; expected a float dtype");
                 }
                 d
             }
         };
-        let w = Loader { store, prefix: prefix.to_owned(), dtype, quant: &config.quantization };
+        let w = Loader {
+            store,
+            prefix: prefix.to_owned(),
+            dtype,
+            quant: &config.quantization,
+        };
         let c = &config;
         let h = c.hidden_size;
 
         let embed = w.embedding("embed_tokens", c.vocab_size, h)?;
         let per_layer = if c.per_layer_input_size > 0 {
-            Some(PerLayerEmbeddings::load(&w, h, c.num_layers, c.per_layer_input_size, c.per_layer_vocab_size, c.rms_norm_eps)?)
+            Some(PerLayerEmbeddings::load(
+                &w,
+                h,
+                c.num_layers,
+                c.per_layer_input_size,
+                c.per_layer_vocab_size,
+                c.rms_norm_eps,
+            )?)
         } else {
             None
         };
@@ -138,8 +178,16 @@ impl Gemma4Model {
             None
         } else {
             // An untied head sits beside the decoder: `lm_head` or `language_model.lm_head`.
-            let outer = prefix.strip_suffix("model.").unwrap_or("").replace("model.language_model.", "");
-            let hw = Loader { store, prefix: outer, dtype, quant: &config.quantization };
+            let outer = prefix
+                .strip_suffix("model.")
+                .unwrap_or("")
+                .replace("model.language_model.", "");
+            let hw = Loader {
+                store,
+                prefix: outer,
+                dtype,
+                quant: &config.quantization,
+            };
             Some(hw.linear("lm_head", c.vocab_size, h)?)
         };
         Ok(Gemma4Model {
@@ -170,8 +218,14 @@ impl Gemma4Model {
         if ids.is_empty() {
             bail!("forward called with no tokens");
         }
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
-            bail!("token id {bad} is outside the vocabulary (size {})", self.config.vocab_size);
+        if let Some(&bad) = ids
+            .iter()
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
+            bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            );
         }
         let t = ids.len() as i32;
         let offset = cache.offset();
@@ -190,12 +244,14 @@ impl Gemma4Model {
         let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let plan = &self.config.layers[i];
-            let ple_i = match &per_layer {
-                Some(p) => Some(p.index((.., .., i as i32, ..))),
-                None => None,
+            let ple_i = per_layer.as_ref().map(|p| p.index((.., .., i as i32, ..)));
+            let shared = if plan.owns_kv(i) {
+                None
+            } else {
+                views[plan.kv_source].as_ref()
             };
-            let shared = if plan.owns_kv(i) { None } else { views[plan.kv_source].as_ref() };
-            let (out, view) = layer.forward(&x, offset, cache.layer_mut(i), shared, ple_i.as_ref())?;
+            let (out, view) =
+                layer.forward(&x, offset, cache.layer_mut(i), shared, ple_i.as_ref())?;
             views[i] = view;
             x = out;
             if capture_hidden && i + 1 < self.layers.len() {
@@ -212,7 +268,10 @@ impl Gemma4Model {
             LogitsFor::All => x,
             LogitsFor::Last => x.index((.., (t - 1).., ..)),
         };
-        Ok(ForwardOutput { logits: self.logits_from_hidden(&x)?, hidden })
+        Ok(ForwardOutput {
+            logits: self.logits_from_hidden(&x)?,
+            hidden,
+        })
     }
 
     /// Final-norm hidden states `[.., T, H]` → `[T, vocab]` float32 soft-capped logits.

@@ -69,7 +69,13 @@ impl Experts {
             (
                 Linear::Dense(fused.index((.., ..i, ..))),
                 Linear::Dense(fused.index((.., i.., ..))),
-                w.matrix(&format!("{p}experts.down_proj"), &format!("{p}experts.down_proj"), &[e], hidden, i as usize)?,
+                w.matrix(
+                    &format!("{p}experts.down_proj"),
+                    &format!("{p}experts.down_proj"),
+                    &[e],
+                    hidden,
+                    i as usize,
+                )?,
             )
         } else {
             let s = format!("{p}experts.switch_glu.");
@@ -77,9 +83,20 @@ impl Experts {
                 let module = format!("{s}{name}");
                 w.matrix(&module, &format!("{module}.weight"), &[e], out, inp)
             };
-            (m("gate_proj", i, hidden)?, m("up_proj", i, hidden)?, m("down_proj", hidden, i)?)
+            (
+                m("gate_proj", i, hidden)?,
+                m("up_proj", i, hidden)?,
+                m("down_proj", hidden, i)?,
+            )
         };
-        Ok(Experts { cfg, eps, router, gate, up, down })
+        Ok(Experts {
+            cfg,
+            eps,
+            router,
+            gate,
+            up,
+            down,
+        })
     }
 
     /// `residual` (`[1, T, H]`) drives routing; `x` is the pre-normed expert input.
@@ -89,7 +106,12 @@ impl Experts {
         let k = self.cfg.top_k as i32;
 
         let r = rms_norm(residual, None, self.eps)?.multiply(&self.router.scale)?;
-        let scores = self.router.proj.forward(&r)?.reshape(&[t, -1])?.as_dtype(Dtype::Float32)?;
+        let scores = self
+            .router
+            .proj
+            .forward(&r)?
+            .reshape(&[t, -1])?
+            .as_dtype(Dtype::Float32)?;
         // Indices of the k largest scores (order within the k does not matter).
         let experts = argpartition_axis(&scores.negative()?, k - 1, -1)?.index((.., ..k));
         let weights = softmax_axis(&take_along_axis(&scores, &experts, -1)?, -1, true)?
@@ -101,6 +123,8 @@ impl Experts {
         let y = expert_matmul(&self.down, &gate.multiply(&up)?, &experts)?; // [T, k, 1, H]
         let y = y.reshape(&[t, k, h])?;
         let weights = weights.as_dtype(y.dtype())?.reshape(&[t, k, 1])?;
-        Ok(y.multiply(&weights)?.sum_axis(1, false)?.reshape(&[1, t, h])?)
+        Ok(y.multiply(&weights)?
+            .sum_axis(1, false)?
+            .reshape(&[1, t, h])?)
     }
 }

@@ -21,7 +21,14 @@ pub struct PerLayerEmbeddings {
 }
 
 impl PerLayerEmbeddings {
-    pub fn load(w: &Loader, hidden: usize, layers: usize, width: usize, vocab: usize, eps: f32) -> Result<Self> {
+    pub fn load(
+        w: &Loader,
+        hidden: usize,
+        layers: usize,
+        width: usize,
+        vocab: usize,
+        eps: f32,
+    ) -> Result<Self> {
         Ok(PerLayerEmbeddings {
             num_layers: layers as i32,
             width: width as i32,
@@ -40,7 +47,11 @@ impl PerLayerEmbeddings {
     pub fn inputs(&self, ids: &Array, embedded: &Array) -> Result<Array> {
         let t = ids.shape()[1];
         let shape = [1, t, self.num_layers, self.width];
-        let from_table = self.table.lookup(ids)?.multiply(&self.table_scale)?.reshape(&shape)?;
+        let from_table = self
+            .table
+            .lookup(ids)?
+            .multiply(&self.table_scale)?
+            .reshape(&shape)?;
         let projected = self
             .model_projection
             .forward(embedded)?

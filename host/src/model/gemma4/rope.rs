@@ -16,8 +16,16 @@ pub struct Rope {
 impl Rope {
     pub fn new(kind: &RopeKind, head_dim: usize) -> Self {
         match *kind {
-            RopeKind::Default { theta } => Rope { head_dim: head_dim as i32, base: Some(theta), periods: None },
-            RopeKind::Proportional { theta, partial_factor, factor } => {
+            RopeKind::Default { theta } => Rope {
+                head_dim: head_dim as i32,
+                base: Some(theta),
+                periods: None,
+            },
+            RopeKind::Proportional {
+                theta,
+                partial_factor,
+                factor,
+            } => {
                 // The rotated pairs use the frequencies of a full head_dim RoPE (denominator
                 // head_dim, not the rotated width); the remaining pairs get an infinite period,
                 // i.e. angle 0, so they pass through unchanged.
@@ -43,6 +51,14 @@ impl Rope {
 
     /// Rotates `x` (`[batch, heads, tokens, head_dim]`) whose first token sits at `offset`.
     pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
-        Ok(fast::rope(x, self.head_dim, false, self.base, 1.0, offset as i32, self.periods.as_ref())?)
+        Ok(fast::rope(
+            x,
+            self.head_dim,
+            false,
+            self.base,
+            1.0,
+            offset as i32,
+            self.periods.as_ref(),
+        )?)
     }
 }

@@ -1,0 +1,314 @@
+//! The `mlx-spec` binary as a user runs it: greedy generation reproduces transformers on every
+//! fixture, seeded sampling is reproducible, and bad inputs give a one-line error naming the
+//! problem with a non-zero exit code and no panic.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::{fixture, Golden, FIXTURES};
+use serde_json::Value;
+
+fn mlx_spec(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mlx-spec"))
+        .args(args)
+        .env_remove("MLX_SPEC_MODEL")
+        .output()
+        .expect("run mlx-spec")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "mlx-spec failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout.clone()).unwrap();
+    assert_eq!(
+        stdout.lines().count(),
+        1,
+        "--json prints exactly one line: {stdout}"
+    );
+    serde_json::from_str(&stdout).expect("stdout is one JSON object")
+}
+
+fn ids_arg(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Runs a command expected to fail; returns its stderr after checking the failure is clean.
+fn expect_error(args: &[&str]) -> String {
+    let out = mlx_spec(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "expected failure for {args:?}");
+    assert!(!stderr.contains("panicked"), "mlx-spec panicked: {stderr}");
+    assert!(
+        stderr.starts_with("error: "),
+        "expected one error line, got: {stderr}"
+    );
+    assert_eq!(
+        stderr.trim_end().lines().count(),
+        1,
+        "error should be one line: {stderr}"
+    );
+    stderr
+}
+
+fn copy_fixture(name: &str, to: &Path) {
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn greedy_json_reproduces_transformers_on_every_fixture() {
+    for name in FIXTURES {
+        let golden = Golden::load(name);
+        let want = golden.ids("greedy_ids");
+        let dir = fixture(name);
+        let out = mlx_spec(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            &ids_arg(&golden.ids("prompt_ids")),
+            "--temperature",
+            "0",
+            "--max-tokens",
+            &want.len().to_string(),
+            "--ignore-eos",
+            "--dtype",
+            "f32",
+            "--json",
+        ]);
+        let v = json_of(&out);
+        let got: Vec<u32> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(got, want, "{name}: greedy tokens differ from transformers");
+        let stats = &v["stats"];
+        assert_eq!(stats["prompt_tokens"], 20);
+        assert_eq!(stats["generated_tokens"], want.len());
+        assert!(stats["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(stats["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let dir = fixture("tiny-wrapped-bf16");
+    let run = |seed: &str| {
+        let out = mlx_spec(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "fn main",
+            "--temperature",
+            "1.0",
+            "--top-p",
+            "0.95",
+            "--seed",
+            seed,
+            "--max-tokens",
+            "24",
+            "--ignore-eos",
+            "--json",
+        ]);
+        json_of(&out)["tokens"].clone()
+    };
+    assert_eq!(run("11"), run("11"));
+    assert_ne!(
+        run("11"),
+        run("12"),
+        "different seeds should give different samples"
+    );
+}
+
+#[test]
+fn text_prompt_streams_text_and_stats() {
+    let dir = fixture("tiny-wrapped-bf16");
+    let out = mlx_spec(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--chat",
+        "Hi",
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("tokens/s"), "stats line missing: {stderr}");
+}
+
+#[test]
+fn truncated_weights_are_reported_with_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture("tiny-ple-kvshare", tmp.path());
+    let weights = tmp.path().join("model.safetensors");
+    let len = std::fs::metadata(&weights).unwrap().len();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&weights)
+        .unwrap();
+    file.set_len(len / 2).unwrap();
+    let err = expect_error(&[
+        "generate",
+        "--model",
+        tmp.path().to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+    ]);
+    assert!(
+        err.contains("model.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
+}
+
+#[test]
+fn corrupt_header_is_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture("tiny-ple-kvshare", tmp.path());
+    std::fs::write(
+        tmp.path().join("model.safetensors"),
+        b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!",
+    )
+    .unwrap();
+    let err = expect_error(&[
+        "generate",
+        "--model",
+        tmp.path().to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+    ]);
+    assert!(err.contains("model.safetensors"), "{err}");
+}
+
+#[test]
+fn wrong_hidden_size_names_tensor_and_shapes() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture("tiny-ple-kvshare", tmp.path());
+    let path = tmp.path().join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["hidden_size"] = 48.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let err = expect_error(&[
+        "generate",
+        "--model",
+        tmp.path().to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+    ]);
+    assert!(
+        err.contains("embed_tokens.weight")
+            && err.contains("[256, 48]")
+            && err.contains("[256, 64]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_shard_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture("tiny-moe-keqv", tmp.path());
+    std::fs::remove_file(tmp.path().join("model-00002-of-00002.safetensors")).unwrap();
+    let err = expect_error(&[
+        "generate",
+        "--model",
+        tmp.path().to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+    ]);
+    assert!(
+        err.contains("model-00002-of-00002.safetensors") && err.contains("missing"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unsupported_model_type_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture("tiny-ple-kvshare", tmp.path());
+    let path = tmp.path().join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["model_type"] = "llama".into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let err = expect_error(&[
+        "generate",
+        "--model",
+        tmp.path().to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+    ]);
+    assert!(
+        err.contains("llama") && err.contains("config.json"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_tokenizer_and_bad_inputs_are_explained() {
+    let plain = fixture("tiny-ple-kvshare");
+    let model = plain.to_str().unwrap();
+    let err = expect_error(&["generate", "--model", model, "--prompt", "hello"]);
+    assert!(
+        err.contains("tokenizer.json") && err.contains("--prompt-ids"),
+        "{err}"
+    );
+    let err = expect_error(&["generate", "--model", model, "--prompt-ids", "2,9999"]);
+    assert!(err.contains("9999") && err.contains("vocabulary"), "{err}");
+    let err = expect_error(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt-ids",
+        "2,3",
+        "--top-p",
+        "0",
+    ]);
+    assert!(err.contains("top-p"), "{err}");
+    let err = expect_error(&[
+        "generate",
+        "--model",
+        "/nonexistent/model",
+        "--prompt-ids",
+        "2",
+    ]);
+    assert!(err.contains("/nonexistent/model"), "{err}");
+}
+
+#[test]
+fn gpu_on_a_cpu_only_libmlx_is_a_clear_error() {
+    // On a machine whose libmlx has a GPU backend this succeeds instead; both are fine as long
+    // as nothing panics.
+    let plain = fixture("tiny-ple-kvshare");
+    let out = mlx_spec(&[
+        "generate",
+        "--model",
+        plain.to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+        "--max-tokens",
+        "2",
+        "--device",
+        "gpu",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if !out.status.success() {
+        assert!(
+            stderr.contains("--device gpu") && stderr.contains("GPU"),
+            "{stderr}"
+        );
+    }
+}
