@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Build the Python-code training corpus from pinned, permissively licensed PyPI wheels.
+
+Steps (all deterministic):
+  1. `pip download --no-deps --only-binary=:all:` each pinned pure-Python wheel (table below)
+     into data/dl/ and check its sha256 against the pinned hash.
+  2. Read only the `.py` members of each wheel (a wheel is a zip file; nothing is installed).
+  3. Normalise: strict UTF-8 (a BOM is dropped), newlines to "\n", trailing whitespace stripped
+     from every line, exactly one final newline. Drop a file when it is not UTF-8, is empty, is
+     larger than 200 KB after normalisation, lives under a vendored folder, is a known generated
+     data table, or looks like generated data (very long lines).
+  4. Split by FILE: a file is held out when the first 8 bytes of sha256("<dist>/<path>") read as a
+     big-endian integer, modulo 10000, are below 500 (about 5 % of files). Adding or removing a
+     package therefore never moves any other file across the split.
+  5. Write data/train.txt, data/heldout.txt and data/manifest.json.
+
+Document format of train.txt / heldout.txt (UTF-8):
+    every document is  "# file: <path inside the wheel>\n" + normalised source (ends with "\n"),
+    and is followed by a line holding only the ASCII record separator U+001E ("\x1e\n").
+    Files that contain U+001E themselves are dropped, so `text.split("\x1e\n")[:-1]` gives back
+    the documents exactly. The path inside a wheel starts with the import package, e.g.
+    "# file: requests/api.py". When tokenised (train_tokenizer.py), each document becomes
+    BOS(2) + tokens + EOS(1); the separator itself is never tokenised.
+
+Usage:  python prepare_corpus.py [--data DIR] [--offline]
+  --data     output folder (default: data/ next to this script)
+  --offline  do not call pip; use the wheels already in DATA/dl/
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# name, version, license (SPDX), sha256 of the py3-none-any wheel on PyPI.
+PACKAGES = [
+    ("Django", "5.0.6", "BSD-3-Clause", "8363ac062bb4ef7c3f12d078f6fa5d154031d129a15170a1066412af49d30905"),
+    ("SQLAlchemy", "2.0.30", "MIT", "7108d569d3990c71e26a42f60474b4c02c8586c4681af5fd67e51a044fdea86a"),
+    ("networkx", "3.3", "BSD-3-Clause", "28575580c6ebdaf4505b22c6256a2b9de86b316dc63ba9e93abde3d78dfdbcf2"),
+    ("pygments", "2.18.0", "BSD-2-Clause", "b8e6aca0523f3ab76fee51799c488e38782ac06eafcf95e7ba832985c8e7b13a"),
+    ("pytest", "8.2.2", "MIT", "c434598117762e2bd304e526244f67bf66bbd7b5d6cf22138be51ff661980343"),
+    ("rich", "13.7.1", "MIT", "4edbae314f59eb482f54e9e30bf00d33350aaa94f4bfcd4e9e3110e64d0d7222"),
+    ("werkzeug", "3.0.3", "BSD-3-Clause", "fc9645dc43e03e4d630d23143a04a7f947a9a3b5727cd535fdfe155a17cc48c8"),
+    ("black", "24.4.2", "MIT", "d36ed1124bb81b32f8614555b34cc4259c3fbc7eec17870e8ff8ded335b58d8c"),
+    ("jinja2", "3.1.4", "BSD-3-Clause", "bc5dd2abb727a5319567b7a813e6a2e7318c39f4f487cfe6c89c6f9c7d25197d"),
+    ("pyparsing", "3.1.2", "MIT", "f9db75911801ed778fe61bb643079ff86601aca99fcae6345aa67292038fb742"),
+    ("click", "8.1.7", "BSD-3-Clause", "ae74fb96c20a0277a1d615f1e4d73c8414f5a98db8b799a7931d1582f3390c28"),
+    ("flask", "3.0.3", "BSD-3-Clause", "34e815dfaa43340d1d15a5c3a02b8476004037eb4840b34910c6e21679d288f3"),
+    ("httpx", "0.27.0", "BSD-3-Clause", "71d5465162c13681bff01ad59b2cc68dd838ea1f10e51574bac27103f00c91a5"),
+    ("requests", "2.32.3", "Apache-2.0", "70761cfe03c773ceb22aa2f671b4757976145175cdfca038c02654d061d6dcc6"),
+    ("attrs", "23.2.0", "MIT", "99b87a485a5820b23b879f04c2305b44b951b502fd64be915879d77a7e8fc6f1"),
+    ("packaging", "24.1", "Apache-2.0 OR BSD-2-Clause", "5b8f2217dbdbd2f7f384c41c628544e6d52f2d0f53c6d0c3ea61aa5d1d7ff124"),
+    ("idna", "3.7", "BSD-3-Clause", "82fee1fc78add43492d3a1898bfa6d8a904cc97d8427f683ed8e798d07761aa0"),
+    ("itsdangerous", "2.2.0", "BSD-3-Clause", "c6242fc49e35958c8b15141343aa660db5fc54d4f13a1db01a3f5891b98700ef"),
+    ("six", "1.16.0", "MIT", "8abb2f1d86890a2dfb989f9a77cfcfd3e47c2a354b01111771326f8aa26e0254"),
+]
+
+MAX_FILE_BYTES = 200_000
+HELDOUT_PER_10000 = 500
+DOC_SEP = "\x1e\n"
+
+# Path components that mark vendored third-party copies.
+VENDOR_DIRS = {"_vendor", "vendor", "vendored", "_vendored", "externals", "_externals", "third_party"}
+# Generated data tables (lists of names / unicode ranges), not code anyone wrote.
+GENERATED = [
+    re.compile(r"^pygments/lexers/_[a-z0-9_]+_builtins\.py$"),
+    re.compile(r"^pygments/(lexers|formatters|styles|filters)/_mapping\.py$"),
+    re.compile(r"^pygments/unistring\.py$"),
+    re.compile(r"^idna/(idnadata|uts46data)\.py$"),
+    re.compile(r"^rich/_emoji_codes\.py$"),
+    re.compile(r"^rich/_cell_widths\.py$"),
+    re.compile(r"^jinja2/_identifier\.py$"),
+]
+GENERATED_MARKERS = ("do not edit", "automatically generated", "autogenerated", "auto-generated")
+
+
+def wheel_name(name, version):
+    return f"{name}=={version}"
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def find_wheel(dl, name, version):
+    norm = re.sub(r"[-_.]+", "_", name).lower()
+    for f in sorted(os.listdir(dl)):
+        if not f.endswith(".whl"):
+            continue
+        parts = f.split("-")
+        if re.sub(r"[-_.]+", "_", parts[0]).lower() == norm and parts[1] == version:
+            return dl / f
+    return None
+
+
+def download(dl, offline):
+    dl.mkdir(parents=True, exist_ok=True)
+    wheels = {}
+    for name, version, _lic, sha in PACKAGES:
+        path = find_wheel(dl, name, version)
+        if path is None:
+            if offline:
+                sys.exit(f"--offline but no wheel for {name} {version} in {dl}")
+            cmd = [
+                sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                "--implementation", "py", "--abi", "none", "--platform", "any",
+                "--python-version", "3.11", "--disable-pip-version-check", "-q",
+                "-d", str(dl), wheel_name(name, version),
+            ]
+            print("   $", " ".join(cmd[2:]))
+            subprocess.run(cmd, check=True)
+            path = find_wheel(dl, name, version)
+            if path is None:
+                sys.exit(f"pip download gave no wheel for {name} {version}")
+        got = sha256_file(path)
+        if got != sha:
+            sys.exit(f"sha256 mismatch for {path.name}: got {got}, pinned {sha}")
+        wheels[name] = path
+    return wheels
+
+
+def normalise(raw):
+    """bytes -> normalised text, or (None, reason)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not_utf8"
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if "\x1e" in text or "\x00" in text:
+        return None, "control_chars"
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    lines = [line.rstrip() for line in text.split("\n")]
+    text = "\n".join(lines).strip("\n")
+    if not text.strip():
+        return None, "empty"
+    text += "\n"
+    if len(text.encode("utf-8")) > MAX_FILE_BYTES:
+        return None, "too_large"
+    head = "\n".join(text.split("\n")[:8]).lower()
+    if any(m in head for m in GENERATED_MARKERS):
+        return None, "generated_marker"
+    lines = text.split("\n")
+    mean_len = len(text) / len(lines)
+    long_frac = sum(len(line) > 200 for line in lines) / len(lines)
+    if mean_len > 100 or long_frac > 0.05:
+        return None, "long_lines"
+    return text, None
+
+
+def is_heldout(key):
+    h = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
+    return h % 10000 < HELDOUT_PER_10000
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(HERE / "data"))
+    ap.add_argument("--offline", action="store_true")
+    args = ap.parse_args()
+    data = Path(args.data)
+    data.mkdir(parents=True, exist_ok=True)
+
+    print("== downloading pinned wheels")
+    wheels = download(data / "dl", args.offline)
+
+    print("== extracting .py files")
+    train_docs, held_docs = [], []
+    packages = []
+    for name, version, lic, sha in PACKAGES:
+        z = zipfile.ZipFile(wheels[name])
+        stats = {"name": name, "version": version, "license": lic, "wheel": wheels[name].name,
+                 "sha256": sha, "py_files_in_wheel": 0, "dropped": {},
+                 "train_files": 0, "heldout_files": 0, "train_bytes": 0, "heldout_bytes": 0}
+        for info in sorted(z.infolist(), key=lambda i: i.filename):
+            path = info.filename
+            if not path.endswith(".py") or ".dist-info/" in path or ".data/" in path:
+                continue
+            stats["py_files_in_wheel"] += 1
+            reason = None
+            if set(path.split("/")[:-1]) & VENDOR_DIRS:
+                reason = "vendored"
+            elif any(p.match(path) for p in GENERATED):
+                reason = "generated_table"
+            if reason is None:
+                text, reason = normalise(z.read(info))
+            if reason is not None:
+                stats["dropped"][reason] = stats["dropped"].get(reason, 0) + 1
+                continue
+            doc = f"# file: {path}\n{text}"
+            nbytes = len(doc.encode("utf-8"))
+            if is_heldout(f"{name}/{path}"):
+                held_docs.append(doc)
+                stats["heldout_files"] += 1
+                stats["heldout_bytes"] += nbytes
+            else:
+                train_docs.append(doc)
+                stats["train_files"] += 1
+                stats["train_bytes"] += nbytes
+        packages.append(stats)
+        print(f"   {name:13s} {version:8s} {lic:27s} train {stats['train_files']:4d} files "
+              f"{stats['train_bytes'] / 1e6:6.2f} MB | held-out {stats['heldout_files']:3d} files "
+              f"{stats['heldout_bytes'] / 1e6:5.2f} MB | dropped {stats['dropped']}")
+
+    for fname, docs in (("train.txt", train_docs), ("heldout.txt", held_docs)):
+        with open(data / fname, "w", encoding="utf-8", newline="\n") as f:
+            for doc in docs:
+                f.write(doc)
+                f.write(DOC_SEP)
+
+    totals = {
+        "train_files": len(train_docs),
+        "heldout_files": len(held_docs),
+        "train_bytes": sum(p["train_bytes"] for p in packages),
+        "heldout_bytes": sum(p["heldout_bytes"] for p in packages),
+        "train_txt_sha256": sha256_file(data / "train.txt"),
+        "heldout_txt_sha256": sha256_file(data / "heldout.txt"),
+    }
+    manifest = {
+        "format": "documents '# file: <path>\\n<source>' each followed by '\\x1e\\n'",
+        "split": f"held out iff int(sha256('<dist>/<path>')[:8 bytes]) % 10000 < {HELDOUT_PER_10000}",
+        "max_file_bytes": MAX_FILE_BYTES,
+        "packages": packages,
+        "totals": totals,
+    }
+    with open(data / "manifest.json", "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+    print(f"== wrote {data / 'train.txt'}: {totals['train_files']} files, {totals['train_bytes'] / 1e6:.2f} MB")
+    print(f"== wrote {data / 'heldout.txt'}: {totals['heldout_files']} files, {totals['heldout_bytes'] / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()
