@@ -85,6 +85,23 @@ fetch_and_patch_mlx_sys() {
     echo "$want" >"$stamp"
 }
 
+# Copies each built drafter library next to its plugins/<name>/plugin.toml, which is where the
+# host looks for it (`--plugins-dir plugins`).
+install_plugins() {
+    local manifest lib
+    for manifest in "$ROOT"/plugins/*/plugin.toml; do
+        [[ -f "$manifest" ]] || continue
+        lib="$(python3 -c 'import sys, tomllib, platform
+lib = tomllib.load(open(sys.argv[1], "rb"))["plugin"]["library"]
+print(lib if isinstance(lib, str) else lib.get("macos" if platform.system() == "Darwin" else "linux", ""))' "$manifest")"
+        if [[ -f "$ROOT/target/release/$lib" ]]; then
+            cp "$ROOT/target/release/$lib" "$(dirname "$manifest")/$lib"
+        else
+            say "warning: $lib (for $manifest) was not built"
+        fi
+    done
+}
+
 case "$(uname -s)" in
     Linux)
         install_debian_packages
@@ -98,5 +115,6 @@ fetch_and_patch_mlx_sys
 if ((BUILD)); then
     say "building mlx-spec (release)"
     (cd "$ROOT" && cargo build --release --quiet --workspace)
+    install_plugins
     say "done: $ROOT/target/release/mlx-spec"
 fi

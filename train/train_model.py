@@ -25,7 +25,7 @@ Outputs in --out (default: out/run next to this script):
                   tokenizer.json, tokenizer_config.json, golden.safetensors, metrics.json
 
 golden.safetensors (from the saved checkpoint reloaded on CPU, float32, eager, eval mode):
-  prompt_ids   int64 [64]      start of a held-out file (BOS first)
+  prompt_ids   int64 [64]      start of held-out requests/api.py (BOS first)
   logits       f32 [64, V]     full forward without a cache
   greedy_ids   int64 [32]      greedy continuation with a DynamicCache (EOS does not stop it)
   greedy_logits f32 [32, V]    the logits row each greedy token is the argmax of
@@ -49,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 BOS, EOS, PAD = 2, 1, 0
 GOLDEN_T = 64
 GOLDEN_GREEDY = 32
+GOLDEN_FILE = "requests/api.py"
 MAX_SHARD = "15MB"
 
 SLIDING = "sliding_attention"
@@ -172,13 +173,26 @@ def evaluate(model, windows, batch, device, autocast):
     return tot / cnt
 
 
-def pick_golden_prompt(held):
-    starts = np.flatnonzero(held == BOS)
-    ends = np.append(starts[1:], len(held))
-    for s, e in zip(starts, ends):
-        if e - s >= GOLDEN_T + GOLDEN_GREEDY + 2:
-            return torch.from_numpy(held[s : s + GOLDEN_T].astype(np.int64))
-    sys.exit("no held-out document long enough for the golden prompt")
+def pick_golden_prompt(held, data):
+    """The first GOLDEN_T tokens (BOS first) of GOLDEN_FILE from the held-out set; when that
+    file is not held out (or the index is missing), of the first long-enough held-out file."""
+    docs = []
+    index = Path(data) / "heldout_index.json"
+    if index.exists():
+        with open(index) as f:
+            docs = [(d["path"], d["start"], d["n_tokens"]) for d in json.load(f)]
+    else:
+        starts = np.flatnonzero(held == BOS)
+        ends = np.append(starts[1:], len(held))
+        docs = [("?", int(s), int(e - s)) for s, e in zip(starts, ends)]
+    need = GOLDEN_T + GOLDEN_GREEDY + 2
+    docs = [d for d in docs if d[2] >= need]
+    if not docs:
+        sys.exit("no held-out document long enough for the golden prompt")
+    chosen = next((d for d in docs if d[0] == GOLDEN_FILE), docs[0])
+    path, start, _ = chosen
+    assert held[start] == BOS
+    return path, torch.from_numpy(held[start : start + GOLDEN_T].astype(np.int64))
 
 
 @torch.no_grad()
@@ -237,7 +251,7 @@ def save_checkpoint(model, args, out, tok_dir, held, metrics):
     # Golden from the checkpoint as saved (reloaded on CPU, float32, eager attention).
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     re = Gemma4ForCausalLM.from_pretrained(mdir, attn_implementation="eager", dtype=torch.float32).eval()
-    prompt = pick_golden_prompt(held)
+    golden_path, prompt = pick_golden_prompt(held, args.data)
     golden = compute_golden(re, prompt)
     with torch.no_grad():
         mine = model(input_ids=prompt[None, :], use_cache=False).logits[0]
@@ -253,6 +267,7 @@ def save_checkpoint(model, args, out, tok_dir, held, metrics):
     for p in os.listdir(mdir):
         os.chmod(mdir / p, 0o644)
     metrics["golden"] = {
+        "file": golden_path,
         "prompt_text": decode_text(tok_dir, golden["prompt_ids"].tolist()),
         "greedy_text": decode_text(tok_dir, golden["greedy_ids"].tolist()),
         "greedy_ids": golden["greedy_ids"].tolist(),
@@ -293,6 +308,7 @@ def main():
     from transformers import Gemma4ForCausalLM
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     if transformers.__version__ != "5.24.0":
         log(f"warning: transformers {transformers.__version__}, this script was written for 5.24.0")
 

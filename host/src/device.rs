@@ -7,7 +7,9 @@ use anyhow::{bail, Result};
 use mlx_rs::{Device, DeviceType};
 
 /// Where the model runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
     Cpu,

@@ -2,13 +2,16 @@
 //!
 //! The library holds everything the `mlx-spec` binary runs: the Gemma 4 target
 //! ([`model::gemma4`]), checkpoint loading ([`weights`]), the tokenizer and chat format
-//! ([`tokenizer`]), the sampler ([`sampler`]), device selection ([`device`]) and plain
-//! generation ([`generate`]).
+//! ([`tokenizer`]), the sampler ([`sampler`]), device selection ([`device`]), plain
+//! generation ([`generate`]), drafter plugins ([`plugins`]) and the verify loop ([`spec`]).
 
+pub mod deploy;
 pub mod device;
 pub mod generate;
 pub mod model;
+pub mod plugins;
 pub mod sampler;
+pub mod spec;
 pub mod tokenizer;
 pub mod weights;
 

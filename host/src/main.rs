@@ -11,11 +11,14 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mlx_rs::Dtype;
 use serde_json::json;
 
+use mlx_spec::deploy::DeployConfig;
 use mlx_spec::device::{self, DeviceKind};
 use mlx_spec::generate::{generate, greedy_token, prefill, GenerateRequest};
 use mlx_spec::model::gemma4::config::{Gemma4Config, QuantSpec};
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
+use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
 use mlx_spec::sampler::SamplingParams;
+use mlx_spec::spec::{generate_speculative, SpecOptions};
 use mlx_spec::tokenizer::{stop_ids, ChatMessage, StreamDecoder, Tokenizer};
 
 #[derive(Parser)]
@@ -38,8 +41,56 @@ struct Cli {
 enum Command {
     /// Generate a continuation of a prompt, streaming it to stdout.
     Generate(GenerateArgs),
+    /// Generate as a deploy config (TOML) says: model, device, plugins, drafter, sampling.
+    Run(RunArgs),
     /// Measure prefill and decode speed (tokens/s) of a model.
     Bench(BenchArgs),
+    /// Inspect drafter plugins.
+    #[command(subcommand)]
+    Plugins(PluginsCommand),
+}
+
+#[derive(Subcommand)]
+enum PluginsCommand {
+    /// List the plugins of some directories with their status.
+    List {
+        /// Directory holding plugin folders (repeatable).
+        #[arg(long = "plugins-dir", value_name = "DIR", required = true)]
+        plugins_dirs: Vec<PathBuf>,
+    },
+    /// Check one plugin: a plugin.toml, or a folder holding one. Prints OK or why not.
+    Check { path: PathBuf },
+}
+
+#[derive(Args)]
+struct SpecArgs {
+    /// Speculate with this drafter plugin (by its manifest name).
+    #[arg(long)]
+    drafter: Option<String>,
+    /// Directory holding drafter plugin folders (repeatable).
+    #[arg(long = "plugins-dir", value_name = "DIR", default_value = "plugins")]
+    plugins_dirs: Vec<PathBuf>,
+    /// Most tokens drafted per round (default: the drafter's `num_draft_tokens`, else 10).
+    #[arg(long, requires = "drafter")]
+    num_draft_tokens: Option<usize>,
+    /// Override a drafter setting of the manifest's [defaults] (KEY=VALUE, TOML value; repeatable).
+    #[arg(long = "drafter-set", value_name = "KEY=VALUE", requires = "drafter")]
+    drafter_set: Vec<String>,
+    /// Keep drafting even when acceptance stays near zero.
+    #[arg(long, requires = "drafter")]
+    no_auto_off: bool,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The deploy config.
+    #[arg(long, value_name = "FILE")]
+    config: PathBuf,
+    #[command(flatten)]
+    input: PromptArgs,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -90,9 +141,7 @@ struct ModelArgs {
 
 #[derive(Args)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "chat", "prompt_ids"])))]
-struct GenerateArgs {
-    #[command(flatten)]
-    model: ModelArgs,
+struct PromptArgs {
     /// Plain completion prompt (BOS is added).
     #[arg(long)]
     prompt: Option<String>,
@@ -105,6 +154,16 @@ struct GenerateArgs {
     /// Prompt as comma-separated token ids (for models without a tokenizer).
     #[arg(long, value_delimiter = ',', value_name = "ID,ID,...")]
     prompt_ids: Option<Vec<u32>>,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    input: PromptArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
     /// Maximum number of tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -263,22 +322,52 @@ fn load_model(args: &ModelArgs) -> Result<Loaded> {
     })
 }
 
-fn run_generate(args: GenerateArgs) -> Result<()> {
-    let loaded = load_model(&args.model)?;
-    let tok = loaded.tokenizer.as_ref();
+/// Which drafter to use and how.
+struct DrafterChoice {
+    name: String,
+    plugins_dirs: Vec<PathBuf>,
+    num_draft_tokens: Option<usize>,
+    overrides: toml::Table,
+    auto_off: bool,
+}
+
+/// Everything one generation needs, from flags or from a deploy config.
+struct Job<'a> {
+    model: ModelArgs,
+    input: &'a PromptArgs,
+    max_tokens: usize,
+    sampling: SamplingParams,
+    ignore_eos: bool,
+    drafter: Option<DrafterChoice>,
+    json: bool,
+}
+
+/// Parses `KEY=VALUE` pairs, each VALUE a TOML value (bare words are taken as strings).
+fn parse_overrides(pairs: &[String]) -> Result<toml::Table> {
+    let mut table = toml::Table::new();
+    for pair in pairs {
+        let (key, value) = pair
+            .split_once('=')
+            .with_context(|| format!("--drafter-set {pair:?}: expected KEY=VALUE"))?;
+        let parsed: toml::Table = toml::from_str(&format!("v = {value}")).unwrap_or_else(|_| {
+            toml::Table::from_iter([("v".to_owned(), toml::Value::String(value.to_owned()))])
+        });
+        table.insert(key.trim().to_owned(), parsed["v"].clone());
+    }
+    Ok(table)
+}
+
+fn prompt_ids(input: &PromptArgs, tok: Option<&Tokenizer>, model_path: &Path) -> Result<Vec<u32>> {
     let need_tokenizer = || {
         tok.with_context(|| {
-            format!(
-                "{} has no tokenizer.json, so --prompt/--chat cannot be tokenized; pass --prompt-ids",
-                args.model.model.display()
-            )
+            format!("{} has no tokenizer.json, so --prompt/--chat cannot be tokenized; pass --prompt-ids", model_path.display())
         })
     };
-    let prompt_ids = if let Some(ids) = &args.prompt_ids {
-        ids.clone()
-    } else if let Some(text) = &args.chat {
+    if let Some(ids) = &input.prompt_ids {
+        Ok(ids.clone())
+    } else if let Some(text) = &input.chat {
         let mut messages = Vec::new();
-        if let Some(system) = &args.system {
+        if let Some(system) = &input.system {
             messages.push(ChatMessage {
                 role: "system".into(),
                 content: system.clone(),
@@ -288,30 +377,52 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             role: "user".into(),
             content: text.clone(),
         });
-        need_tokenizer()?.encode_chat(&messages)?
+        need_tokenizer()?.encode_chat(&messages)
     } else {
-        need_tokenizer()?.encode_prompt(args.prompt.as_deref().unwrap_or_default())?
+        need_tokenizer()?.encode_prompt(input.prompt.as_deref().unwrap_or_default())
+    }
+}
+
+fn run_job(job: Job) -> Result<()> {
+    job.sampling.validate()?;
+    // Plugins are checked before the (slow) model load, so a wrong name fails fast.
+    let provider = match &job.drafter {
+        Some(choice) => {
+            let registry = Registry::scan(&choice.plugins_dirs)?;
+            let (manifest, module) = registry.get(&choice.name)?;
+            let k = choice
+                .num_draft_tokens
+                .or_else(|| {
+                    manifest
+                        .defaults
+                        .get("num_draft_tokens")
+                        .and_then(|v| v.as_integer())
+                        .map(|v| v as usize)
+                })
+                .unwrap_or(10);
+            if k == 0 || k > 64 {
+                bail!("--num-draft-tokens must be between 1 and 64, got {k}");
+            }
+            Some((instantiate(manifest, module, &choice.overrides)?, k))
+        }
+        None => None,
     };
 
+    let loaded = load_model(&job.model)?;
+    let tok = loaded.tokenizer.as_ref();
     let request = GenerateRequest {
-        prompt_ids,
-        max_tokens: args.max_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            min_p: args.min_p,
-            seed: args.seed,
-        },
+        prompt_ids: prompt_ids(job.input, tok, &job.model.model)?,
+        max_tokens: job.max_tokens,
+        sampling: job.sampling,
         stop_ids: loaded.stop_ids.clone(),
-        ignore_eos: args.ignore_eos,
+        ignore_eos: job.ignore_eos,
     };
-    request.sampling.validate()?;
 
     let mut stdout = std::io::stdout().lock();
     let mut stream = StreamDecoder::new();
-    let (tokens, stats) = generate(&loaded.model, &request, |id| {
-        if args.json {
+    let json = job.json;
+    let mut print = |id: u32| -> Result<()> {
+        if json {
             return Ok(());
         }
         match tok {
@@ -320,31 +431,55 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
         stdout.flush()?;
         Ok(())
-    })?;
+    };
+    let (tokens, stats, spec) = match &provider {
+        Some((provider, k)) => {
+            let options = SpecOptions {
+                num_draft_tokens: *k,
+                auto_off: job.drafter.as_ref().is_some_and(|d| d.auto_off),
+            };
+            let (t, s, spec) =
+                generate_speculative(&loaded.model, &request, Some(provider), options, &mut print)?;
+            (t, s, Some(spec))
+        }
+        None => {
+            let (t, s) = generate(&loaded.model, &request, &mut print)?;
+            (t, s, None)
+        }
+    };
+    drop(print);
 
     let text = match tok {
         Some(t) => t.decode(&tokens)?,
         None => String::new(),
     };
-    if args.json {
-        let out = json!({
-            "tokens": tokens,
-            "text": text,
-            "stats": {
-                "prompt_tokens": stats.prompt_tokens,
-                "generated_tokens": stats.generated_tokens,
-                "prefill_tokens_per_s": stats.prefill_tokens_per_s,
-                "decode_tokens_per_s": stats.decode_tokens_per_s,
-                "prefill_seconds": stats.prefill_seconds,
-                "decode_seconds": stats.decode_seconds,
-                "load_seconds": loaded.load_seconds,
-                "stop_reason": stats.stop_reason,
-                "stop_token": stats.stop_token,
-                "device": args.model.device,
-                "dtype": format!("{:?}", loaded.model.dtype),
-            }
+    if json {
+        let mut stats_json = json!({
+            "prompt_tokens": stats.prompt_tokens,
+            "generated_tokens": stats.generated_tokens,
+            "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+            "decode_tokens_per_s": stats.decode_tokens_per_s,
+            "prefill_seconds": stats.prefill_seconds,
+            "decode_seconds": stats.decode_seconds,
+            "load_seconds": loaded.load_seconds,
+            "stop_reason": stats.stop_reason,
+            "stop_token": stats.stop_token,
+            "device": job.model.device,
+            "dtype": format!("{:?}", loaded.model.dtype),
         });
-        writeln!(stdout, "{out}")?;
+        if let (Some(spec), Some(choice)) = (&spec, &job.drafter) {
+            let extra = serde_json::to_value(spec)?;
+            let obj = stats_json.as_object_mut().expect("object");
+            obj.insert("drafter".into(), json!(choice.name));
+            for (k, v) in extra.as_object().expect("object") {
+                obj.insert(k.clone(), v.clone());
+            }
+        }
+        writeln!(
+            stdout,
+            "{}",
+            json!({"tokens": tokens, "text": text, "stats": stats_json})
+        )?;
     } else {
         writeln!(stdout)?;
         eprintln!(
@@ -354,8 +489,128 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             stats.generated_tokens,
             stats.decode_tokens_per_s
         );
+        if let Some(spec) = &spec {
+            eprintln!(
+                "speculation: {} drafts, {} drafted, {} accepted, mean acceptance length {:.2}{}",
+                spec.num_drafts,
+                spec.num_draft_tokens,
+                spec.num_accepted_tokens,
+                spec.mean_acceptance_length,
+                spec.drafter_error
+                    .as_ref()
+                    .map(|e| format!(" (drafter switched off: {e})"))
+                    .unwrap_or_default()
+            );
+        }
     }
     Ok(())
+}
+
+fn run_generate(args: GenerateArgs) -> Result<()> {
+    let drafter = match &args.spec.drafter {
+        Some(name) => Some(DrafterChoice {
+            name: name.clone(),
+            plugins_dirs: args.spec.plugins_dirs.clone(),
+            num_draft_tokens: args.spec.num_draft_tokens,
+            overrides: parse_overrides(&args.spec.drafter_set)?,
+            auto_off: !args.spec.no_auto_off,
+        }),
+        None => None,
+    };
+    run_job(Job {
+        model: args.model,
+        input: &args.input,
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            seed: args.seed,
+        },
+        ignore_eos: args.ignore_eos,
+        drafter,
+        json: args.json,
+    })
+}
+
+fn run_deploy(args: RunArgs) -> Result<()> {
+    let cfg = DeployConfig::load(&args.config)?;
+    let dtype = match cfg.model.dtype.as_str() {
+        "f32" => DtypeArg::F32,
+        "bf16" => DtypeArg::Bf16,
+        "f16" => DtypeArg::F16,
+        _ => DtypeArg::Auto,
+    };
+    let s = &cfg.sampling;
+    run_job(Job {
+        model: ModelArgs {
+            model: cfg.model.path.clone(),
+            device: cfg.model.device,
+            dtype,
+            random_weights: false,
+            weights_seed: 0,
+            random_bits: None,
+            random_group_size: 64,
+        },
+        input: &args.input,
+        max_tokens: s.max_tokens,
+        sampling: SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            seed: s.seed,
+        },
+        ignore_eos: false,
+        drafter: cfg.drafter.as_ref().map(|d| DrafterChoice {
+            name: d.name.clone(),
+            plugins_dirs: cfg.plugins.dirs.clone(),
+            num_draft_tokens: d.num_draft_tokens,
+            overrides: d.config.clone(),
+            auto_off: d.auto_off,
+        }),
+        json: args.json,
+    })
+}
+
+fn run_plugins(cmd: PluginsCommand) -> Result<()> {
+    match cmd {
+        PluginsCommand::List { plugins_dirs } => {
+            let registry = Registry::scan(&plugins_dirs)?;
+            if registry.plugins.is_empty() {
+                println!("no plugins found");
+            }
+            for p in &registry.plugins {
+                let (version, kind) = match &p.manifest {
+                    Some(m) => (m.plugin.version.as_str(), m.plugin.kind.as_str()),
+                    None => ("?", "?"),
+                };
+                let status = match &p.status {
+                    Ok(_) => "ok".to_owned(),
+                    Err(e) => format!("unusable: {e}"),
+                };
+                println!("{:<16} {:<10} {:<12} {}", p.name(), version, kind, status);
+            }
+            Ok(())
+        }
+        PluginsCommand::Check { path } => {
+            let manifest_path = if path.is_dir() {
+                path.join("plugin.toml")
+            } else {
+                path.clone()
+            };
+            let manifest = read_manifest(&manifest_path).map_err(anyhow::Error::msg)?;
+            plugins::load(&manifest_path, &manifest).map_err(anyhow::Error::msg)?;
+            println!(
+                "OK {} {} ({})",
+                manifest.plugin.name,
+                manifest.plugin.version,
+                manifest_path.display()
+            );
+            Ok(())
+        }
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -433,7 +688,9 @@ fn main() -> ExitCode {
     init_logging(cli.verbose);
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
+        Command::Run(args) => run_deploy(args),
         Command::Bench(args) => run_bench(args),
+        Command::Plugins(cmd) => run_plugins(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

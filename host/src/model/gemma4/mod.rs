@@ -215,18 +215,7 @@ impl Gemma4Model {
         logits_for: LogitsFor,
         capture_hidden: bool,
     ) -> Result<ForwardOutput> {
-        if ids.is_empty() {
-            bail!("forward called with no tokens");
-        }
-        if let Some(&bad) = ids
-            .iter()
-            .find(|&&id| id as usize >= self.config.vocab_size)
-        {
-            bail!(
-                "token id {bad} is outside the vocabulary (size {})",
-                self.config.vocab_size
-            );
-        }
+        self.check_ids(ids)?;
         let t = ids.len() as i32;
         let offset = cache.offset();
         let ids = Array::from_slice(ids, &[1, t]);
@@ -272,6 +261,29 @@ impl Gemma4Model {
             logits: self.logits_from_hidden(&x)?,
             hidden,
         })
+    }
+
+    /// Scaled token embeddings `[1, T, hidden]`, the input of the first layer.
+    pub fn embed(&self, ids: &[u32]) -> Result<Array> {
+        self.check_ids(ids)?;
+        let ids = Array::from_slice(ids, &[1, ids.len() as i32]);
+        Ok(self.embed.lookup(&ids)?.multiply(&self.embed_scale)?)
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        if ids.is_empty() {
+            bail!("no tokens given");
+        }
+        if let Some(&bad) = ids
+            .iter()
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
+            bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            );
+        }
+        Ok(())
     }
 
     /// Final-norm hidden states `[.., T, H]` → `[T, vocab]` float32 soft-capped logits.

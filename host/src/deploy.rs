@@ -1,0 +1,198 @@
+//! Deployment config (`mlx-spec run --config deploy.toml`): the target model, device, plugin
+//! directories, drafter and its overrides, and sampling defaults in one TOML file.
+//!
+//! ```toml
+//! [model]
+//! path = "models/my-gemma"        # relative paths are relative to this file
+//! device = "cpu"                  # cpu | gpu
+//! dtype = "auto"                  # auto | f32 | bf16 | f16
+//!
+//! [plugins]
+//! dirs = ["plugins"]
+//!
+//! [drafter]                       # optional: omit for plain decoding
+//! name = "ngram"
+//! num_draft_tokens = 8
+//! auto_off = true
+//! [drafter.config]                # overrides of the plugin manifest's [defaults]
+//! max_ngram = 4
+//!
+//! [sampling]
+//! temperature = 0.0
+//! top_p = 1.0
+//! top_k = 0
+//! min_p = 0.0
+//! seed = 0
+//! max_tokens = 256
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::Deserialize;
+
+use crate::device::DeviceKind;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeployConfig {
+    pub model: ModelSection,
+    #[serde(default)]
+    pub plugins: PluginsSection,
+    #[serde(default)]
+    pub drafter: Option<DrafterSection>,
+    #[serde(default)]
+    pub sampling: SamplingSection,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub path: PathBuf,
+    #[serde(default = "default_device")]
+    pub device: DeviceKind,
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
+}
+
+fn default_device() -> DeviceKind {
+    DeviceKind::Cpu
+}
+
+fn default_dtype() -> String {
+    "auto".to_owned()
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginsSection {
+    #[serde(default)]
+    pub dirs: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrafterSection {
+    pub name: String,
+    pub num_draft_tokens: Option<usize>,
+    #[serde(default = "default_true")]
+    pub auto_off: bool,
+    #[serde(default)]
+    pub config: toml::Table,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingSection {
+    #[serde(default)]
+    pub temperature: f32,
+    #[serde(default = "default_top_p")]
+    pub top_p: f32,
+    #[serde(default)]
+    pub top_k: usize,
+    #[serde(default)]
+    pub min_p: f32,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: usize,
+}
+
+impl Default for SamplingSection {
+    fn default() -> Self {
+        SamplingSection {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: 0,
+            max_tokens: 128,
+        }
+    }
+}
+
+fn default_top_p() -> f32 {
+    1.0
+}
+
+fn default_max_tokens() -> usize {
+    128
+}
+
+impl DeployConfig {
+    /// Reads a deploy file; errors name the file, line and key. Relative paths are resolved
+    /// against the file's folder.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let mut cfg: DeployConfig = toml::from_str(&text).map_err(|e| {
+            anyhow::anyhow!(
+                "{}: {}",
+                path.display(),
+                e.to_string().trim_end().replace('\n', " ")
+            )
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        let resolve = |p: &PathBuf| {
+            if p.is_relative() {
+                base.join(p)
+            } else {
+                p.clone()
+            }
+        };
+        cfg.model.path = resolve(&cfg.model.path);
+        cfg.plugins.dirs = cfg.plugins.dirs.iter().map(resolve).collect();
+        if !["auto", "f32", "bf16", "f16"].contains(&cfg.model.dtype.as_str()) {
+            anyhow::bail!(
+                "{}: [model] dtype {:?} must be auto, f32, bf16 or f16",
+                path.display(),
+                cfg.model.dtype
+            );
+        }
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(text: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("deploy.toml");
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn parses_and_resolves_relative_paths() {
+        let (dir, path) = write(
+            "[model]\npath = \"m\"\n[plugins]\ndirs = [\"p\"]\n[drafter]\nname = \"ngram\"\n[drafter.config]\nmax_ngram = 4\n[sampling]\nmax_tokens = 9\n",
+        );
+        let cfg = DeployConfig::load(&path).unwrap();
+        assert_eq!(cfg.model.path, dir.path().join("m"));
+        assert_eq!(cfg.plugins.dirs, vec![dir.path().join("p")]);
+        let drafter = cfg.drafter.unwrap();
+        assert_eq!(drafter.config["max_ngram"].as_integer(), Some(4));
+        assert!(drafter.auto_off);
+        assert_eq!(cfg.sampling.max_tokens, 9);
+        assert_eq!(cfg.sampling.top_p, 1.0);
+    }
+
+    #[test]
+    fn errors_name_the_line_and_key() {
+        let (_dir, path) = write("[model]\npath = \"m\"\n\n[sampling]\ntemprature = 0.5\n");
+        let err = DeployConfig::load(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("temprature") && err.contains("line 5"),
+            "{err}"
+        );
+        let (_dir, path) = write("[model]\npath = \"m\"\ndevice = \"tpu\"\n");
+        let err = DeployConfig::load(&path).unwrap_err().to_string();
+        assert!(err.contains("tpu") && err.contains("line 3"), "{err}");
+    }
+}

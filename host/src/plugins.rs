@@ -1,0 +1,240 @@
+//! Finding, checking and loading drafter plugins.
+//!
+//! A plugin is a folder holding `plugin.toml` and the library it names. The host scans each
+//! `--plugins-dir` for such folders (and for a `plugin.toml` directly in the directory), and
+//! loads each library only after every check a file can fail without running code: the
+//! manifest's fields, the library's presence, its sha256 pin. Then abi_stable compares the
+//! library's interface layout with the host's, and the host checks what layouts cannot show:
+//! the ABI major and the MLX headers the plugin's mlx-c was built against. Libraries are
+//! never unloaded (abi_stable's rule: code a drafter handed out may still be referenced).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use abi_stable::library::{lib_header_from_path, LibraryError};
+use abi_stable::std_types::RStr;
+use anyhow::{bail, Context, Result};
+use mlx_spec_plugin_api::abi::{DraftProviderBox, PluginModuleRef};
+use mlx_spec_plugin_api::manifest::Manifest;
+use mlx_spec_plugin_api::{ABI_MAJOR, MLX_HEADERS};
+use sha2::{Digest, Sha256};
+
+/// One plugin folder found on disk, loaded or not.
+pub struct Discovered {
+    pub manifest_path: PathBuf,
+    /// The manifest, when it parsed.
+    pub manifest: Option<Manifest>,
+    /// The loaded library, or why it could not be used.
+    pub status: Result<PluginModuleRef, String>,
+}
+
+impl Discovered {
+    pub fn name(&self) -> String {
+        match &self.manifest {
+            Some(m) => m.plugin.name.clone(),
+            None => self
+                .manifest_path
+                .parent()
+                .and_then(|p| p.file_name())
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "?".to_owned()),
+        }
+    }
+}
+
+/// All plugins of some directories.
+pub struct Registry {
+    pub plugins: Vec<Discovered>,
+}
+
+/// Manifests directly in `dir` or one level below it.
+fn manifests_in(dir: &Path) -> Result<Vec<PathBuf>> {
+    if !dir.is_dir() {
+        bail!("plugins directory {} does not exist", dir.display());
+    }
+    let mut found = Vec::new();
+    if dir.join("plugin.toml").is_file() {
+        found.push(dir.join("plugin.toml"));
+    }
+    let mut subdirs: Vec<PathBuf> = fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("plugin.toml").is_file())
+        .collect();
+    subdirs.sort();
+    found.extend(subdirs.into_iter().map(|p| p.join("plugin.toml")));
+    Ok(found)
+}
+
+/// The readable end of abi_stable's (very long) layout report.
+fn condense(err: &LibraryError) -> String {
+    let text = err.to_string();
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    if lines.len() <= 4 {
+        return lines.join(" ");
+    }
+    let tail = lines
+        .iter()
+        .rposition(|l| l.starts_with("Error:"))
+        .map(|i| lines[i..].join(" "));
+    format!(
+        "incompatible interface layout: {}",
+        tail.unwrap_or_else(|| lines[lines.len() - 3..].join(" "))
+    )
+}
+
+fn sha256_hex(path: &Path) -> Result<String> {
+    let bytes = fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// Parses a manifest file.
+pub fn read_manifest(path: &Path) -> Result<Manifest, String> {
+    let text =
+        fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    Manifest::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Runs every check on the plugin described by `manifest_path` and loads its library.
+pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<PluginModuleRef, String> {
+    let where_ = manifest_path.display();
+    let p = &manifest.plugin;
+    if p.api != ABI_MAJOR {
+        return Err(format!(
+            "{where_}: built for plugin ABI {} but this host speaks ABI {ABI_MAJOR}",
+            p.api
+        ));
+    }
+    let file = p.library.for_this_os().ok_or_else(|| {
+        format!(
+            "{where_}: [plugin] library names no file for {}",
+            std::env::consts::OS
+        )
+    })?;
+    let dir = manifest_path.parent().unwrap_or(Path::new("."));
+    let library = dir.join(file);
+    if !library.is_file() {
+        return Err(format!(
+            "{where_}: library {} is missing (build the plugin and copy it next to its manifest)",
+            library.display()
+        ));
+    }
+    if let Some(want) = &p.sha256 {
+        let got = sha256_hex(&library).map_err(|e| format!("{where_}: {e:#}"))?;
+        if !got.eq_ignore_ascii_case(want) {
+            return Err(format!(
+                "{}: sha256 is {got} but {where_} pins {want}",
+                library.display()
+            ));
+        }
+    }
+    let module = lib_header_from_path(&library)
+        .and_then(|h| h.init_root_module::<PluginModuleRef>())
+        .map_err(|e| format!("{}: {}", library.display(), condense(&e)))?;
+    if module.abi_major() != ABI_MAJOR {
+        return Err(format!(
+            "{}: the library was built for plugin ABI {} but this host speaks ABI {ABI_MAJOR}",
+            library.display(),
+            module.abi_major()
+        ));
+    }
+    if module.mlx_headers().as_str() != MLX_HEADERS {
+        return Err(format!(
+            "{}: the library was built against MLX {} but this host uses MLX {MLX_HEADERS}; rebuild it against the same mlx-sys",
+            library.display(),
+            module.mlx_headers()
+        ));
+    }
+    if module.name().as_str() != p.name {
+        return Err(format!(
+            "{}: the library calls itself {:?} but {where_} says {:?}",
+            library.display(),
+            module.name().as_str(),
+            p.name
+        ));
+    }
+    Ok(module)
+}
+
+impl Registry {
+    /// Discovers (and loads) every plugin in `dirs`. A bad plugin is recorded with its reason;
+    /// a missing directory is an error.
+    pub fn scan(dirs: &[PathBuf]) -> Result<Self> {
+        let mut plugins = Vec::new();
+        for dir in dirs {
+            for manifest_path in manifests_in(dir)? {
+                let (manifest, status) = match read_manifest(&manifest_path) {
+                    Ok(m) => {
+                        let status = load(&manifest_path, &m);
+                        (Some(m), status)
+                    }
+                    Err(e) => (None, Err(e)),
+                };
+                if let Err(reason) = &status {
+                    tracing::warn!("plugin {} unusable: {reason}", manifest_path.display());
+                }
+                plugins.push(Discovered {
+                    manifest_path,
+                    manifest,
+                    status,
+                });
+            }
+        }
+        Ok(Registry { plugins })
+    }
+
+    /// The usable plugin called `name`, or an error listing what there is.
+    pub fn get(&self, name: &str) -> Result<(&Manifest, PluginModuleRef)> {
+        let found = self.plugins.iter().find(|d| d.name() == name);
+        match found {
+            Some(Discovered {
+                manifest: Some(m),
+                status: Ok(module),
+                ..
+            }) => Ok((m, *module)),
+            Some(Discovered {
+                status: Err(reason),
+                ..
+            }) => bail!("drafter {name:?} cannot be used: {reason}"),
+            _ => {
+                let names: Vec<String> = self.plugins.iter().map(Discovered::name).collect();
+                bail!(
+                    "no drafter named {name:?} in the plugins directories (found: {})",
+                    if names.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        names.join(", ")
+                    }
+                )
+            }
+        }
+    }
+}
+
+/// Builds a drafter from a plugin with its manifest defaults overridden by `overrides`.
+pub fn instantiate(
+    manifest: &Manifest,
+    module: PluginModuleRef,
+    overrides: &toml::Table,
+) -> Result<DraftProviderBox> {
+    let mut config = manifest.defaults.clone();
+    for (k, v) in overrides {
+        config.insert(k.clone(), v.clone());
+    }
+    let json = serde_json::to_string(&config)
+        .context("drafter configuration cannot be expressed as JSON")?;
+    match (module.new_provider())(RStr::from_str(&json)) {
+        abi_stable::std_types::ROk(provider) => Ok(provider),
+        abi_stable::std_types::RErr(e) => bail!(
+            "drafter {:?} refused its configuration: {e}",
+            manifest.plugin.name
+        ),
+    }
+}

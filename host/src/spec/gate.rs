@@ -1,0 +1,116 @@
+//! Auto-off: stop drafting while a drafter keeps being wrong, so speculation never costs
+//! much more than plain decode.
+//!
+//! Acceptance is tracked as an exponentially decayed count of accepted tokens per drafted
+//! round. When it falls below [`MIN_ACCEPTED_PER_ROUND`], drafting pauses for a number of
+//! rounds (plain decode steps) that doubles after each failed probe, up to [`MAX_PAUSE`];
+//! one probe round then tests the drafter again. A drafter that proposes nothing costs
+//! nothing and is not penalised.
+
+/// Below this many accepted tokens per drafted round, a round costs more than it returns.
+pub const MIN_ACCEPTED_PER_ROUND: f64 = 0.25;
+const DECAY: f64 = 0.7;
+const FIRST_PAUSE: u32 = 16;
+const MAX_PAUSE: u32 = 512;
+/// Rounds observed before the first verdict.
+const WARMUP_ROUNDS: u32 = 3;
+
+#[derive(Debug, Clone)]
+pub struct DraftGate {
+    enabled: bool,
+    accepted: f64,
+    rounds: f64,
+    observed: u32,
+    paused_for: u32,
+    next_pause: u32,
+    /// Rounds decoded plainly because the gate was closed.
+    pub paused_rounds: u64,
+}
+
+impl DraftGate {
+    pub fn new(enabled: bool) -> Self {
+        DraftGate {
+            enabled,
+            accepted: 0.0,
+            rounds: 0.0,
+            observed: 0,
+            paused_for: 0,
+            next_pause: FIRST_PAUSE,
+            paused_rounds: 0,
+        }
+    }
+
+    /// Whether to ask the drafter this round (counts a paused round when not).
+    pub fn should_draft(&mut self) -> bool {
+        if self.paused_for > 0 {
+            self.paused_for -= 1;
+            self.paused_rounds += 1;
+            return false;
+        }
+        true
+    }
+
+    /// Records a verified round that drafted `drafted > 0` tokens and accepted `accepted`.
+    pub fn observe(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        self.accepted = self.accepted * DECAY + accepted as f64;
+        self.rounds = self.rounds * DECAY + 1.0;
+        self.observed += 1;
+        if !self.enabled || self.observed < WARMUP_ROUNDS {
+            return;
+        }
+        if self.accepted / self.rounds < MIN_ACCEPTED_PER_ROUND {
+            self.paused_for = self.next_pause;
+            self.next_pause = (self.next_pause * 2).min(MAX_PAUSE);
+            // The probe after the pause decides alone.
+            self.accepted = 0.0;
+            self.rounds = 0.0;
+            self.observed = WARMUP_ROUNDS - 1;
+        } else if accepted > 0 {
+            self.next_pause = FIRST_PAUSE;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_drafter_that_is_always_wrong_is_probed_ever_more_rarely() {
+        let mut gate = DraftGate::new(true);
+        let mut drafted_rounds = 0;
+        for _ in 0..2000 {
+            if gate.should_draft() {
+                drafted_rounds += 1;
+                gate.observe(10, 0);
+            }
+        }
+        // 3 warm-up rounds, then one probe after pauses of 16, 32, … 512, 512, …
+        assert!(
+            drafted_rounds < 20,
+            "{drafted_rounds} drafted rounds out of 2000"
+        );
+        assert!(gate.paused_rounds > 1900);
+    }
+
+    #[test]
+    fn a_good_drafter_is_never_paused() {
+        let mut gate = DraftGate::new(true);
+        for i in 0..500 {
+            assert!(gate.should_draft(), "paused at round {i}");
+            gate.observe(8, 3);
+        }
+    }
+
+    #[test]
+    fn disabled_gate_never_pauses() {
+        let mut gate = DraftGate::new(false);
+        for _ in 0..100 {
+            assert!(gate.should_draft());
+            gate.observe(10, 0);
+        }
+    }
+}

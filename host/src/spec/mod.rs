@@ -1,0 +1,437 @@
+//! The one draft/verify loop every drafter runs through.
+//!
+//! Each round: the drafter proposes up to `n` tokens after the history; the target verifies
+//! `[pending, drafts…]` in one forward; the accept walk keeps the longest prefix of drafts
+//! that equal what the target itself emits at those positions, then emits the target's own
+//! token (the correction, or a bonus when every draft was accepted); the target's KV cache is
+//! rolled back over the rejected drafts. Every emitted token is the target's:
+//!
+//! * greedy: the target's argmax at that position, so the output equals plain greedy decode;
+//! * sampling, drafter without probabilities: the target's own sample keyed by
+//!   `(seed, emitted index)` — exactly what plain decode draws at that index;
+//! * sampling, drafter with its distributions `q`: rejection sampling — accept draft `x` with
+//!   probability `min(1, p(x)/q(x))`, else draw from `norm(max(p − q, 0))` — which leaves the
+//!   output distributed exactly as the target's `p`.
+//!
+//! A drafter that errors, panics (caught in the plugin), or returns too many or out-of-vocabulary
+//! tokens is switched off for the rest of the request, which finishes with plain steps: the
+//! request still succeeds with correct output. [`gate`] pauses a drafter that keeps missing.
+
+pub mod gate;
+pub mod target_port;
+
+use std::time::Instant;
+
+use abi_stable::sabi_trait::TD_Opaque;
+use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RString};
+use anyhow::{bail, Result};
+use mlx_rs::ops::indexing::argmax_axis;
+use mlx_rs::Dtype;
+use mlx_spec_plugin_api::abi::{
+    DraftProviderBox, DraftSourceBox, PrefillMode, SamplingInfo, TargetPort_TO,
+};
+use serde::Serialize;
+
+use crate::generate::{pick_token, prefill, GenerateRequest, GenerateStats, StopReason};
+use crate::model::gemma4::cache::DEFAULT_ROLLBACK_RESERVE;
+use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
+use crate::sampler::{draw, uniform, SamplingParams, Stream};
+use gate::DraftGate;
+use target_port::{target_info, HostTarget};
+
+/// Speculation settings of one request.
+#[derive(Debug, Clone, Copy)]
+pub struct SpecOptions {
+    /// Most tokens asked of the drafter per round.
+    pub num_draft_tokens: usize,
+    /// Pause drafting while acceptance stays near zero.
+    pub auto_off: bool,
+}
+
+/// Speculation counters, named as vLLM names them.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SpecStats {
+    /// Rounds in which the drafter proposed at least one token.
+    pub num_drafts: u64,
+    pub num_draft_tokens: u64,
+    pub num_accepted_tokens: u64,
+    /// `1 + accepted / drafts`: tokens emitted per drafted round.
+    pub mean_acceptance_length: f64,
+    /// `accepted_per_position[i]`: rounds whose draft `i` was accepted.
+    pub accepted_per_position: Vec<u64>,
+    /// `drafted_per_position[i]`: rounds that proposed a draft at position `i`.
+    pub drafted_per_position: Vec<u64>,
+    /// Target forward passes after the prefill (verify rounds and plain steps).
+    pub target_forwards: u64,
+    /// Rounds decoded plainly because auto-off paused the drafter.
+    pub paused_rounds: u64,
+    /// Why the drafter was switched off for the rest of the request, if it was.
+    pub drafter_error: Option<String>,
+}
+
+fn ffi<T>(r: RResult<T, RString>) -> Result<T, String> {
+    match r {
+        ROk(v) => Ok(v),
+        RErr(e) => Err(e.into_string()),
+    }
+}
+
+/// A drafted round's proposal, validated.
+struct Proposal {
+    tokens: Vec<u32>,
+    /// `[tokens.len(), vocab]` float32 draft distributions, as host vectors.
+    probs: Option<Vec<f32>>,
+}
+
+/// The live drafter of a request, dropped at its first fault.
+struct ActiveSource {
+    source: DraftSourceBox,
+}
+
+impl ActiveSource {
+    fn port<'a>(
+        target: &'a HostTarget<'a>,
+    ) -> TargetPort_TO<'a, abi_stable::sabi_types::RRef<'a, ()>> {
+        TargetPort_TO::from_ptr(target, TD_Opaque)
+    }
+
+    fn draft(
+        &mut self,
+        history: &[u32],
+        n: usize,
+        step_base: u64,
+        target: &HostTarget,
+        vocab: usize,
+    ) -> Result<Proposal, String> {
+        let d = ffi(self.source.draft(
+            RSlice::from_slice(history),
+            n as u32,
+            step_base,
+            Self::port(target),
+        ))?;
+        let tokens = d.tokens.into_vec();
+        if tokens.len() > n {
+            return Err(format!(
+                "the drafter returned {} tokens when asked for at most {n}",
+                tokens.len()
+            ));
+        }
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(format!(
+                "the drafter proposed token {bad}, outside the vocabulary (size {vocab})"
+            ));
+        }
+        let probs = match d.probs.into_option() {
+            None => None,
+            Some(t) => {
+                let q = t.into_array();
+                if q.shape() != [tokens.len() as i32, vocab as i32] {
+                    return Err(format!(
+                        "draft probabilities have shape {:?}, expected [{}, {vocab}]",
+                        q.shape(),
+                        tokens.len()
+                    ));
+                }
+                let q = q.as_dtype(Dtype::Float32).map_err(|e| e.to_string())?;
+                q.eval().map_err(|e| e.to_string())?;
+                let values = q.as_slice::<f32>().to_vec();
+                if values.iter().any(|v| !v.is_finite() || *v < 0.0) {
+                    return Err(
+                        "draft probabilities contain negative or non-finite values".to_owned()
+                    );
+                }
+                Some(values)
+            }
+        };
+        Ok(Proposal { tokens, probs })
+    }
+}
+
+/// Rejection-sampling step at one position: returns `(token, accepted)`.
+fn rejection_step(
+    p: &[(u32, f64)],
+    q_row: &[f32],
+    draft: u32,
+    seed: u64,
+    index: u64,
+) -> (u32, bool) {
+    let p_x = p.iter().find(|e| e.0 == draft).map_or(0.0, |e| e.1);
+    let q_x = q_row[draft as usize] as f64;
+    if q_x > 0.0 && uniform(seed, index, Stream::Accept) < (p_x / q_x).min(1.0) {
+        return (draft, true);
+    }
+    // Residual max(p - q, 0), renormalised; p is zero outside its support, so is the residual.
+    let mut residual: Vec<(u32, f64)> = p
+        .iter()
+        .map(|&(t, pt)| (t, (pt - q_row[t as usize] as f64).max(0.0)))
+        .filter(|e| e.1 > 0.0)
+        .collect();
+    let total: f64 = residual.iter().map(|e| e.1).sum();
+    if total <= 0.0 {
+        // p == q on p's support: any rejection is measure-zero; fall back to p itself.
+        return (draw(p, uniform(seed, index, Stream::Residual)), false);
+    }
+    for e in &mut residual {
+        e.1 /= total;
+    }
+    (
+        draw(&residual, uniform(seed, index, Stream::Residual)),
+        false,
+    )
+}
+
+/// Generates with speculative decoding. The drafter comes from `provider`; without one (or
+/// once it faults) this is plain decoding through the same loop.
+pub fn generate_speculative(
+    model: &Gemma4Model,
+    req: &GenerateRequest,
+    provider: Option<&DraftProviderBox>,
+    options: SpecOptions,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, GenerateStats, SpecStats)> {
+    if req.prompt_ids.is_empty() {
+        bail!("the prompt is empty: give at least one token");
+    }
+    req.sampling.validate()?;
+    let sampling: SamplingParams = req.sampling;
+    let vocab = model.config.vocab_size;
+    let k_max = options.num_draft_tokens.max(1);
+    let mut stats = SpecStats::default();
+    let mut gate = DraftGate::new(options.auto_off);
+    let mut cache =
+        ModelCache::with_reserve(&model.config, DEFAULT_ROLLBACK_RESERVE.max(k_max + 1));
+
+    let sampling_info = SamplingInfo {
+        temperature: sampling.temperature,
+        top_k: sampling.top_k as u32,
+        top_p: sampling.top_p,
+        min_p: sampling.min_p,
+        seed: sampling.seed,
+    };
+    let mut source = None;
+    if let Some(p) = provider {
+        match ffi(p.open(target_info(model), sampling_info)) {
+            Ok(s) => source = Some(ActiveSource { source: s }),
+            Err(e) => {
+                tracing::warn!("drafter could not open this request, decoding plainly: {e}");
+                stats.drafter_error = Some(e);
+            }
+        }
+    }
+    let mode = source
+        .as_ref()
+        .map_or(PrefillMode::TailSplit, |s| s.source.prefill_mode());
+
+    let start = Instant::now();
+    let prompt = &req.prompt_ids;
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut history: Vec<u32> = prompt.clone();
+    let mut stop_token = None;
+    let mut prefill_seconds = None;
+    let mut decode_start = start;
+
+    // Prefill. Tail split leaves the last prompt token pending: it heads the first verify
+    // window, so the first generated token comes out of a verify forward like all others.
+    let mut pending = if mode == PrefillMode::Full || prompt.len() == 1 {
+        let logits = prefill(model, &mut cache, prompt)?;
+        let first = pick_token(&logits, &sampling, 0)?;
+        prefill_seconds = Some(start.elapsed().as_secs_f64());
+        decode_start = Instant::now();
+        if !req.ignore_eos && req.stop_ids.contains(&first) {
+            stop_token = Some(first);
+        } else if req.max_tokens > 0 {
+            tokens.push(first);
+            history.push(first);
+            on_token(first)?;
+        }
+        first
+    } else {
+        prefill(model, &mut cache, &prompt[..prompt.len() - 1])?;
+        prompt[prompt.len() - 1]
+    };
+    if let Some(s) = source.as_mut() {
+        let target = HostTarget {
+            model,
+            position: cache.offset() as u64,
+        };
+        if let Err(e) = ffi(s
+            .source
+            .prefill(RSlice::from_slice(prompt), ActiveSource::port(&target)))
+        {
+            tracing::warn!("drafter failed in prefill, decoding plainly: {e}");
+            stats.drafter_error = Some(e);
+            source = None;
+        }
+    }
+
+    while stop_token.is_none() && tokens.len() < req.max_tokens {
+        let remaining = req.max_tokens - tokens.len();
+        // A round emits up to drafts + 1 tokens; never ask for more than the budget allows.
+        let n = k_max.min(remaining - 1);
+        let mut proposal = Proposal {
+            tokens: Vec::new(),
+            probs: None,
+        };
+        if n > 0 && source.is_some() && gate.should_draft() {
+            let target = HostTarget {
+                model,
+                position: cache.offset() as u64,
+            };
+            let result =
+                source
+                    .as_mut()
+                    .unwrap()
+                    .draft(&history, n, tokens.len() as u64, &target, vocab);
+            match result {
+                Ok(p) => proposal = p,
+                Err(e) => {
+                    tracing::warn!(
+                        "drafter failed, finishing this request with plain decoding: {e}"
+                    );
+                    stats.drafter_error = Some(e);
+                    source = None;
+                }
+            }
+        }
+        let drafts = &proposal.tokens;
+        let d = drafts.len();
+
+        let mut window = Vec::with_capacity(d + 1);
+        window.push(pending);
+        window.extend_from_slice(drafts);
+        let logits = model
+            .forward(&window, &mut cache, LogitsFor::All, false)?
+            .logits;
+        stats.target_forwards += 1;
+        if prefill_seconds.is_none() {
+            prefill_seconds = Some(start.elapsed().as_secs_f64());
+            decode_start = Instant::now();
+        }
+
+        // The target's own choices at every window position.
+        let greedy_picks: Vec<u32> = if sampling.is_greedy() {
+            let picks = argmax_axis(&logits, -1, false)?.as_dtype(Dtype::Uint32)?;
+            picks.eval()?;
+            picks.as_slice::<u32>().to_vec()
+        } else {
+            logits.eval()?;
+            Vec::new()
+        };
+        let rows: &[f32] = if sampling.is_greedy() {
+            &[]
+        } else {
+            logits.as_slice::<f32>()
+        };
+
+        let mut emitted = Vec::with_capacity(d + 1);
+        let mut accepted = 0;
+        for i in 0..=d {
+            let index = (tokens.len() + emitted.len()) as u64;
+            let (token, is_accepted_draft) = if sampling.is_greedy() {
+                (greedy_picks[i], i < d && greedy_picks[i] == drafts[i])
+            } else {
+                let row = &rows[i * vocab..(i + 1) * vocab];
+                match (&proposal.probs, i < d) {
+                    (Some(q), true) => {
+                        let p = sampling.distribution(row);
+                        rejection_step(
+                            &p,
+                            &q[i * vocab..(i + 1) * vocab],
+                            drafts[i],
+                            sampling.seed,
+                            index,
+                        )
+                    }
+                    _ => {
+                        let t = sampling.sample(row, index);
+                        (t, i < d && t == drafts[i])
+                    }
+                }
+            };
+            if !req.ignore_eos && req.stop_ids.contains(&token) {
+                stop_token = Some(token);
+                break;
+            }
+            emitted.push(token);
+            on_token(token)?;
+            if tokens.len() + emitted.len() >= req.max_tokens {
+                if is_accepted_draft {
+                    accepted += 1;
+                }
+                break;
+            }
+            if !is_accepted_draft {
+                break;
+            }
+            accepted += 1;
+        }
+
+        if d > 0 {
+            stats.num_drafts += 1;
+            stats.num_draft_tokens += d as u64;
+            stats.num_accepted_tokens += accepted as u64;
+            if stats.drafted_per_position.len() < d {
+                stats.drafted_per_position.resize(d, 0);
+                stats.accepted_per_position.resize(d, 0);
+            }
+            for i in 0..d {
+                stats.drafted_per_position[i] += 1;
+                if i < accepted {
+                    stats.accepted_per_position[i] += 1;
+                }
+            }
+            gate.observe(d, accepted);
+        }
+        tokens.extend_from_slice(&emitted);
+        history.extend_from_slice(&emitted);
+        if stop_token.is_some() || tokens.len() >= req.max_tokens {
+            break;
+        }
+
+        // Keep `pending` and the accepted drafts in the cache; the last emitted token is the
+        // next pending one.
+        cache.trim(d - accepted)?;
+        pending = *emitted
+            .last()
+            .expect("a round that does not stop emits a token");
+        if let Some(s) = source.as_mut() {
+            if let Err(e) =
+                ffi(s
+                    .source
+                    .commit(d as u32, accepted as u32, RSlice::from_slice(&emitted)))
+            {
+                tracing::warn!(
+                    "drafter failed in commit, finishing this request with plain decoding: {e}"
+                );
+                stats.drafter_error = Some(e);
+                source = None;
+            }
+        }
+    }
+
+    stats.paused_rounds = gate.paused_rounds;
+    stats.mean_acceptance_length = if stats.num_drafts > 0 {
+        1.0 + stats.num_accepted_tokens as f64 / stats.num_drafts as f64
+    } else {
+        0.0
+    };
+    let prefill_seconds = prefill_seconds.unwrap_or_else(|| start.elapsed().as_secs_f64());
+    let decode_seconds = decode_start.elapsed().as_secs_f64();
+    let decoded = tokens.len().saturating_sub(1);
+    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let generate_stats = GenerateStats {
+        prompt_tokens: prompt.len(),
+        generated_tokens: tokens.len(),
+        prefill_seconds,
+        prefill_tokens_per_s: rate(prompt.len(), prefill_seconds),
+        decode_seconds,
+        decode_tokens_per_s: rate(decoded, decode_seconds),
+        stop_reason: if stop_token.is_some() {
+            StopReason::Stop
+        } else {
+            StopReason::Length
+        },
+        stop_token,
+    };
+    Ok((tokens, generate_stats, stats))
+}
