@@ -6,4 +6,6 @@ cd "$ROOT"
 ./scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
+# Plugin libraries (ngram, the test drafters) must exist before the tests load them.
+cargo build --release --workspace --quiet
 cargo test --release --workspace

@@ -5,55 +5,9 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
 
-use common::{fixture, Golden, FIXTURES};
+use common::{expect_error, fixture, ids_arg, json_of, mlx_spec, Golden, FIXTURES};
 use serde_json::Value;
-
-fn mlx_spec(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mlx-spec"))
-        .args(args)
-        .env_remove("MLX_SPEC_MODEL")
-        .output()
-        .expect("run mlx-spec")
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "mlx-spec failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout.clone()).unwrap();
-    assert_eq!(
-        stdout.lines().count(),
-        1,
-        "--json prints exactly one line: {stdout}"
-    );
-    serde_json::from_str(&stdout).expect("stdout is one JSON object")
-}
-
-fn ids_arg(ids: &[u32]) -> String {
-    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-}
-
-/// Runs a command expected to fail; returns its stderr after checking the failure is clean.
-fn expect_error(args: &[&str]) -> String {
-    let out = mlx_spec(args);
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "expected failure for {args:?}");
-    assert!(!stderr.contains("panicked"), "mlx-spec panicked: {stderr}");
-    assert!(
-        stderr.starts_with("error: "),
-        "expected one error line, got: {stderr}"
-    );
-    assert_eq!(
-        stderr.trim_end().lines().count(),
-        1,
-        "error should be one line: {stderr}"
-    );
-    stderr
-}
 
 fn copy_fixture(name: &str, to: &Path) {
     for entry in std::fs::read_dir(fixture(name)).unwrap() {

@@ -15,6 +15,10 @@ Training: random windows of seq_len+1 tokens, AdamW (0.9, 0.95), weight decay on
 linear warmup then cosine decay to lr*min_lr_frac. The schedule runs on
 progress = max(step / max_steps, train_seconds / (max_minutes*60)), so a wall-clock budget
 gets a complete cosine schedule. bf16 autocast on CUDA; torch.compile when it works.
+Every --eval-every steps the held-out loss is measured on a fixed set of windows; with
+--keep-best 1 (default) the weights of the best such eval are restored before saving (early
+stopping: a small corpus is seen many times on a GPU). The final held-out loss is measured
+in float32 on --final-eval-windows windows (all of heldout.bin on CUDA by default).
 
 Outputs in --out (default: out/run next to this script):
   train_log.csv   step,tokens,seconds,train_loss,lr       (every --log-every steps)
@@ -298,7 +302,12 @@ def main():
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--eval-windows", type=int, default=None, help="0 = all; default all on cuda, 8 on cpu")
+    ap.add_argument("--eval-windows", type=int, default=None,
+                    help="held-out windows for the periodic evals (0 = all); default 1024 on cuda, 8 on cpu")
+    ap.add_argument("--final-eval-windows", type=int, default=None,
+                    help="windows for the final held-out number (0 = all); default all on cuda, 32 on cpu")
+    ap.add_argument("--keep-best", type=int, default=1,
+                    help="1: at the end restore the weights of the best periodic eval (early stopping)")
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--attn", default="sdpa", help="attention implementation for training")
     ap.add_argument("--seed", type=int, default=1234)
@@ -317,7 +326,9 @@ def main():
     if args.batch_size is None:
         args.batch_size = 64 if cuda else 8
     if args.eval_windows is None:
-        args.eval_windows = 0 if cuda else 8
+        args.eval_windows = 1024 if cuda else 8
+    if args.final_eval_windows is None:
+        args.final_eval_windows = 0 if cuda else 32
     data = Path(args.data)
     tok_dir = Path(args.tokenizer) if args.tokenizer else data / "tokenizer"
     out = Path(args.out)
@@ -335,6 +346,7 @@ def main():
     log(f"== data: train {len(train):,} tokens, held-out {len(held):,} tokens")
     train_t = torch.from_numpy(train.astype(np.int64)).to(device)
     windows = eval_windows(held, args.seq_len, args.eval_windows)
+    final_windows = eval_windows(held, args.seq_len, args.final_eval_windows)
 
     try:
         cfg = make_config(args.attn)
@@ -400,9 +412,16 @@ def main():
         loss = evaluate(model, windows, args.batch_size, device, autocast)
         ew.writerow([step, tokens, f"{t_wall:.2f}", f"{loss:.5f}", f"{math.exp(loss):.3f}"])
         eval_log.flush()
-        log(f"   eval step {step:6d}: held-out loss {loss:.4f}  ppl {math.exp(loss):.2f}  ({time.time() - t:.1f}s)")
+        mark = ""
+        if loss < best["loss"]:
+            best.update(loss=loss, step=step, tokens=tokens)
+            if args.keep_best:
+                best["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            mark = "  *best"
+        log(f"   eval step {step:6d}: held-out loss {loss:.4f}  ppl {math.exp(loss):.2f}  ({time.time() - t:.1f}s){mark}")
         return loss, time.time() - t
 
+    best = {"loss": float("inf"), "step": None, "tokens": None, "state": None}
     t_start = time.time()
     eval_time = 0.0
     step, tokens = 0, 0
@@ -471,12 +490,21 @@ def main():
     log(f"== trained {step} steps, {tokens:,} tokens in {train_wall / 60:.2f} min "
         f"({tokens / max(train_s, 1e-9):,.0f} tok/s excluding evals)")
 
-    heldout_loss, dt = run_eval(step, tokens, train_wall)  # same precision as training
-    # Final number in float32 without autocast.
+    last_eval_loss, dt = run_eval(step, tokens, train_wall)  # same precision as training
+    restored = False
+    if args.keep_best and best["state"] is not None and best["step"] != step:
+        model.load_state_dict(best["state"])
+        restored = True
+        log(f"== restored the weights of step {best['step']} (best periodic held-out loss {best['loss']:.4f}; "
+            f"last {last_eval_loss:.4f})")
+    best["state"] = None
+    # Final number: float32 without autocast, on --final-eval-windows windows.
     model.float()
     t = time.time()
-    heldout_fp32 = evaluate(model, windows, args.batch_size, device, lambda: torch.autocast(device.type, enabled=False))
-    log(f"   final held-out loss float32: {heldout_fp32:.4f}  ppl {math.exp(heldout_fp32):.2f}  ({time.time() - t:.1f}s)")
+    fp32 = lambda: torch.autocast(device.type, enabled=False)  # noqa: E731
+    heldout_fp32 = evaluate(model, final_windows, args.batch_size, device, fp32)
+    log(f"   final held-out loss float32 ({len(final_windows)} windows): {heldout_fp32:.4f}  "
+        f"ppl {math.exp(heldout_fp32):.2f}  ({time.time() - t:.1f}s)")
     train_log.close()
     eval_log.close()
 
@@ -498,8 +526,13 @@ def main():
         "final_train_loss": last_train_loss,
         "heldout_loss": heldout_fp32,
         "heldout_ppl": math.exp(heldout_fp32),
-        "heldout_loss_autocast": heldout_loss,
-        "heldout_eval_tokens": int(windows.shape[0] * args.seq_len),
+        "heldout_eval_tokens": int(final_windows.shape[0] * args.seq_len),
+        "last_step_periodic_eval_loss": last_eval_loss,
+        "best_periodic_eval_loss": best["loss"],
+        "best_step": best["step"],
+        "best_tokens": best["tokens"],
+        "restored_best": restored,
+        "saved_step": best["step"] if restored else step,
         "train_tokens": int(len(train)),
         "heldout_tokens": int(len(held)),
         "args": vars(args),

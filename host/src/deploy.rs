@@ -137,15 +137,9 @@ impl DeployConfig {
             )
         })?;
         let base = path.parent().unwrap_or(Path::new("."));
-        let resolve = |p: &PathBuf| {
-            if p.is_relative() {
-                base.join(p)
-            } else {
-                p.clone()
-            }
-        };
-        cfg.model.path = resolve(&cfg.model.path);
-        cfg.plugins.dirs = cfg.plugins.dirs.iter().map(resolve).collect();
+        // `join` keeps absolute paths as they are.
+        cfg.model.path = base.join(&cfg.model.path);
+        cfg.plugins.dirs = cfg.plugins.dirs.iter().map(|d| base.join(d)).collect();
         if !["auto", "f32", "bf16", "f16"].contains(&cfg.model.dtype.as_str()) {
             anyhow::bail!(
                 "{}: [model] dtype {:?} must be auto, f32, bf16 or f16",

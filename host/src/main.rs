@@ -447,7 +447,6 @@ fn run_job(job: Job) -> Result<()> {
             (t, s, None)
         }
     };
-    drop(print);
 
     let text = match tok {
         Some(t) => t.decode(&tokens)?,

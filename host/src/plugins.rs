@@ -178,7 +178,7 @@ impl Registry {
                     Err(e) => (None, Err(e)),
                 };
                 if let Err(reason) = &status {
-                    tracing::warn!("plugin {} unusable: {reason}", manifest_path.display());
+                    tracing::debug!("plugin {} unusable: {reason}", manifest_path.display());
                 }
                 plugins.push(Discovered {
                     manifest_path,
@@ -218,6 +218,9 @@ impl Registry {
     }
 }
 
+/// `[defaults]` key read by the host (tokens asked per round), not passed to the drafter.
+pub const HOST_KEY_NUM_DRAFT_TOKENS: &str = "num_draft_tokens";
+
 /// Builds a drafter from a plugin with its manifest defaults overridden by `overrides`.
 pub fn instantiate(
     manifest: &Manifest,
@@ -228,6 +231,8 @@ pub fn instantiate(
     for (k, v) in overrides {
         config.insert(k.clone(), v.clone());
     }
+    // A host setting that manifests may carry as a default; the drafter never sees it.
+    config.remove(HOST_KEY_NUM_DRAFT_TOKENS);
     let json = serde_json::to_string(&config)
         .context("drafter configuration cannot be expressed as JSON")?;
     match (module.new_provider())(RStr::from_str(&json)) {

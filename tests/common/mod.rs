@@ -2,8 +2,10 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::process::{Command, Output};
 
 use safetensors::tensor::{Dtype, SafeTensors};
+use serde_json::Value;
 
 /// The committed oracle fixtures (tests/oracle/make_fixtures.py writes them).
 pub const FIXTURES: [&str; 4] = [
@@ -71,4 +73,50 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// Runs the built `mlx-spec` binary.
+pub fn mlx_spec(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mlx-spec"))
+        .args(args)
+        .env_remove("MLX_SPEC_MODEL")
+        .output()
+        .expect("run mlx-spec")
+}
+
+pub fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "mlx-spec failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout.clone()).unwrap();
+    assert_eq!(
+        stdout.lines().count(),
+        1,
+        "--json prints exactly one line: {stdout}"
+    );
+    serde_json::from_str(&stdout).expect("stdout is one JSON object")
+}
+
+pub fn ids_arg(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Runs a command expected to fail; returns its stderr after checking the failure is clean.
+pub fn expect_error(args: &[&str]) -> String {
+    let out = mlx_spec(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "expected failure for {args:?}");
+    assert!(!stderr.contains("panicked"), "mlx-spec panicked: {stderr}");
+    assert!(
+        stderr.starts_with("error: "),
+        "expected one error line, got: {stderr}"
+    );
+    assert_eq!(
+        stderr.trim_end().lines().count(),
+        1,
+        "error should be one line: {stderr}"
+    );
+    stderr
 }

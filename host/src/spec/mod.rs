@@ -180,6 +180,89 @@ fn rejection_step(
     )
 }
 
+/// The target's verdicts over one verify window: argmax picks (greedy) or logits rows.
+pub struct Verified<'a> {
+    /// Greedy: the target's argmax at each window position.
+    pub greedy_picks: &'a [u32],
+    /// Sampling: `[window, vocab]` float32 logits, row-major.
+    pub rows: &'a [f32],
+    pub vocab: usize,
+}
+
+/// Where a round's emissions must stop.
+pub struct WalkLimits<'a> {
+    /// Emitted index of the round's first token (the sampler's key).
+    pub first_index: u64,
+    /// Tokens the request may still emit.
+    pub budget: usize,
+    /// Tokens that end generation (not emitted).
+    pub stop_ids: &'a [u32],
+}
+
+/// What one round emits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Walk {
+    pub emitted: Vec<u32>,
+    /// Drafts accepted (the leading `accepted` emitted tokens are drafts).
+    pub accepted: usize,
+    pub stop_token: Option<u32>,
+}
+
+/// The accept walk over one verify window: keep drafts while the target agrees, then emit
+/// the target's own token (correction or bonus); stop at a stop token or the budget.
+pub fn accept_walk(
+    target: &Verified,
+    drafts: &[u32],
+    probs: Option<&[f32]>,
+    sampling: &SamplingParams,
+    limits: WalkLimits,
+) -> Walk {
+    let d = drafts.len();
+    let vocab = target.vocab;
+    let mut walk = Walk {
+        emitted: Vec::with_capacity(d + 1),
+        accepted: 0,
+        stop_token: None,
+    };
+    for i in 0..=d {
+        let index = limits.first_index + walk.emitted.len() as u64;
+        let (token, is_accepted_draft) = if sampling.is_greedy() {
+            let pick = target.greedy_picks[i];
+            (pick, i < d && pick == drafts[i])
+        } else {
+            let row = &target.rows[i * vocab..(i + 1) * vocab];
+            match probs {
+                Some(q) if i < d => {
+                    let p = sampling.distribution(row);
+                    rejection_step(
+                        &p,
+                        &q[i * vocab..(i + 1) * vocab],
+                        drafts[i],
+                        sampling.seed,
+                        index,
+                    )
+                }
+                _ => {
+                    let t = sampling.sample(row, index);
+                    (t, i < d && t == drafts[i])
+                }
+            }
+        };
+        if limits.stop_ids.contains(&token) {
+            walk.stop_token = Some(token);
+            break;
+        }
+        walk.emitted.push(token);
+        if is_accepted_draft {
+            walk.accepted += 1;
+        }
+        if walk.emitted.len() >= limits.budget || !is_accepted_draft {
+            break;
+        }
+    }
+    walk
+}
+
 /// Generates with speculative decoding. The drafter comes from `provider`; without one (or
 /// once it faults) this is plain decoding through the same loop.
 pub fn generate_speculative(
@@ -322,49 +405,26 @@ pub fn generate_speculative(
         } else {
             logits.as_slice::<f32>()
         };
-
-        let mut emitted = Vec::with_capacity(d + 1);
-        let mut accepted = 0;
-        for i in 0..=d {
-            let index = (tokens.len() + emitted.len()) as u64;
-            let (token, is_accepted_draft) = if sampling.is_greedy() {
-                (greedy_picks[i], i < d && greedy_picks[i] == drafts[i])
-            } else {
-                let row = &rows[i * vocab..(i + 1) * vocab];
-                match (&proposal.probs, i < d) {
-                    (Some(q), true) => {
-                        let p = sampling.distribution(row);
-                        rejection_step(
-                            &p,
-                            &q[i * vocab..(i + 1) * vocab],
-                            drafts[i],
-                            sampling.seed,
-                            index,
-                        )
-                    }
-                    _ => {
-                        let t = sampling.sample(row, index);
-                        (t, i < d && t == drafts[i])
-                    }
-                }
-            };
-            if !req.ignore_eos && req.stop_ids.contains(&token) {
-                stop_token = Some(token);
-                break;
-            }
-            emitted.push(token);
-            on_token(token)?;
-            if tokens.len() + emitted.len() >= req.max_tokens {
-                if is_accepted_draft {
-                    accepted += 1;
-                }
-                break;
-            }
-            if !is_accepted_draft {
-                break;
-            }
-            accepted += 1;
+        let walk = accept_walk(
+            &Verified {
+                greedy_picks: &greedy_picks,
+                rows,
+                vocab,
+            },
+            drafts,
+            proposal.probs.as_deref(),
+            &sampling,
+            WalkLimits {
+                first_index: tokens.len() as u64,
+                budget: req.max_tokens - tokens.len(),
+                stop_ids: if req.ignore_eos { &[] } else { &req.stop_ids },
+            },
+        );
+        for &t in &walk.emitted {
+            on_token(t)?;
         }
+        stop_token = walk.stop_token;
+        let (emitted, accepted) = (walk.emitted, walk.accepted);
 
         if d > 0 {
             stats.num_drafts += 1;

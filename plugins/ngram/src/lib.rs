@@ -18,11 +18,6 @@ struct NgramConfig {
     max_ngram: usize,
     #[serde(default = "default_min")]
     min_ngram: usize,
-    /// Read by the host (how many tokens to ask for); accepted here so the manifest's
-    /// defaults validate as one table.
-    #[serde(default)]
-    #[allow(dead_code)]
-    num_draft_tokens: Option<usize>,
 }
 
 fn default_max() -> usize {

@@ -1,0 +1,567 @@
+//! Speculative decoding through the `mlx-spec` binary with real plugin libraries: lossless
+//! greedy and seeded-sampling output for every drafter (ngram, a drafter that is always right,
+//! one that is always wrong), faults that switch the drafter off without losing the request,
+//! libraries the loader must refuse, the deploy config, and an out-of-tree plugin dropped into
+//! a plugins directory of an already-built host.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{expect_error, fixture, ids_arg, json_of, mlx_spec, repo_root, Golden, FIXTURES};
+use serde_json::Value;
+
+/// Where cargo put the binary, and with it the workspace's plugin libraries.
+fn target_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_mlx-spec"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn lib_name(stem: &str) -> String {
+    if cfg!(target_os = "macos") {
+        format!("lib{stem}.dylib")
+    } else {
+        format!("lib{stem}.so")
+    }
+}
+
+/// Installs `library` (from the build folder) with `manifest` as plugins/<folder>.
+fn install(plugins: &Path, folder: &str, library: &Path, manifest: &str) {
+    let dir = plugins.join(folder);
+    std::fs::create_dir_all(&dir).unwrap();
+    assert!(
+        library.is_file(),
+        "{} is not built (run `cargo build --release --workspace`)",
+        library.display()
+    );
+    std::fs::copy(library, dir.join(library.file_name().unwrap())).unwrap();
+    std::fs::write(dir.join("plugin.toml"), manifest).unwrap();
+}
+
+fn manifest(name: &str, stem: &str, defaults: &str) -> String {
+    format!(
+        "[plugin]\nname = \"{name}\"\nversion = \"0.1.0\"\nkind = \"other\"\napi = 1\nlibrary = \"{}\"\n[needs]\ntarget_families = [\"gemma4\"]\n[defaults]\n{defaults}\n",
+        lib_name(stem)
+    )
+}
+
+/// A plugins directory with ngram (its real manifest) and the test drafters.
+fn plugins_dir() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    let ngram_manifest =
+        std::fs::read_to_string(repo_root().join("plugins/ngram/plugin.toml")).unwrap();
+    install(
+        tmp.path(),
+        "ngram",
+        &target_dir().join(lib_name("mlx_spec_ngram")),
+        &ngram_manifest,
+    );
+    for mode in [
+        "wrong",
+        "panic",
+        "out_of_vocab",
+        "too_many",
+        "refuse",
+        "noisy",
+    ] {
+        // Every folder holds the same library under its own name; tests pick one with
+        // `--plugins-dir <folder>`.
+        let m = manifest(
+            "test-drafter",
+            "mlx_spec_test_drafter",
+            &format!("mode = \"{mode}\""),
+        );
+        let folder = format!("test-{}", mode.replace('_', "-"));
+        install(
+            tmp.path(),
+            &folder,
+            &target_dir().join(lib_name("mlx_spec_test_drafter")),
+            &m,
+        );
+    }
+    tmp
+}
+
+fn tokens_of(v: &Value) -> Vec<u32> {
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Generates with `extra` flags; returns the JSON result.
+fn run(model: &Path, ids: &[u32], max_tokens: usize, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "generate".to_owned(),
+        "--model".into(),
+        model.to_str().unwrap().into(),
+        "--prompt-ids".into(),
+        ids_arg(ids),
+        "--max-tokens".into(),
+        max_tokens.to_string(),
+        "--ignore-eos".into(),
+        "--dtype".into(),
+        "f32".into(),
+        "--json".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    json_of(&mlx_spec(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    ))
+}
+
+fn prompts(name: &str) -> Vec<Vec<u32>> {
+    let golden = Golden::load(name);
+    vec![
+        golden.ids("prompt_ids"),
+        vec![2, 10, 20, 30, 40, 10, 20, 30, 40, 10, 20, 30],
+        vec![2, 7],
+    ]
+}
+
+#[test]
+fn ngram_is_lossless_greedy_on_every_fixture() {
+    let plugins = plugins_dir();
+    let dir = plugins.path().to_str().unwrap();
+    for name in FIXTURES {
+        for ids in prompts(name) {
+            let plain = run(&fixture(name), &ids, 40, &[]);
+            let spec = run(
+                &fixture(name),
+                &ids,
+                40,
+                &["--drafter", "ngram", "--plugins-dir", dir],
+            );
+            assert_eq!(
+                tokens_of(&spec),
+                tokens_of(&plain),
+                "{name} {ids:?}: ngram changed the output"
+            );
+            assert!(
+                spec["stats"]["drafter_error"].is_null(),
+                "{}",
+                spec["stats"]
+            );
+        }
+        let repetitive = run(
+            &fixture(name),
+            &prompts(name)[1],
+            40,
+            &["--drafter", "ngram", "--plugins-dir", dir],
+        );
+        let stats = &repetitive["stats"];
+        assert!(
+            stats["num_accepted_tokens"].as_u64().unwrap() > 0,
+            "{name}: nothing accepted: {stats}"
+        );
+        assert!(
+            stats["target_forwards"].as_u64().unwrap() < 40,
+            "{name}: no forward saved: {stats}"
+        );
+        assert_eq!(
+            stats["accepted_per_position"].as_array().unwrap().len(),
+            stats["drafted_per_position"].as_array().unwrap().len()
+        );
+    }
+}
+
+#[test]
+fn seeded_sampling_with_a_drafter_emits_exactly_the_plain_samples() {
+    let plugins = plugins_dir();
+    let dir = plugins.path().to_str().unwrap();
+    for name in ["tiny-ple-kvshare", "tiny-wrapped-bf16"] {
+        for (t, p) in [("0.8", "1.0"), ("1.0", "0.9")] {
+            let flags = ["--temperature", t, "--top-p", p, "--seed", "42"];
+            let ids = &prompts(name)[1];
+            let plain = run(&fixture(name), ids, 40, &flags);
+            let mut with = flags.to_vec();
+            with.extend(["--drafter", "ngram", "--plugins-dir", dir]);
+            let spec = run(&fixture(name), ids, 40, &with);
+            assert_eq!(
+                tokens_of(&spec),
+                tokens_of(&plain),
+                "{name} T={t} top-p={p}"
+            );
+        }
+    }
+}
+
+#[test]
+fn always_right_and_always_wrong_drafters_leave_the_output_unchanged() {
+    let plugins = plugins_dir();
+    for name in FIXTURES {
+        let ids = Golden::load(name).ids("prompt_ids");
+        let plain = run(&fixture(name), &ids, 60, &[]);
+        let script = ids_arg(&tokens_of(&plain));
+        // An oracle drafter: proposes the target's own continuation.
+        let oracle = manifest(
+            "test-drafter",
+            "mlx_spec_test_drafter",
+            &format!(
+                "mode = \"script\"\nprompt_len = {}\nscript = [{script}]",
+                ids.len()
+            ),
+        );
+        install(
+            plugins.path(),
+            "oracle",
+            &target_dir().join(lib_name("mlx_spec_test_drafter")),
+            &oracle,
+        );
+        let dir = plugins.path().join("oracle");
+        let right = run(
+            &fixture(name),
+            &ids,
+            60,
+            &[
+                "--drafter",
+                "test-drafter",
+                "--plugins-dir",
+                dir.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(
+            tokens_of(&right),
+            tokens_of(&plain),
+            "{name}: oracle drafter changed the output"
+        );
+        let s = &right["stats"];
+        assert_eq!(
+            s["num_accepted_tokens"], s["num_draft_tokens"],
+            "{name}: oracle drafts must all be accepted: {s}"
+        );
+        assert!(
+            s["target_forwards"].as_u64().unwrap() <= 7,
+            "{name}: 60 tokens in 10-token rounds: {s}"
+        );
+
+        let wrong = manifest(
+            "test-drafter",
+            "mlx_spec_test_drafter",
+            &format!(
+                "mode = \"wrong\"\nprompt_len = {}\nscript = [{script}]",
+                ids.len()
+            ),
+        );
+        install(
+            plugins.path(),
+            "wrong-script",
+            &target_dir().join(lib_name("mlx_spec_test_drafter")),
+            &wrong,
+        );
+        let dir = plugins.path().join("wrong-script");
+        let bad = run(
+            &fixture(name),
+            &ids,
+            60,
+            &[
+                "--drafter",
+                "test-drafter",
+                "--plugins-dir",
+                dir.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(
+            tokens_of(&bad),
+            tokens_of(&plain),
+            "{name}: wrong drafter changed the output"
+        );
+        let s = &bad["stats"];
+        assert_eq!(s["num_accepted_tokens"], 0, "{s}");
+        assert!(
+            s["paused_rounds"].as_u64().unwrap() > 0,
+            "auto-off never paused a drafter that is always wrong: {s}"
+        );
+    }
+}
+
+#[test]
+fn faulty_drafters_are_switched_off_and_the_request_still_succeeds() {
+    let plugins = plugins_dir();
+    let name = "tiny-moe-keqv";
+    let ids = prompts(name)[1].clone();
+    let plain = run(&fixture(name), &ids, 30, &[]);
+    for (folder, expected) in [
+        ("test-panic", "panicked"),
+        ("test-out-of-vocab", "outside the vocabulary"),
+        ("test-too-many", "at most"),
+        ("test-refuse", "refuses"),
+    ] {
+        let dir = plugins.path().join(folder);
+        let out = run(
+            &fixture(name),
+            &ids,
+            30,
+            &[
+                "--drafter",
+                "test-drafter",
+                "--plugins-dir",
+                dir.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(
+            tokens_of(&out),
+            tokens_of(&plain),
+            "{folder}: output changed"
+        );
+        let err = out["stats"]["drafter_error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            err.contains(expected),
+            "{folder}: drafter_error {err:?} should mention {expected:?}"
+        );
+    }
+}
+
+#[test]
+fn rejection_sampling_drafter_runs_end_to_end() {
+    let plugins = plugins_dir();
+    let dir = plugins.path().join("test-noisy");
+    let out = run(
+        &fixture("tiny-wrapped-bf16"),
+        &[2, 150, 151, 152],
+        40,
+        &[
+            "--temperature",
+            "1.0",
+            "--seed",
+            "3",
+            "--drafter",
+            "test-drafter",
+            "--plugins-dir",
+            dir.to_str().unwrap(),
+            "--no-auto-off",
+        ],
+    );
+    let s = &out["stats"];
+    assert!(s["drafter_error"].is_null(), "{s}");
+    assert!(s["num_drafts"].as_u64().unwrap() > 0, "{s}");
+    assert_eq!(tokens_of(&out).len(), 40);
+    assert!(tokens_of(&out).iter().all(|&t| t < 512));
+}
+
+#[test]
+fn the_loader_refuses_bad_libraries_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    install(
+        p,
+        "bad-abi",
+        &target_dir().join(lib_name("mlx_spec_bad_abi")),
+        &manifest("bad-abi", "mlx_spec_bad_abi", ""),
+    );
+    install(
+        p,
+        "bad-mlx",
+        &target_dir().join(lib_name("mlx_spec_bad_mlx")),
+        &manifest("bad-mlx", "mlx_spec_bad_mlx", ""),
+    );
+    let pinned = manifest("pinned", "mlx_spec_ngram", "").replace(
+        "api = 1",
+        &format!("api = 1\nsha256 = \"{}\"", "ab".repeat(32)),
+    );
+    install(
+        p,
+        "pinned",
+        &target_dir().join(lib_name("mlx_spec_ngram")),
+        &pinned.replace("name = \"pinned\"", "name = \"ngram\""),
+    );
+    install(
+        p,
+        "typo",
+        &target_dir().join(lib_name("mlx_spec_ngram")),
+        &manifest("ngram", "mlx_spec_ngram", "").replace("api = 1", "api = 1\nlibary = \"x\""),
+    );
+    install(
+        p,
+        "future",
+        &target_dir().join(lib_name("mlx_spec_ngram")),
+        &manifest("ngram", "mlx_spec_ngram", "").replace("api = 1", "api = 2"),
+    );
+    std::fs::create_dir_all(p.join("missing")).unwrap();
+    std::fs::write(
+        p.join("missing/plugin.toml"),
+        manifest("ghost", "does_not_exist", ""),
+    )
+    .unwrap();
+
+    for (folder, expected) in [
+        ("bad-abi", "plugin ABI 2"),
+        ("bad-mlx", "MLX 0.0.1"),
+        ("pinned", "sha256"),
+        ("typo", "libary"),
+        ("future", "ABI 2"),
+        ("missing", "missing"),
+    ] {
+        let err = expect_error(&["plugins", "check", p.join(folder).to_str().unwrap()]);
+        assert!(err.contains(expected), "{folder}: {err}");
+    }
+    // Listing reports every plugin with its status and succeeds.
+    let out = mlx_spec(&["plugins", "list", "--plugins-dir", p.to_str().unwrap()]);
+    assert!(out.status.success());
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(listing.matches("unusable").count(), 6, "{listing}");
+    // Asking for a refused drafter is a clear error, not a crash.
+    let err = expect_error(&[
+        "generate",
+        "--model",
+        fixture("tiny-ple-kvshare").to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+        "--drafter",
+        "bad-abi",
+        "--plugins-dir",
+        p.to_str().unwrap(),
+    ]);
+    assert!(err.contains("bad-abi") && err.contains("ABI"), "{err}");
+    let err = expect_error(&[
+        "generate",
+        "--model",
+        fixture("tiny-ple-kvshare").to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+        "--drafter",
+        "nope",
+        "--plugins-dir",
+        p.to_str().unwrap(),
+    ]);
+    assert!(err.contains("nope"), "{err}");
+}
+
+#[test]
+fn plugins_list_shows_the_shipped_ngram() {
+    let plugins = plugins_dir();
+    let out = mlx_spec(&[
+        "plugins",
+        "list",
+        "--plugins-dir",
+        plugins.path().to_str().unwrap(),
+    ]);
+    let listing = String::from_utf8_lossy(&out.stdout);
+    let line = listing
+        .lines()
+        .find(|l| l.starts_with("ngram"))
+        .unwrap_or_else(|| panic!("{listing}"));
+    assert!(line.contains("0.1.0") && line.ends_with("ok"), "{line}");
+}
+
+#[test]
+fn deploy_config_runs_the_drafter_and_names_bad_keys() {
+    let plugins = plugins_dir();
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("deploy.toml");
+    let model = fixture("tiny-ple-kvshare");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\npath = {:?}\ndtype = \"f32\"\n[plugins]\ndirs = [{:?}]\n[drafter]\nname = \"ngram\"\nnum_draft_tokens = 4\n[drafter.config]\nmax_ngram = 2\n[sampling]\nmax_tokens = 24\n",
+            model.to_str().unwrap(),
+            plugins.path().to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let ids = prompts("tiny-ple-kvshare")[1].clone();
+    let out = json_of(&mlx_spec(&[
+        "run",
+        "--config",
+        config.to_str().unwrap(),
+        "--prompt-ids",
+        &ids_arg(&ids),
+        "--json",
+    ]));
+    let plain = json_of(&mlx_spec(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        &ids_arg(&ids),
+        "--max-tokens",
+        "24",
+        "--dtype",
+        "f32",
+        "--json",
+    ]));
+    assert_eq!(tokens_of(&out), tokens_of(&plain));
+    assert_eq!(out["stats"]["drafter"], "ngram");
+    let max_drafted = out["stats"]["drafted_per_position"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert!(
+        max_drafted <= 4,
+        "num_draft_tokens = 4 not honoured: {}",
+        out["stats"]
+    );
+
+    std::fs::write(
+        &config,
+        "[model]\npath = \"m\"\n[drafter]\nname = \"ngram\"\nnum_draft_token = 3\n",
+    )
+    .unwrap();
+    let err = expect_error(&[
+        "run",
+        "--config",
+        config.to_str().unwrap(),
+        "--prompt-ids",
+        "2",
+    ]);
+    assert!(
+        err.contains("num_draft_token") && err.contains("line 5"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_out_of_tree_plugin_drops_into_an_already_built_host() {
+    let crate_dir = repo_root().join("tests/drop-in/echo-drafter");
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--release", "--quiet", "--manifest-path"])
+        .arg(crate_dir.join("Cargo.toml"))
+        .current_dir(&crate_dir)
+        .status()
+        .expect("run cargo");
+    assert!(status.success(), "building the out-of-tree plugin failed");
+    let plugins = tempfile::tempdir().unwrap();
+    let manifest = std::fs::read_to_string(crate_dir.join("plugin.toml")).unwrap();
+    install(
+        plugins.path(),
+        "echo",
+        &crate_dir
+            .join("target/release")
+            .join(lib_name("echo_drafter")),
+        &manifest,
+    );
+
+    for name in ["tiny-ple-kvshare", "tiny-moe-keqv"] {
+        let ids = prompts(name)[1].clone();
+        let plain = run(&fixture(name), &ids, 40, &[]);
+        let spec = run(
+            &fixture(name),
+            &ids,
+            40,
+            &[
+                "--drafter",
+                "echo",
+                "--plugins-dir",
+                plugins.path().to_str().unwrap(),
+            ],
+        );
+        assert_eq!(
+            tokens_of(&spec),
+            tokens_of(&plain),
+            "{name}: the drop-in plugin changed the output"
+        );
+        assert!(
+            spec["stats"]["num_drafts"].as_u64().unwrap() > 0,
+            "{}",
+            spec["stats"]
+        );
+    }
+}
