@@ -7,12 +7,16 @@
 # saving and the golden add about half a minute on top.
 # The payload is looked for, in order: $PAYLOAD; the folder of this script when it holds
 # wheels/ and data/ (running the copy inside the payload); train/out/gpu-payload/; else
-# train/out/gpu-payload.tar.gz is unpacked there.
+# train/out/gpu-payload.tar.xz (or .tar.gz) is unpacked there.
 # Python: $PYTHON, then python3, then /opt/torch/.venv/bin/python (the first one whose torch
 # sees CUDA). The carried wheels go into a fresh --target folder (nothing is installed into
 # that python); numpy only when that python has none.
-# Result: $OUT/run/ (train_log.csv, eval_log.csv, metrics.json, train_stdout.log, model/);
-# $OUT defaults to train/out when unset.
+# Result when $OUT is unset: train/out/run/ (train_log.csv, eval_log.csv, metrics.json,
+# train_stdout.log, model/). When $OUT is set (the remote harness, which brings back at most
+# 8 files of <= 16 MiB each, at most 2 folders deep), the run is trained in a scratch folder
+# and exported as $OUT/run/{model-0000N-of-0000M.safetensors, rest.tar.gz, metrics.json,
+# train_stdout.log}; rebuild the tree here with
+#   bash train/unpack_gpu_result.sh <folder holding those files> [train/out/run]
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -26,12 +30,19 @@ elif [ -d "$HERE/wheels" ] && [ -d "$HERE/data" ]; then
   PAYLOAD="$HERE"
 elif [ -d "$HERE/out/gpu-payload/wheels" ]; then
   PAYLOAD="$HERE/out/gpu-payload"
-elif [ -f "$HERE/out/gpu-payload.tar.gz" ]; then
-  tar -C "$HERE/out" -xzf "$HERE/out/gpu-payload.tar.gz"
-  PAYLOAD="$HERE/out/gpu-payload"
 else
-  echo "no payload: expected train/out/gpu-payload/ or train/out/gpu-payload.tar.gz (run pack_for_gpu.sh)" >&2
-  exit 1
+  tb=""
+  if [ -f "$HERE/out/gpu-payload.tar.xz" ]; then
+    tb="$HERE/out/gpu-payload.tar.xz"
+  elif [ -f "$HERE/out/gpu-payload.tar.gz" ]; then
+    tb="$HERE/out/gpu-payload.tar.gz"
+  else
+    echo "no payload: expected train/out/gpu-payload/ or train/out/gpu-payload.tar.xz (run pack_for_gpu.sh)" >&2
+    exit 1
+  fi
+  echo "== unpacking $tb"
+  tar -C "$HERE/out" -xf "$tb" 2>/dev/null || python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$tb" "$HERE/out"
+  PAYLOAD="$HERE/out/gpu-payload"
 fi
 if [ -f "$PAYLOAD/SHA256SUMS" ]; then
   (cd "$PAYLOAD" && sha256sum --quiet -c SHA256SUMS) || { echo "payload checksum mismatch" >&2; exit 1; }
@@ -76,8 +87,11 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 print('== transformers', transformers.__version__, 'from', transformers.__file__.rsplit('/', 2)[0], '| numpy', numpy.__version__)"
 
 # ---------------------------------------------------------------- train
-OUTROOT="${OUT:-$HERE/out}"
-RUN="$OUTROOT/run"
+if [ -n "${OUT:-}" ]; then
+  RUN="$WORK/run"
+else
+  RUN="$HERE/out/run"
+fi
 rm -rf "$RUN"
 mkdir -p "$RUN"
 "$PY" "$HERE/train_model.py" --device cuda --data "$PAYLOAD/data" --tokenizer "$PAYLOAD/data/tokenizer" \
@@ -94,6 +108,7 @@ rows = [
     ("tokens", f"{m['tokens_seen']:,} ({m['epochs']:.1f} epochs)"),
     ("minutes", f"{m['train_wall_seconds'] / 60:.2f} train, {m['total_wall_seconds'] / 60:.2f} total"),
     ("tokens/s", f"{m['tokens_per_second']:,.0f}"),
+    ("saved weights of step", f"{m['saved_step']:,} (best periodic eval; restored: {m['restored_best']})"),
     ("final train loss", f"{m['final_train_loss']:.4f}"),
     ("held-out loss", f"{m['heldout_loss']:.4f}"),
     ("perplexity", f"{m['heldout_ppl']:.3f}"),
@@ -105,5 +120,17 @@ for k, v in rows:
     print(f"{k:<{w}}  {v}")
 print("=" * 50)
 EOF
-echo "== result: $RUN (model in $RUN/model)"
-rm -rf "$WORK"
+if [ -n "${OUT:-}" ]; then
+  EXP="$OUT/run"
+  rm -rf "$EXP"
+  mkdir -p "$EXP"
+  cp "$RUN"/model/model*.safetensors "$EXP/"
+  tar -C "$RUN" --exclude='model/model*.safetensors' -czf "$EXP/rest.tar.gz" .
+  cp "$RUN/metrics.json" "$RUN/train_stdout.log" "$EXP/"
+  ls -la "$EXP"
+  echo "== result: $EXP (unpack here with: bash train/unpack_gpu_result.sh <that folder>)"
+  rm -rf "$WORK"
+else
+  echo "== result: $RUN (model in $RUN/model)"
+  rm -rf "$WORK"
+fi

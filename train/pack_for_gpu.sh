@@ -5,7 +5,7 @@
 #     wheels/      pinned wheels for transformers 5.24.0 and what it imports (cp312, manylinux)
 #     data/        train.bin, heldout.bin, heldout_index.json, manifest.json, tokenizer_stats.json
 #     data/tokenizer/   tokenizer.json, tokenizer_config.json
-#   out/gpu-payload.tar.gz   the same folder as one tarball
+#   out/gpu-payload.tar.xz   the same folder as one tarball (xz: the token files shrink ~4x)
 #
 # Run here after prepare_corpus.py and train_tokenizer.py:   bash train/pack_for_gpu.sh
 # Env: PYTHON (a python with pip, default python3), PACK_NUMPY=0 to leave numpy out
@@ -16,7 +16,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PY="${PYTHON:-python3}"
 DATA="$HERE/data"
 PAYLOAD="$HERE/out/gpu-payload"
-TARBALL="$HERE/out/gpu-payload.tar.gz"
+TARBALL="$HERE/out/gpu-payload.tar.xz"
 
 # transformers 5.24.0 and the packages it imports when building, training, saving and
 # reloading Gemma4ForCausalLM (checked with sys.modules); the hub CLI extras (typer, rich,
@@ -49,7 +49,7 @@ for f in train.bin heldout.bin heldout_index.json manifest.json tokenizer_stats.
   [ -f "$DATA/$f" ] || { echo "missing $DATA/$f: run prepare_corpus.py and train_tokenizer.py first" >&2; exit 1; }
 done
 
-rm -rf "$PAYLOAD" "$TARBALL"
+rm -rf "$PAYLOAD" "$TARBALL" "$HERE/out/gpu-payload.tar.gz"
 mkdir -p "$PAYLOAD/wheels" "$PAYLOAD/data/tokenizer"
 
 # Reuse wheels from an earlier pack when present (same pinned names), else download.
@@ -80,6 +80,10 @@ cp "$DATA"/tokenizer/tokenizer.json "$DATA"/tokenizer/tokenizer_config.json "$PA
 cp "$HERE"/gpu_run.sh "$HERE"/train_model.py "$HERE"/verify_checkpoint.py "$PAYLOAD/"
 ( cd "$PAYLOAD" && sha256sum wheels/*.whl data/*.bin data/tokenizer/* > SHA256SUMS )
 
-tar -C "$HERE/out" -czf "$TARBALL" gpu-payload
+XZ_OPT="-6 -T0" tar -C "$HERE/out" -cJf "$TARBALL" gpu-payload
+size=$(stat -c %s "$TARBALL")
+if [ "$size" -gt 62914560 ]; then
+  echo "warning: $TARBALL is $size bytes; a device call carries at most 64 MiB in all" >&2
+fi
 echo "== payload folder: $(du -sh "$PAYLOAD" | cut -f1)  ($(ls "$PAYLOAD/wheels" | wc -l) wheels, $(du -sh "$PAYLOAD/wheels" | cut -f1))"
 echo "== tarball: $TARBALL  $(stat -c %s "$TARBALL") bytes ($(du -h "$TARBALL" | cut -f1))"

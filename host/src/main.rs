@@ -203,6 +203,15 @@ struct BenchArgs {
     /// Measured repetitions (after one warm-up); the median is reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// With --drafter: measure speculative against plain decoding side by side.
+    #[command(flatten)]
+    spec: SpecArgs,
+    /// With --drafter: the prompt, from a text file (default: synthetic ids).
+    #[arg(long, value_name = "FILE", requires = "drafter")]
+    prompt_file: Option<PathBuf>,
+    /// With --prompt-file: wrap the text as a chat turn.
+    #[arg(long, requires = "prompt_file")]
+    chat: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -617,19 +626,122 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Plain and speculative greedy decoding of the same prompt, alternated, in one process.
+fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
+    let registry = Registry::scan(&args.spec.plugins_dirs)?;
+    let (manifest, module) = registry.get(drafter)?;
+    let provider = instantiate(manifest, module, &parse_overrides(&args.spec.drafter_set)?)?;
+    let k = args
+        .spec
+        .num_draft_tokens
+        .or_else(|| {
+            manifest
+                .defaults
+                .get(plugins::HOST_KEY_NUM_DRAFT_TOKENS)
+                .and_then(|v| v.as_integer())
+                .map(|v| v as usize)
+        })
+        .unwrap_or(10);
+    let loaded = load_model(&args.model)?;
+    let model = &loaded.model;
+    let prompt = match &args.prompt_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            let tok = loaded
+                .tokenizer
+                .as_ref()
+                .context("--prompt-file needs a model with tokenizer.json")?;
+            if args.chat {
+                tok.encode_chat(&[ChatMessage {
+                    role: "user".into(),
+                    content: text,
+                }])?
+            } else {
+                tok.encode_prompt(&text)?
+            }
+        }
+        None => synthetic_prompt(model.config.vocab_size, args.prompt_tokens),
+    };
+    let request = GenerateRequest {
+        prompt_ids: prompt.clone(),
+        max_tokens: args.gen_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        ignore_eos: true,
+    };
+    let options = SpecOptions {
+        num_draft_tokens: k,
+        auto_off: !args.spec.no_auto_off,
+    };
+    let (mut plain_rates, mut spec_rates, mut last_stats) = (Vec::new(), Vec::new(), None);
+    for round in 0..=args.repeats {
+        let start = Instant::now();
+        let (plain_tokens, _) = generate(model, &request, |_| Ok(()))?;
+        let plain_s = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let (spec_tokens, _, stats) =
+            generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
+        let spec_s = start.elapsed().as_secs_f64();
+        if spec_tokens != plain_tokens {
+            bail!("speculative output differs from plain output (round {round}): this is a bug, please report it");
+        }
+        if round > 0 {
+            plain_rates.push(plain_tokens.len() as f64 / plain_s);
+            spec_rates.push(spec_tokens.len() as f64 / spec_s);
+        }
+        last_stats = Some(stats);
+    }
+    let stats = last_stats.expect("at least one round");
+    let (plain, spec) = (median(plain_rates), median(spec_rates));
+    if args.json {
+        println!(
+            "{}",
+            json!({"model": args.model.model.display().to_string(), "drafter": drafter, "num_draft_tokens": k,
+                   "prompt_tokens": prompt.len(), "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+                   "plain_tokens_per_s": plain, "spec_tokens_per_s": spec, "speedup": spec / plain,
+                   "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+                   "num_accepted_tokens": stats.num_accepted_tokens, "mean_acceptance_length": stats.mean_acceptance_length,
+                   "target_forwards": stats.target_forwards, "drafter_seconds": stats.drafter_seconds,
+                   "drafter_us_per_forward": 1e6 * stats.drafter_seconds / stats.target_forwards.max(1) as f64})
+        );
+    } else {
+        println!("| model | drafter (k) | prompt | generated | plain tok/s | spec tok/s | speedup | acceptance length | forwards | drafter µs/forward |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!(
+            "| {} | {drafter} ({k}) | {} | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} | {} | {:.1} |",
+            args.model.model.file_name().unwrap_or_default().to_string_lossy(),
+            prompt.len(),
+            args.gen_tokens,
+            spec / plain,
+            stats.mean_acceptance_length,
+            stats.target_forwards,
+            1e6 * stats.drafter_seconds / stats.target_forwards.max(1) as f64
+        );
+    }
+    Ok(())
+}
+
+/// Deterministic prompt ids away from the special-token range.
+fn synthetic_prompt(vocab: usize, len: usize) -> Vec<u32> {
+    let vocab = vocab as u64;
+    let low = 3.min(vocab - 1);
+    (0..len as u64)
+        .map(|i| (low + (i * 2_654_435_761) % (vocab - low)) as u32)
+        .collect()
+}
+
 fn run_bench(args: BenchArgs) -> Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens == 0 || args.repeats == 0 {
         bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
     }
+    if let Some(drafter) = args.spec.drafter.clone() {
+        return run_bench_spec(&args, &drafter);
+    }
     let loaded = load_model(&args.model)?;
     let model = &loaded.model;
     let weight_bytes = mlx_rs::memory::active_memory().unwrap_or(0);
-    // Deterministic prompt ids away from the special-token range.
-    let vocab = model.config.vocab_size as u64;
-    let low = 3.min(vocab - 1);
-    let prompt: Vec<u32> = (0..args.prompt_tokens as u64)
-        .map(|i| (low + (i * 2_654_435_761) % (vocab - low)) as u32)
-        .collect();
+    let prompt = synthetic_prompt(model.config.vocab_size, args.prompt_tokens);
 
     let mut prefill_rates = Vec::new();
     let mut decode_rates = Vec::new();

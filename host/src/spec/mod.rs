@@ -67,6 +67,9 @@ pub struct SpecStats {
     pub paused_rounds: u64,
     /// Why the drafter was switched off for the rest of the request, if it was.
     pub drafter_error: Option<String>,
+    /// Wall time spent inside the drafter's calls (draft and commit, across the plugin
+    /// boundary), seconds.
+    pub drafter_seconds: f64,
 }
 
 fn ffi<T>(r: RResult<T, RString>) -> Result<T, String> {
@@ -360,11 +363,13 @@ pub fn generate_speculative(
                 model,
                 position: cache.offset() as u64,
             };
+            let began = Instant::now();
             let result =
                 source
                     .as_mut()
                     .unwrap()
                     .draft(&history, n, tokens.len() as u64, &target, vocab);
+            stats.drafter_seconds += began.elapsed().as_secs_f64();
             match result {
                 Ok(p) => proposal = p,
                 Err(e) => {
@@ -455,11 +460,13 @@ pub fn generate_speculative(
             .last()
             .expect("a round that does not stop emits a token");
         if let Some(s) = source.as_mut() {
-            if let Err(e) =
+            let began = Instant::now();
+            let committed =
                 ffi(s
                     .source
-                    .commit(d as u32, accepted as u32, RSlice::from_slice(&emitted)))
-            {
+                    .commit(d as u32, accepted as u32, RSlice::from_slice(&emitted)));
+            stats.drafter_seconds += began.elapsed().as_secs_f64();
+            if let Err(e) = committed {
                 tracing::warn!(
                     "drafter failed in commit, finishing this request with plain decoding: {e}"
                 );

@@ -7,6 +7,10 @@
 //! * `out_of_vocab`: proposes a token id past the vocabulary;
 //! * `too_many`: returns more tokens than asked for;
 //! * `refuse`: refuses to open a request;
+//! * `empty`: never proposes anything (every round is a plain step through the plugin
+//!   boundary: measures its cost);
+//! * `shift`: proposes the last token plus one, `n` times (nearly always wrong: exercises
+//!   auto-off);
 //! * `noisy`: samples drafts from its own distribution `q` and returns `q` (rejection
 //!   sampling path): q mixes a uniform floor with a peak on `(last token * 7 + 3) % vocab`.
 
@@ -87,6 +91,11 @@ impl DrafterSession for TestSession {
         match c.mode.as_str() {
             "script" => Ok(Proposal::tokens(from_script(0))),
             "wrong" => Ok(Proposal::tokens(from_script(1))),
+            "empty" => Ok(Proposal::tokens(Vec::new())),
+            "shift" => {
+                let next = (history.last().copied().unwrap_or(0) + 1) % self.vocab;
+                Ok(Proposal::tokens(vec![next; n]))
+            }
             "panic" => panic!("test drafter panics on purpose at step {step_base}"),
             "out_of_vocab" => Ok(Proposal::tokens(vec![self.vocab + 5])),
             "too_many" => Ok(Proposal::tokens(vec![3; n + 3])),
