@@ -8,8 +8,9 @@
 #   out/gpu-payload.tar.xz   the same folder as one tarball (xz: the token files shrink ~4x)
 #
 # Run here after prepare_corpus.py and train_tokenizer.py:   bash train/pack_for_gpu.sh
-# Env: PYTHON (a python with pip, default python3), PACK_NUMPY=0 to leave numpy out
-# (gpu_run.sh installs the carried numpy only when the GPU python has none).
+# Env: PYTHON (a python with pip, default python3); PACK_NUMPY=1 to carry numpy too (+16.6 MB;
+# the H200 machine's /opt/torch/.venv already has numpy 2.5.2, so it is left out by default;
+# gpu_run.sh installs a carried numpy only when the GPU python has none).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -40,7 +41,7 @@ WHEELS=(
   regex==2026.11.19
   tqdm==4.70.1
 )
-if [ "${PACK_NUMPY:-1}" != "0" ]; then
+if [ "${PACK_NUMPY:-0}" = "1" ]; then
   WHEELS+=(numpy==2.4.6)
 fi
 
