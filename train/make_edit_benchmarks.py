@@ -265,7 +265,8 @@ def build_free_text(docs, ntok, n):
                 summary = summary[:1].lower() + summary[1:]
             if summary.endswith("."):
                 summary = summary[:-1]
-            content = (f"Write a Python function `{sig}` that does the following: {summary}.\n"
+            what = "method" if re.match(r"\w+\((self|cls)\b", sig) else "function"
+            content = (f"Write a Python {what} `{sig}` that does the following: {summary}.\n"
                        "Reply with the code in one ```python block.")
             prompt = chat(content)
             reference = f"```python\n{segment(body, fn)}```"

@@ -49,8 +49,13 @@ def main():
         ax.plot([r["tokens"] / 1e6 for r in evals], [r["heldout_loss"] for r in evals],
                 "o-", ms=4, lw=1.5, label="held-out loss")
     ax.set_ylabel("cross-entropy (nats/token)")
-    lo = min([r["train_loss"] for r in train] + [r["heldout_loss"] for r in evals])
-    ax.set_ylim(max(0.0, math.floor(lo * 2) / 2 - 0.25), min(10.0, max(r["train_loss"] for r in train) + 0.25))
+    losses = sorted(r["train_loss"] for r in train)
+    lo = min(losses + [r["heldout_loss"] for r in evals])
+    # the first few logged losses (~9 nats) would squash the interesting part: clip the top
+    hi = losses[int(0.97 * (len(losses) - 1))] + 0.5
+    if evals:
+        hi = max(hi, min(r["heldout_loss"] for r in evals) + 1.0)
+    ax.set_ylim(max(0.0, math.floor(lo * 2) / 2 - 0.25), min(losses[-1] + 0.25, hi))
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(title, fontsize=9)

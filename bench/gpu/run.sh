@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Runs ON the H200 machine, from the repository root, after .gpu/part-aa arrived in an earlier
+# call and .gpu/part-ab in this one (bench/gpu/README.md). Checks that the GPU computes what
+# the CPU computes, then measures; prints a table last. Results also go to $OUT if set.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+G="$ROOT/.gpu"
+RES="${OUT:-$G/results}"
+mkdir -p "$RES"
+LOG="$RES/gpu-run.log"
+exec > >(tee -a "$LOG") 2>&1
+
+if [[ ! -f "$G/mlx/lib/libmlx.so" ]]; then
+    cat "$G/part-aa" "$G/part-ab" | xz -dc | tar -C "$G" -xf - || { echo "cannot unpack the CUDA libmlx"; exit 3; }
+fi
+NV="$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)"
+NVLIBS="$(ls -d "$NV"/*/lib 2>/dev/null | tr '\n' ':')"
+export LD_LIBRARY_PATH="$G/mlx/lib:$NVLIBS${LD_LIBRARY_PATH:-}"
+for h in /usr/local/cuda "$NV/cu13" "$NV/cuda_runtime"; do
+    [[ -f "$h/include/cuda_runtime.h" ]] && export CUDA_HOME="$h" && break
+done
+export MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-$G/ptx-cache}"
+BIN="$G/bin/mlx-spec"
+chmod +x "$BIN"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+echo "CUDA_HOME=${CUDA_HOME:-unset}"
+ldd "$BIN" | grep -E "mlx|not found"
+
+ROWS=()
+row() { ROWS+=("$*"); }
+
+# 1. The GPU computes the same function: greedy tokens on every fixture, f32 with TF32 off,
+#    against the CPU backend of the same libmlx.
+export MLX_ENABLE_TF32=0
+same=0
+total=0
+for f in "$ROOT"/tests/fixtures/*/; do
+    name="$(basename "$f")"
+    ids="$(python3 -c 'import sys, struct, json
+from safetensors.numpy import load_file
+print(",".join(str(int(x)) for x in load_file(sys.argv[1])["prompt_ids"]))' "$f/golden.safetensors" 2>/dev/null || echo 2,10,20,30,40)"
+    for dev in cpu gpu; do
+        timeout 300 "$BIN" generate --model "$f" --prompt-ids "$ids" --max-tokens 24 --ignore-eos --dtype f32 \
+            --device "$dev" --json >"$RES/greedy-$name-$dev.json" 2>"$RES/greedy-$name-$dev.err"
+    done
+    total=$((total + 1))
+    if python3 -c 'import json, sys
+a, b = (json.load(open(p))["tokens"] for p in sys.argv[1:3])
+sys.exit(0 if a == b and len(a) == 24 else 1)' "$RES/greedy-$name-cpu.json" "$RES/greedy-$name-gpu.json"; then
+        same=$((same + 1))
+    else
+        echo "MISMATCH $name"; cat "$RES/greedy-$name-gpu.err" | tail -3
+    fi
+done
+row "greedy tokens GPU == CPU (f32, TF32 off) | $same / $total fixtures"
+unset MLX_ENABLE_TF32
+
+# 2. Plain decode speed of real Gemma 4 shapes with random weights.
+bench() {
+    local label="$1"; shift
+    local json
+    if json="$(timeout 240 "$BIN" bench --device gpu --random-weights --json "$@" 2>"$RES/bench.err")"; then
+        echo "$json" >>"$RES/bench.jsonl"
+        row "$label | $(python3 -c 'import json, sys; j = json.loads(sys.argv[1]); print("prefill %.0f tok/s | decode %.1f tok/s | weights %.1f GB" % (j["prefill_tokens_per_s"], j["decode_tokens_per_s"], j["weight_bytes"] / 1e9))' "$json")"
+    else
+        row "$label | failed: $(tail -n 1 "$RES/bench.err")"
+    fi
+}
+bench "E4B bf16, prompt 512" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+bench "12B bf16, prompt 512" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+bench "E4B 4-bit g64, prompt 512" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+
+echo
+echo "| measurement | result |"
+echo "|---|---|"
+for r in "${ROWS[@]}"; do echo "| $r |"; done
