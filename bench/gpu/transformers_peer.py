@@ -1,0 +1,42 @@
+"""The peer measurement: transformers' Gemma4ForCausalLM on the GPU with the same config as
+mlx-spec's random-weight bench, bf16, greedy decode with its default dynamic cache (and SDPA
+attention). Prints one line: prefill and decode tokens/s.
+Usage: python3 transformers_peer.py CONFIG_JSON PROMPT_TOKENS GEN_TOKENS"""
+import json
+import sys
+import time
+
+import torch
+import transformers
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+config_path, prompt_len, gen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+raw = json.load(open(config_path))
+raw.pop("model_type", None)
+config = Gemma4TextConfig(**raw)
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = Gemma4ForCausalLM(config).to(torch.bfloat16).eval()
+vocab = config.vocab_size
+ids = torch.tensor([[3 + (i * 2654435761) % (vocab - 3) for i in range(prompt_len)]], device="cuda")
+
+
+def run():
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=gen + 1, min_new_tokens=gen + 1, do_sample=False)
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    prefill = t1 - t0
+    decode = (t2 - t1) - prefill
+    return prompt_len / prefill, gen / decode
+
+
+with torch.no_grad():
+    run()  # warm-up
+    prefill_rate, decode_rate = run()
+print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+print(f"prefill {prefill_rate:.0f} tok/s | decode {decode_rate:.1f} tok/s")
