@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{fixture, max_abs_diff, Golden, FIXTURES};
+use common::{default_model, fixture, max_abs_diff, repo_root, Golden, FIXTURES};
 use mlx_rs::Dtype;
 use mlx_spec::generate::greedy_token;
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
@@ -183,4 +183,42 @@ fn auto_dtype_follows_the_checkpoint() {
         Dtype::Float32,
         "quantized: the dtype of the scales"
     );
+}
+
+/// The default model, trained on real code: transformers' logits on a held-out file and its
+/// greedy continuation (tests/goldens/gemma4-code-7m.safetensors, written by the training
+/// script from the saved checkpoint).
+#[test]
+fn trained_default_model_matches_transformers_on_held_out_code() {
+    let model =
+        Gemma4Model::load(&default_model(), DtypeChoice::Fixed(Dtype::Float32), None).unwrap();
+    let golden = Golden::from_file(&repo_root().join("tests/goldens/gemma4-code-7m.safetensors"));
+    let ids = golden.ids("prompt_ids");
+    assert!(
+        ids.len() > model.config.sliding_window / 4,
+        "the prompt should be a real stretch of code"
+    );
+    let out = model
+        .forward(&ids, &mut model.new_cache(), LogitsFor::All, false)
+        .unwrap();
+    let (_, want) = golden.f32("logits");
+    let diff = max_abs_diff(&to_vec(&out.logits), &want);
+    assert!(diff < LOGITS_TOL, "logits differ by {diff}");
+
+    let want = golden.ids("greedy_ids");
+    let mut cache = model.new_cache();
+    let mut logits = model
+        .forward(&ids, &mut cache, LogitsFor::Last, false)
+        .unwrap()
+        .logits;
+    let mut got = Vec::new();
+    for _ in 0..want.len() {
+        let next = greedy_token(&logits).unwrap();
+        got.push(next);
+        logits = model
+            .forward(&[next], &mut cache, LogitsFor::Last, false)
+            .unwrap()
+            .logits;
+    }
+    assert_eq!(got, want, "greedy continuation differs from transformers");
 }

@@ -3,7 +3,7 @@
 //!
 //! ```toml
 //! [model]
-//! path = "models/my-gemma"        # relative paths are relative to this file
+//! path = "models/my-gemma"        # relative to this file; default: the repo's default model
 //! device = "cpu"                  # cpu | gpu
 //! dtype = "auto"                  # auto | f32 | bf16 | f16
 //!
@@ -36,6 +36,7 @@ use crate::device::DeviceKind;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeployConfig {
+    #[serde(default)]
     pub model: ModelSection,
     #[serde(default)]
     pub plugins: PluginsSection,
@@ -48,11 +49,23 @@ pub struct DeployConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
-    pub path: PathBuf,
+    /// Default: the model shipped in the repo.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
     #[serde(default = "default_device")]
     pub device: DeviceKind,
     #[serde(default = "default_dtype")]
     pub dtype: String,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        ModelSection {
+            path: None,
+            device: default_device(),
+            dtype: default_dtype(),
+        }
+    }
 }
 
 fn default_device() -> DeviceKind {
@@ -138,7 +151,7 @@ impl DeployConfig {
         })?;
         let base = path.parent().unwrap_or(Path::new("."));
         // `join` keeps absolute paths as they are.
-        cfg.model.path = base.join(&cfg.model.path);
+        cfg.model.path = cfg.model.path.map(|p| base.join(p));
         cfg.plugins.dirs = cfg.plugins.dirs.iter().map(|d| base.join(d)).collect();
         if !["auto", "f32", "bf16", "f16"].contains(&cfg.model.dtype.as_str()) {
             anyhow::bail!(
@@ -168,7 +181,7 @@ mod tests {
             "[model]\npath = \"m\"\n[plugins]\ndirs = [\"p\"]\n[drafter]\nname = \"ngram\"\n[drafter.config]\nmax_ngram = 4\n[sampling]\nmax_tokens = 9\n",
         );
         let cfg = DeployConfig::load(&path).unwrap();
-        assert_eq!(cfg.model.path, dir.path().join("m"));
+        assert_eq!(cfg.model.path, Some(dir.path().join("m")));
         assert_eq!(cfg.plugins.dirs, vec![dir.path().join("p")]);
         let drafter = cfg.drafter.unwrap();
         assert_eq!(drafter.config["max_ngram"].as_integer(), Some(4));

@@ -115,9 +115,10 @@ impl DtypeArg {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// Model folder (config.json + safetensors [+ tokenizer.json]). With --random-weights, a
-    /// config.json file or a folder holding one.
-    #[arg(long, env = "MLX_SPEC_MODEL", value_name = "PATH")]
+    /// Model folder (config.json + safetensors [+ tokenizer.json]); default: the small code
+    /// model shipped in the repo. With --random-weights, a config.json file or a folder
+    /// holding one.
+    #[arg(long, env = "MLX_SPEC_MODEL", value_name = "PATH", default_value_os_t = mlx_spec::default_model_path())]
     model: PathBuf,
     /// Device to run on. `gpu` needs a GPU build of libmlx (CUDA on Linux, Metal on macOS).
     #[arg(long, value_enum, default_value = "cpu")]
@@ -212,6 +213,15 @@ struct BenchArgs {
     /// With --prompt-file: wrap the text as a chat turn.
     #[arg(long, requires = "prompt_file")]
     chat: bool,
+    /// With --drafter: a JSONL prompt set (one object per line with `messages`: chat turns of
+    /// `role`/`content`), e.g. bench/prompts/code_edit.jsonl; results are summed over it.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "drafter",
+        conflicts_with = "prompt_file"
+    )]
+    prompt_set: Option<PathBuf>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -553,7 +563,11 @@ fn run_deploy(args: RunArgs) -> Result<()> {
     let s = &cfg.sampling;
     run_job(Job {
         model: ModelArgs {
-            model: cfg.model.path.clone(),
+            model: cfg
+                .model
+                .path
+                .clone()
+                .unwrap_or_else(mlx_spec::default_model_path),
             device: cfg.model.device,
             dtype,
             random_weights: false,
@@ -644,61 +658,109 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
         .unwrap_or(10);
     let loaded = load_model(&args.model)?;
     let model = &loaded.model;
-    let prompt = match &args.prompt_file {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read {}", path.display()))?;
-            let tok = loaded
-                .tokenizer
-                .as_ref()
-                .context("--prompt-file needs a model with tokenizer.json")?;
-            if args.chat {
-                tok.encode_chat(&[ChatMessage {
-                    role: "user".into(),
-                    content: text,
-                }])?
-            } else {
-                tok.encode_prompt(&text)?
-            }
+    let need_tokenizer = || {
+        loaded
+            .tokenizer
+            .as_ref()
+            .context("--prompt-file/--prompt-set need a model with tokenizer.json")
+    };
+    let prompts: Vec<Vec<u32>> = if let Some(path) = &args.prompt_set {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let mut prompts = Vec::new();
+        for (i, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("{} line {}: not JSON", path.display(), i + 1))?;
+            let messages = v["messages"]
+                .as_array()
+                .with_context(|| format!("{} line {}: no `messages` list", path.display(), i + 1))?
+                .iter()
+                .map(|m| ChatMessage {
+                    role: m["role"].as_str().unwrap_or("user").to_owned(),
+                    content: m["content"].as_str().unwrap_or_default().to_owned(),
+                })
+                .collect::<Vec<_>>();
+            prompts.push(need_tokenizer()?.encode_chat(&messages)?);
         }
-        None => synthetic_prompt(model.config.vocab_size, args.prompt_tokens),
+        prompts
+    } else if let Some(path) = &args.prompt_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if args.chat {
+            vec![need_tokenizer()?.encode_chat(&[ChatMessage {
+                role: "user".into(),
+                content: text,
+            }])?]
+        } else {
+            vec![need_tokenizer()?.encode_prompt(&text)?]
+        }
+    } else {
+        vec![synthetic_prompt(
+            model.config.vocab_size,
+            args.prompt_tokens,
+        )]
     };
-    let request = GenerateRequest {
-        prompt_ids: prompt.clone(),
-        max_tokens: args.gen_tokens,
-        sampling: SamplingParams::default(),
-        stop_ids: Vec::new(),
-        ignore_eos: true,
-    };
+    if prompts.is_empty() {
+        bail!("the prompt set is empty");
+    }
     let options = SpecOptions {
         num_draft_tokens: k,
         auto_off: !args.spec.no_auto_off,
     };
-    let (mut plain_rates, mut spec_rates, mut last_stats) = (Vec::new(), Vec::new(), None);
+    let (mut plain_rates, mut spec_rates) = (Vec::new(), Vec::new());
+    let mut totals = mlx_spec::spec::SpecStats::default();
     for round in 0..=args.repeats {
-        let start = Instant::now();
-        let (plain_tokens, _) = generate(model, &request, |_| Ok(()))?;
-        let plain_s = start.elapsed().as_secs_f64();
-        let start = Instant::now();
-        let (spec_tokens, _, stats) =
-            generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
-        let spec_s = start.elapsed().as_secs_f64();
-        if spec_tokens != plain_tokens {
-            bail!("speculative output differs from plain output (round {round}): this is a bug, please report it");
+        let (mut plain_s, mut spec_s, mut generated) = (0.0, 0.0, 0usize);
+        for prompt in &prompts {
+            let request = GenerateRequest {
+                prompt_ids: prompt.clone(),
+                max_tokens: args.gen_tokens,
+                sampling: SamplingParams::default(),
+                stop_ids: Vec::new(),
+                ignore_eos: true,
+            };
+            // Whole requests, prefill included: both paths prefill the same prompt.
+            let start = Instant::now();
+            let (plain_tokens, _) = generate(model, &request, |_| Ok(()))?;
+            plain_s += start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            let (spec_tokens, _, stats) =
+                generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
+            spec_s += start.elapsed().as_secs_f64();
+            if spec_tokens != plain_tokens {
+                bail!("speculative output differs from plain output (round {round}): this is a bug, please report it");
+            }
+            generated += spec_tokens.len();
+            if round == args.repeats {
+                totals.num_drafts += stats.num_drafts;
+                totals.num_draft_tokens += stats.num_draft_tokens;
+                totals.num_accepted_tokens += stats.num_accepted_tokens;
+                totals.target_forwards += stats.target_forwards;
+                totals.drafter_seconds += stats.drafter_seconds;
+            }
         }
         if round > 0 {
-            plain_rates.push(plain_tokens.len() as f64 / plain_s);
-            spec_rates.push(spec_tokens.len() as f64 / spec_s);
+            plain_rates.push(generated as f64 / plain_s);
+            spec_rates.push(generated as f64 / spec_s);
         }
-        last_stats = Some(stats);
     }
-    let stats = last_stats.expect("at least one round");
+    totals.mean_acceptance_length = if totals.num_drafts > 0 {
+        1.0 + totals.num_accepted_tokens as f64 / totals.num_drafts as f64
+    } else {
+        0.0
+    };
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let stats = totals;
     let (plain, spec) = (median(plain_rates), median(spec_rates));
     if args.json {
         println!(
             "{}",
             json!({"model": args.model.model.display().to_string(), "drafter": drafter, "num_draft_tokens": k,
-                   "prompt_tokens": prompt.len(), "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+                   "prompts": prompts.len(), "prompt_tokens": prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
                    "plain_tokens_per_s": plain, "spec_tokens_per_s": spec, "speedup": spec / plain,
                    "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
                    "num_accepted_tokens": stats.num_accepted_tokens, "mean_acceptance_length": stats.mean_acceptance_length,
@@ -706,12 +768,12 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
                    "drafter_us_per_forward": 1e6 * stats.drafter_seconds / stats.target_forwards.max(1) as f64})
         );
     } else {
-        println!("| model | drafter (k) | prompt | generated | plain tok/s | spec tok/s | speedup | acceptance length | forwards | drafter µs/forward |");
+        println!("| model | drafter (k) | prompts (tokens) | generated each | plain tok/s | spec tok/s | speedup | acceptance length | forwards | drafter µs/forward |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
         println!(
-            "| {} | {drafter} ({k}) | {} | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} | {} | {:.1} |",
+            "| {} | {drafter} ({k}) | {} ({prompt_tokens}) | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} | {} | {:.1} |",
             args.model.model.file_name().unwrap_or_default().to_string_lossy(),
-            prompt.len(),
+            prompts.len(),
             args.gen_tokens,
             spec / plain,
             stats.mean_acceptance_length,

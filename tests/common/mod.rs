@@ -22,20 +22,29 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The default model shipped in the repo (trained on code; models/gemma4-code-7m/README.md).
+pub fn default_model() -> PathBuf {
+    repo_root().join("models/gemma4-code-7m")
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     repo_root().join("tests/fixtures").join(name)
 }
 
-/// A golden tensor: shape and values (float32 or int64 widened to f64-free forms).
+/// The golden tensors of one oracle run (float32 values, int64 token ids).
 pub struct Golden {
     bytes: Vec<u8>,
 }
 
 impl Golden {
+    /// The goldens of a fixture model.
     pub fn load(name: &str) -> Self {
-        let path = fixture(name).join("golden.safetensors");
+        Self::from_file(&fixture(name).join("golden.safetensors"))
+    }
+
+    pub fn from_file(path: &std::path::Path) -> Self {
         Golden {
-            bytes: std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+            bytes: std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
         }
     }
 
