@@ -266,3 +266,29 @@ fn gpu_on_a_cpu_only_libmlx_is_a_clear_error() {
         );
     }
 }
+
+#[test]
+fn without_model_flag_the_default_code_model_writes_python() {
+    let out = mlx_spec(&[
+        "generate",
+        "--prompt",
+        "def add(a, b):",
+        "--max-tokens",
+        "24",
+        "--json",
+    ]);
+    let v = json_of(&out);
+    let text = v["text"].as_str().unwrap();
+    // Greedy output of the shipped model (checked against transformers in gemma4_oracle).
+    assert!(text.contains("return"), "not Python-like: {text:?}");
+    let out = mlx_spec(&[
+        "generate",
+        "--prompt",
+        "import os",
+        "--max-tokens",
+        "16",
+        "--json",
+    ]);
+    let text = json_of(&out)["text"].as_str().unwrap().to_owned();
+    assert!(text.contains("import "), "not Python-like: {text:?}");
+}
