@@ -51,6 +51,35 @@ pub struct GenerateStats {
     pub stop_token: Option<u32>,
 }
 
+impl GenerateStats {
+    /// Stats of a finished request: `decoded` tokens took `decode_seconds` after the
+    /// `prefill_seconds` that produced the first one.
+    pub fn new(
+        prompt_tokens: usize,
+        generated_tokens: usize,
+        prefill_seconds: f64,
+        decode_seconds: f64,
+        decoded: usize,
+        stop_token: Option<u32>,
+    ) -> Self {
+        let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        GenerateStats {
+            prompt_tokens,
+            generated_tokens,
+            prefill_seconds,
+            prefill_tokens_per_s: rate(prompt_tokens, prefill_seconds),
+            decode_seconds,
+            decode_tokens_per_s: rate(decoded, decode_seconds),
+            stop_reason: if stop_token.is_some() {
+                StopReason::Stop
+            } else {
+                StopReason::Length
+            },
+            stop_token,
+        }
+    }
+}
+
 /// The argmax of `[1, vocab]` logits, computed on the device (only the id is copied back).
 pub fn greedy_token(logits: &Array) -> Result<u32> {
     Ok(argmax_axis(logits, -1, false)?.item_cast::<u32>())
@@ -122,20 +151,13 @@ pub fn generate(
     };
     let decoded =
         tokens.len().saturating_sub(1) + usize::from(stop_token.is_some() && !tokens.is_empty());
-    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
-    let stats = GenerateStats {
-        prompt_tokens: req.prompt_ids.len(),
-        generated_tokens: tokens.len(),
+    let stats = GenerateStats::new(
+        req.prompt_ids.len(),
+        tokens.len(),
         prefill_seconds,
-        prefill_tokens_per_s: rate(req.prompt_ids.len(), prefill_seconds),
         decode_seconds,
-        decode_tokens_per_s: rate(decoded, decode_seconds),
-        stop_reason: if stop_token.is_some() {
-            StopReason::Stop
-        } else {
-            StopReason::Length
-        },
+        decoded,
         stop_token,
-    };
+    );
     Ok((tokens, stats))
 }

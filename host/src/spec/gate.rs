@@ -2,10 +2,14 @@
 //! much more than plain decode.
 //!
 //! Acceptance is tracked as an exponentially decayed count of accepted tokens per drafted
-//! round. When it falls below [`MIN_ACCEPTED_PER_ROUND`], drafting pauses for a number of
-//! rounds (plain decode steps) that doubles after each failed probe, up to [`MAX_PAUSE`];
-//! one probe round then tests the drafter again. A drafter that proposes nothing costs
-//! nothing and is not penalised.
+//! round. Two controls follow from it:
+//! * the draft length: a round asks for about twice the recent acceptance plus one token,
+//!   so a drafter that is mostly wrong only costs a verify window of one or two extra tokens;
+//! * pausing: when acceptance falls below [`MIN_ACCEPTED_PER_ROUND`], drafting pauses for a
+//!   number of rounds (plain decode steps) that doubles after each failed probe, up to
+//!   [`MAX_PAUSE`]; one probe round then tests the drafter again.
+//!
+//! A drafter that proposes nothing costs nothing and is not penalised.
 
 /// Below this many accepted tokens per drafted round, a round costs more than it returns.
 pub const MIN_ACCEPTED_PER_ROUND: f64 = 0.25;
@@ -50,6 +54,15 @@ impl DraftGate {
         true
     }
 
+    /// How many tokens to ask for this round, at most `k_max`.
+    pub fn draft_len(&self, k_max: usize) -> usize {
+        if !self.enabled || self.observed < WARMUP_ROUNDS || self.rounds <= 0.0 {
+            return k_max;
+        }
+        let recent = self.accepted / self.rounds;
+        ((2.0 * recent).ceil() as usize + 1).clamp(1, k_max)
+    }
+
     /// Records a verified round that drafted `drafted > 0` tokens and accepted `accepted`.
     pub fn observe(&mut self, drafted: usize, accepted: usize) {
         if drafted == 0 {
@@ -64,11 +77,10 @@ impl DraftGate {
         if self.accepted / self.rounds < MIN_ACCEPTED_PER_ROUND {
             self.paused_for = self.next_pause;
             self.next_pause = (self.next_pause * 2).min(MAX_PAUSE);
-            // The probe after the pause decides alone.
-            self.accepted = 0.0;
-            self.rounds = 0.0;
-            self.observed = WARMUP_ROUNDS - 1;
-        } else if accepted > 0 {
+            // The memory is kept: the probe after the pause drafts few tokens, and one good
+            // probe lifts the decayed rate over the threshold again.
+        } else if self.accepted / self.rounds >= 2.0 * MIN_ACCEPTED_PER_ROUND {
+            // Comfortably useful again: forget the back-off.
             self.next_pause = FIRST_PAUSE;
         }
     }
@@ -97,12 +109,35 @@ mod tests {
     }
 
     #[test]
-    fn a_good_drafter_is_never_paused() {
+    fn a_good_drafter_is_never_paused_and_keeps_long_drafts() {
         let mut gate = DraftGate::new(true);
         for i in 0..500 {
             assert!(gate.should_draft(), "paused at round {i}");
-            gate.observe(8, 3);
+            let n = gate.draft_len(10);
+            gate.observe(n, (n * 3 / 4).max(1));
         }
+        assert_eq!(gate.draft_len(10), 10);
+    }
+
+    #[test]
+    fn a_rarely_right_drafter_gets_short_drafts() {
+        let mut gate = DraftGate::new(true);
+        let mut asked = Vec::new();
+        for i in 0..200 {
+            if gate.should_draft() {
+                let n = gate.draft_len(10);
+                asked.push(n);
+                // One accepted token every third round.
+                gate.observe(n, usize::from(i % 3 == 0));
+            }
+        }
+        // After the warm-up rounds (full length), drafts stay short.
+        let after_warmup = &asked[WARMUP_ROUNDS as usize..];
+        assert!(!after_warmup.is_empty());
+        assert!(
+            after_warmup.iter().all(|&n| n <= 2),
+            "draft lengths stay long: {asked:?}"
+        );
     }
 
     #[test]

@@ -32,7 +32,7 @@ use mlx_spec_plugin_api::abi::{
 };
 use serde::Serialize;
 
-use crate::generate::{pick_token, prefill, GenerateRequest, GenerateStats, StopReason};
+use crate::generate::{pick_token, prefill, GenerateRequest, GenerateStats};
 use crate::model::gemma4::cache::DEFAULT_ROLLBACK_RESERVE;
 use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
 use crate::sampler::{draw, uniform, SamplingParams, Stream};
@@ -353,7 +353,7 @@ pub fn generate_speculative(
     while stop_token.is_none() && tokens.len() < req.max_tokens {
         let remaining = req.max_tokens - tokens.len();
         // A round emits up to drafts + 1 tokens; never ask for more than the budget allows.
-        let n = k_max.min(remaining - 1);
+        let n = gate.draft_len(k_max).min(remaining - 1);
         let mut proposal = Proposal {
             tokens: Vec::new(),
             probs: None,
@@ -485,20 +485,13 @@ pub fn generate_speculative(
     let prefill_seconds = prefill_seconds.unwrap_or_else(|| start.elapsed().as_secs_f64());
     let decode_seconds = decode_start.elapsed().as_secs_f64();
     let decoded = tokens.len().saturating_sub(1);
-    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
-    let generate_stats = GenerateStats {
-        prompt_tokens: prompt.len(),
-        generated_tokens: tokens.len(),
+    let generate_stats = GenerateStats::new(
+        prompt.len(),
+        tokens.len(),
         prefill_seconds,
-        prefill_tokens_per_s: rate(prompt.len(), prefill_seconds),
         decode_seconds,
-        decode_tokens_per_s: rate(decoded, decode_seconds),
-        stop_reason: if stop_token.is_some() {
-            StopReason::Stop
-        } else {
-            StopReason::Length
-        },
+        decoded,
         stop_token,
-    };
+    );
     Ok((tokens, generate_stats, stats))
 }
