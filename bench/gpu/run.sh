@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs ON the H200 machine, from the repository root, after .gpu/part-aa arrived in an earlier
-# call and .gpu/part-ab in this one (bench/gpu/README.md). Checks that the GPU computes what
+# Runs ON the H200 machine, from the repository root, once .gpu/part-0 ... part-3 have arrived
+# (one per call while the machine stays warm; bench/gpu/README.md). Checks that the GPU computes what
 # the CPU computes, then measures; prints a table last. Results also go to $OUT if set.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -11,7 +11,7 @@ LOG="$RES/gpu-run.log"
 exec > >(tee -a "$LOG") 2>&1
 
 if [[ ! -f "$G/mlx/lib/libmlx.so" ]]; then
-    cat "$G/part-aa" "$G/part-ab" | xz -dc | tar -C "$G" -xf - || { echo "cannot unpack the CUDA libmlx"; exit 3; }
+    cat "$G"/part-[0-9] | xz -dc | tar -C "$G" -xf - || { echo "cannot unpack the CUDA libmlx"; exit 3; }
 fi
 NV="$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)"
 NVLIBS="$(ls -d "$NV"/*/lib 2>/dev/null | tr '\n' ':')"
@@ -51,24 +51,32 @@ done
 row "greedy tokens on GPU == transformers (f32, TF32 off) | $same / $total fixtures"
 unset MLX_ENABLE_TF32
 
-# 2. Plain decode speed of real Gemma 4 shapes with random weights.
+# 2. The memory floor's denominator: device-to-device copy bandwidth (bytes read + written).
+BW="$(python3 "$ROOT/bench/gpu/copy_bandwidth.py" 2>/dev/null)"
+row "device copy bandwidth (read + write) | ${BW:-?} TB/s"
+
+# 3. Plain decode speed of real Gemma 4 shapes with random weights, and the verify cost curve.
 bench() {
     local label="$1"; shift
     local json
     if json="$(timeout 240 "$BIN" bench --device gpu --random-weights --json "$@" 2>"$RES/bench.err")"; then
         echo "$json" >>"$RES/bench.jsonl"
-        row "$label | $(python3 -c 'import json, sys; j = json.loads(sys.argv[1]); print("prefill %.0f tok/s | decode %.1f tok/s | weights %.1f GB" % (j["prefill_tokens_per_s"], j["decode_tokens_per_s"], j["weight_bytes"] / 1e9))' "$json")"
+        row "$label | $(python3 -c 'import json, sys
+j = json.loads(sys.argv[1])
+curve = " ".join("k=%d %.1fms" % (c["k"], c["ms"]) for c in j.get("verify_curve", []))
+print("prefill %.0f tok/s | decode %.1f tok/s | weights %.1f GB %s" % (j["prefill_tokens_per_s"], j["decode_tokens_per_s"], j["weight_bytes"] / 1e9, curve))' "$json")"
     else
         row "$label | failed: $(tail -n 1 "$RES/bench.err")"
     fi
 }
 if [[ -z "${SKIP_MLX_BENCH:-}" ]]; then
-    bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+    bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --verify-curve
+    bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 16 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
 fi
 
-# 3. The peer: transformers' Gemma4ForCausalLM, same config, random bf16 weights, greedy.
+# 4. The peer: transformers' Gemma4ForCausalLM, same config, random bf16 weights, greedy.
 peer() {
     local label="$1"; shift
     local line

@@ -222,6 +222,10 @@ struct BenchArgs {
         conflicts_with = "prompt_file"
     )]
     prompt_set: Option<PathBuf>,
+    /// Also time one target forward over k = 1, 2, 4, 8, 16, 32 tokens after the prompt (the
+    /// verify cost curve: how many drafted tokens a verify window absorbs nearly for free).
+    #[arg(long, conflicts_with = "drafter")]
+    verify_curve: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -793,6 +797,35 @@ fn synthetic_prompt(vocab: usize, len: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Milliseconds of one forward over `k` new tokens after `prompt`, for k = 1, 2, 4, … 32
+/// (median over `repeats`, the cache rolled back after each).
+fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<Vec<(usize, f64)>> {
+    let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, 64);
+    prefill(model, &mut cache, prompt)?;
+    let vocab = model.config.vocab_size as u32;
+    let mut curve = Vec::new();
+    for k in [1usize, 2, 4, 8, 16, 32] {
+        let window: Vec<u32> = (0..k as u32)
+            .map(|i| 3 + (i * 7919) % (vocab - 3))
+            .collect();
+        let mut times = Vec::new();
+        for round in 0..=repeats {
+            let start = Instant::now();
+            let logits = model
+                .forward(&window, &mut cache, LogitsFor::All, false)?
+                .logits;
+            let picks = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?;
+            picks.eval()?;
+            if round > 0 {
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+            cache.trim(k)?;
+        }
+        curve.push((k, median(times)));
+    }
+    Ok(curve)
+}
+
 fn run_bench(args: BenchArgs) -> Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens == 0 || args.repeats == 0 {
         bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
@@ -827,6 +860,11 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         }
     }
     let (prefill_rate, decode_rate) = (median(prefill_rates), median(decode_rates));
+    let curve = if args.verify_curve {
+        verify_curve(model, &prompt, args.repeats)?
+    } else {
+        Vec::new()
+    };
     let name = args.model.model.display().to_string();
     if args.json {
         println!(
@@ -836,6 +874,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 "device": args.model.device, "mlx_version": device::mlx_version(), "weight_bytes": weight_bytes,
                 "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
                 "prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": decode_rate,
+                "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
             })
         );
     } else {
@@ -852,6 +891,13 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             args.model.device,
             weight_bytes as f64 / 1e6
         );
+        if !curve.is_empty() {
+            println!();
+            println!("| verify window k | 1 | 2 | 4 | 8 | 16 | 32 |");
+            println!("|---|---|---|---|---|---|---|");
+            let cells: Vec<String> = curve.iter().map(|(_, ms)| format!("{ms:.2} ms")).collect();
+            println!("| one forward | {} |", cells.join(" | "));
+        }
     }
     Ok(())
 }
