@@ -105,10 +105,35 @@ fn text_prompt_streams_text_and_stats() {
     assert!(stderr.contains("tokens/s"), "stats line missing: {stderr}");
 }
 
+/// A copy of a fixture in a temp folder, to break on purpose.
+fn broken_copy(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_fixture(name, tmp.path());
+    tmp
+}
+
+/// Rewrites the copy's config.json.
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let path = dir.join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+}
+
+/// Generation from a broken model folder: the one-line error it must give.
+fn generate_error(dir: &Path) -> String {
+    expect_error(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+    ])
+}
+
 #[test]
 fn truncated_weights_are_reported_with_the_file() {
-    let tmp = tempfile::tempdir().unwrap();
-    copy_fixture("tiny-ple-kvshare", tmp.path());
+    let tmp = broken_copy("tiny-ple-kvshare");
     let weights = tmp.path().join("model.safetensors");
     let len = std::fs::metadata(&weights).unwrap().len();
     let file = std::fs::OpenOptions::new()
@@ -116,13 +141,7 @@ fn truncated_weights_are_reported_with_the_file() {
         .open(&weights)
         .unwrap();
     file.set_len(len / 2).unwrap();
-    let err = expect_error(&[
-        "generate",
-        "--model",
-        tmp.path().to_str().unwrap(),
-        "--prompt-ids",
-        "2,3",
-    ]);
+    let err = generate_error(tmp.path());
     assert!(
         err.contains("model.safetensors") && err.contains("truncated"),
         "{err}"
@@ -131,38 +150,21 @@ fn truncated_weights_are_reported_with_the_file() {
 
 #[test]
 fn corrupt_header_is_reported() {
-    let tmp = tempfile::tempdir().unwrap();
-    copy_fixture("tiny-ple-kvshare", tmp.path());
+    let tmp = broken_copy("tiny-ple-kvshare");
     std::fs::write(
         tmp.path().join("model.safetensors"),
         b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!",
     )
     .unwrap();
-    let err = expect_error(&[
-        "generate",
-        "--model",
-        tmp.path().to_str().unwrap(),
-        "--prompt-ids",
-        "2,3",
-    ]);
+    let err = generate_error(tmp.path());
     assert!(err.contains("model.safetensors"), "{err}");
 }
 
 #[test]
 fn wrong_hidden_size_names_tensor_and_shapes() {
-    let tmp = tempfile::tempdir().unwrap();
-    copy_fixture("tiny-ple-kvshare", tmp.path());
-    let path = tmp.path().join("config.json");
-    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["hidden_size"] = 48.into();
-    std::fs::write(&path, config.to_string()).unwrap();
-    let err = expect_error(&[
-        "generate",
-        "--model",
-        tmp.path().to_str().unwrap(),
-        "--prompt-ids",
-        "2,3",
-    ]);
+    let tmp = broken_copy("tiny-ple-kvshare");
+    edit_config(tmp.path(), |c| c["hidden_size"] = 48.into());
+    let err = generate_error(tmp.path());
     assert!(
         err.contains("embed_tokens.weight")
             && err.contains("[256, 48]")
@@ -173,16 +175,9 @@ fn wrong_hidden_size_names_tensor_and_shapes() {
 
 #[test]
 fn missing_shard_is_named() {
-    let tmp = tempfile::tempdir().unwrap();
-    copy_fixture("tiny-moe-keqv", tmp.path());
+    let tmp = broken_copy("tiny-moe-keqv");
     std::fs::remove_file(tmp.path().join("model-00002-of-00002.safetensors")).unwrap();
-    let err = expect_error(&[
-        "generate",
-        "--model",
-        tmp.path().to_str().unwrap(),
-        "--prompt-ids",
-        "2,3",
-    ]);
+    let err = generate_error(tmp.path());
     assert!(
         err.contains("model-00002-of-00002.safetensors") && err.contains("missing"),
         "{err}"
@@ -191,19 +186,9 @@ fn missing_shard_is_named() {
 
 #[test]
 fn unsupported_model_type_is_named() {
-    let tmp = tempfile::tempdir().unwrap();
-    copy_fixture("tiny-ple-kvshare", tmp.path());
-    let path = tmp.path().join("config.json");
-    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["model_type"] = "llama".into();
-    std::fs::write(&path, config.to_string()).unwrap();
-    let err = expect_error(&[
-        "generate",
-        "--model",
-        tmp.path().to_str().unwrap(),
-        "--prompt-ids",
-        "2,3",
-    ]);
+    let tmp = broken_copy("tiny-ple-kvshare");
+    edit_config(tmp.path(), |c| c["model_type"] = "llama".into());
+    let err = generate_error(tmp.path());
     assert!(
         err.contains("llama") && err.contains("config.json"),
         "{err}"

@@ -20,6 +20,25 @@ fn load_f32(name: &str) -> Gemma4Model {
         .unwrap_or_else(|e| panic!("{name}: {e:#}"))
 }
 
+/// `n` greedy tokens after `prompt`, one cached decode step at a time.
+fn greedy(model: &Gemma4Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = model.new_cache();
+    let mut logits = model
+        .forward(prompt, &mut cache, LogitsFor::Last, false)
+        .unwrap()
+        .logits;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let next = greedy_token(&logits).unwrap();
+        out.push(next);
+        logits = model
+            .forward(&[next], &mut cache, LogitsFor::Last, false)
+            .unwrap()
+            .logits;
+    }
+    out
+}
+
 fn to_vec(a: &mlx_rs::Array) -> Vec<f32> {
     a.as_dtype(Dtype::Float32)
         .unwrap()
@@ -118,20 +137,7 @@ fn greedy_continuation_matches_transformers() {
         let golden = Golden::load(name);
         let ids = golden.ids("prompt_ids");
         let want = golden.ids("greedy_ids");
-        let mut cache = model.new_cache();
-        let mut logits = model
-            .forward(&ids, &mut cache, LogitsFor::Last, false)
-            .unwrap()
-            .logits;
-        let mut got = Vec::new();
-        for _ in 0..want.len() {
-            let next = greedy_token(&logits).unwrap();
-            got.push(next);
-            logits = model
-                .forward(&[next], &mut cache, LogitsFor::Last, false)
-                .unwrap()
-                .logits;
-        }
+        let got = greedy(&model, &ids, want.len());
         assert_eq!(got, want, "{name}: greedy continuation differs");
     }
 }
@@ -206,19 +212,6 @@ fn trained_default_model_matches_transformers_on_held_out_code() {
     assert!(diff < LOGITS_TOL, "logits differ by {diff}");
 
     let want = golden.ids("greedy_ids");
-    let mut cache = model.new_cache();
-    let mut logits = model
-        .forward(&ids, &mut cache, LogitsFor::Last, false)
-        .unwrap()
-        .logits;
-    let mut got = Vec::new();
-    for _ in 0..want.len() {
-        let next = greedy_token(&logits).unwrap();
-        got.push(next);
-        logits = model
-            .forward(&[next], &mut cache, LogitsFor::Last, false)
-            .unwrap()
-            .logits;
-    }
+    let got = greedy(&model, &ids, want.len());
     assert_eq!(got, want, "greedy continuation differs from transformers");
 }
