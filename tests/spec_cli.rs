@@ -198,33 +198,34 @@ fn always_right_and_always_wrong_drafters_leave_the_output_unchanged() {
         let ids = Golden::load(name).ids("prompt_ids");
         let plain = run(&fixture(name), &ids, 60, &[]);
         let script = ids_arg(&tokens_of(&plain));
-        // An oracle drafter: proposes the target's own continuation.
-        let oracle = manifest(
-            "test-drafter",
-            "mlx_spec_test_drafter",
-            &format!(
-                "mode = \"script\"\nprompt_len = {}\nscript = [{script}]",
+        // The test drafter in `mode`, scripted with the target's own continuation.
+        let scripted = |mode: &str| {
+            let defaults = format!(
+                "mode = \"{mode}\"\nprompt_len = {}\nscript = [{script}]",
                 ids.len()
-            ),
-        );
-        install(
-            plugins.path(),
-            "oracle",
-            &target_dir().join(lib_name("mlx_spec_test_drafter")),
-            &oracle,
-        );
-        let dir = plugins.path().join("oracle");
-        let right = run(
-            &fixture(name),
-            &ids,
-            60,
-            &[
-                "--drafter",
-                "test-drafter",
-                "--plugins-dir",
-                dir.to_str().unwrap(),
-            ],
-        );
+            );
+            let m = manifest("test-drafter", "mlx_spec_test_drafter", &defaults);
+            install(
+                plugins.path(),
+                mode,
+                &target_dir().join(lib_name("mlx_spec_test_drafter")),
+                &m,
+            );
+            let dir = plugins.path().join(mode);
+            run(
+                &fixture(name),
+                &ids,
+                60,
+                &[
+                    "--drafter",
+                    "test-drafter",
+                    "--plugins-dir",
+                    dir.to_str().unwrap(),
+                ],
+            )
+        };
+        // An oracle drafter: proposes exactly what the target will emit.
+        let right = scripted("script");
         assert_eq!(
             tokens_of(&right),
             tokens_of(&plain),
@@ -240,32 +241,7 @@ fn always_right_and_always_wrong_drafters_leave_the_output_unchanged() {
             "{name}: 60 tokens in 10-token rounds: {s}"
         );
 
-        let wrong = manifest(
-            "test-drafter",
-            "mlx_spec_test_drafter",
-            &format!(
-                "mode = \"wrong\"\nprompt_len = {}\nscript = [{script}]",
-                ids.len()
-            ),
-        );
-        install(
-            plugins.path(),
-            "wrong-script",
-            &target_dir().join(lib_name("mlx_spec_test_drafter")),
-            &wrong,
-        );
-        let dir = plugins.path().join("wrong-script");
-        let bad = run(
-            &fixture(name),
-            &ids,
-            60,
-            &[
-                "--drafter",
-                "test-drafter",
-                "--plugins-dir",
-                dir.to_str().unwrap(),
-            ],
-        );
+        let bad = scripted("wrong");
         assert_eq!(
             tokens_of(&bad),
             tokens_of(&plain),
