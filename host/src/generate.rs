@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use mlx_rs::ops::indexing::argmax_axis;
+use mlx_rs::transforms::async_eval;
 use mlx_rs::Array;
 use serde::Serialize;
 
@@ -85,6 +86,18 @@ pub fn greedy_token(logits: &Array) -> Result<u32> {
     Ok(argmax_axis(logits, -1, false)?.item_cast::<u32>())
 }
 
+/// Builds the forward of `token` (a `[1]` id still on the device, possibly not yet computed)
+/// and starts evaluating its greedy successor without waiting for it.
+pub fn queue_greedy_step(model: &Gemma4Model, cache: &mut ModelCache, token: &Array) -> Result<Array> {
+    let ids = token.reshape(&[1, 1])?;
+    let logits = model
+        .forward_ids(&ids, cache, LogitsFor::Last, false)?
+        .logits;
+    let next = argmax_axis(&logits, -1, false)?;
+    async_eval([&next])?;
+    Ok(next)
+}
+
 /// Picks the token at emitted index `index` from `[1, vocab]` logits.
 pub fn pick_token(logits: &Array, sampling: &SamplingParams, index: u64) -> Result<u32> {
     if sampling.is_greedy() {
@@ -123,9 +136,27 @@ pub fn generate(
     let mut logits = prefill(model, &mut cache, &req.prompt_ids)?;
     let mut prefill_seconds = 0.0;
     let mut decode_start = start;
+    // Greedy decoding keeps the next token on the device and queues the forward that
+    // consumes it before reading it back, so the host builds step n+1 while the device still
+    // runs step n. Sampling reads the logits on the host, so it goes one step at a time.
+    let greedy = req.sampling.is_greedy();
+    let mut pending = if greedy {
+        Some(argmax_axis(&logits, -1, false)?)
+    } else {
+        None
+    };
 
     while tokens.len() < req.max_tokens {
-        let token = pick_token(&logits, &req.sampling, tokens.len() as u64)?;
+        let token = match pending.take() {
+            Some(next) => {
+                if tokens.len() + 1 < req.max_tokens {
+                    let following = queue_greedy_step(model, &mut cache, &next)?;
+                    pending = Some(following);
+                }
+                next.item_cast::<u32>()
+            }
+            None => pick_token(&logits, &req.sampling, tokens.len() as u64)?,
+        };
         if tokens.is_empty() {
             prefill_seconds = start.elapsed().as_secs_f64();
             decode_start = Instant::now();
@@ -139,9 +170,11 @@ pub fn generate(
         if tokens.len() == req.max_tokens {
             break;
         }
-        logits = model
-            .forward(&[token], &mut cache, LogitsFor::Last, false)?
-            .logits;
+        if !greedy {
+            logits = model
+                .forward(&[token], &mut cache, LogitsFor::Last, false)?
+                .logits;
+        }
     }
 
     let decode_seconds = if tokens.len() > 1 || stop_token.is_some() {

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use mlx_spec::deploy::DeployConfig;
 use mlx_spec::device::{self, DeviceKind};
-use mlx_spec::generate::{generate, greedy_token, prefill, GenerateRequest};
+use mlx_spec::generate::{generate, greedy_token, prefill, queue_greedy_step, GenerateRequest};
 use mlx_spec::model::gemma4::config::{Gemma4Config, QuantSpec};
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
 use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
@@ -826,6 +826,51 @@ fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<V
     Ok(curve)
 }
 
+/// Greedy decode of `n` forwards after `logits` (`n + 1` tokens), the host queueing each step
+/// before reading the token it consumes (as `generate` does). Returns the tokens and the
+/// seconds taken.
+fn decode_pipelined(
+    model: &Gemma4Model,
+    cache: &mut mlx_spec::model::gemma4::ModelCache,
+    logits: &mlx_rs::Array,
+    n: usize,
+) -> Result<(Vec<u32>, f64)> {
+    let start = Instant::now();
+    let mut next = mlx_rs::ops::indexing::argmax_axis(logits, -1, false)?;
+    let mut tokens = Vec::with_capacity(n + 1);
+    for _ in 0..n {
+        let following = queue_greedy_step(model, cache, &next)?;
+        tokens.push(next.item_cast::<u32>());
+        next = following;
+    }
+    tokens.push(next.item_cast::<u32>());
+    Ok((tokens, start.elapsed().as_secs_f64()))
+}
+
+/// Greedy decode of `n` forwards after `logits`, building and evaluating one step at a time.
+/// Returns the tokens, the seconds taken, and the seconds spent building graphs.
+fn decode_step_by_step(
+    model: &Gemma4Model,
+    cache: &mut mlx_spec::model::gemma4::ModelCache,
+    logits: &mlx_rs::Array,
+    n: usize,
+) -> Result<(Vec<u32>, f64, f64)> {
+    let start = Instant::now();
+    let mut token = greedy_token(logits)?;
+    let mut tokens = vec![token];
+    let mut build_s = 0.0;
+    for _ in 0..n {
+        let build_start = Instant::now();
+        let logits = model
+            .forward(&[token], cache, LogitsFor::Last, false)?
+            .logits;
+        build_s += build_start.elapsed().as_secs_f64();
+        token = greedy_token(&logits)?;
+        tokens.push(token);
+    }
+    Ok((tokens, start.elapsed().as_secs_f64(), build_s))
+}
+
 fn run_bench(args: BenchArgs) -> Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens == 0 || args.repeats == 0 {
         bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
@@ -840,26 +885,35 @@ fn run_bench(args: BenchArgs) -> Result<()> {
 
     let mut prefill_rates = Vec::new();
     let mut decode_rates = Vec::new();
+    let mut stepwise_rates = Vec::new();
+    // Time a step-by-step decode step spends building its lazy graph on the host.
+    let mut build_ms = Vec::new();
     for round in 0..=args.repeats {
         let mut cache = model.new_cache();
         let start = Instant::now();
         let logits = prefill(model, &mut cache, &prompt)?;
         let prefill_s = start.elapsed().as_secs_f64();
-        let mut token = greedy_token(&logits)?;
-        let start = Instant::now();
-        for _ in 0..args.gen_tokens {
-            let logits = model
-                .forward(&[token], &mut cache, LogitsFor::Last, false)?
-                .logits;
-            token = greedy_token(&logits)?;
+        let (pipelined, decode_s) = decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
+
+        // The same decode, one synchronised step at a time, from a fresh cache.
+        let mut cache = model.new_cache();
+        let logits = prefill(model, &mut cache, &prompt)?;
+        let (stepwise, stepwise_s, build_s) =
+            decode_step_by_step(model, &mut cache, &logits, args.gen_tokens)?;
+        if pipelined != stepwise {
+            bail!("pipelined and step-by-step greedy decoding disagree: {pipelined:?} vs {stepwise:?}");
         }
-        let decode_s = start.elapsed().as_secs_f64();
         if round > 0 {
             prefill_rates.push(args.prompt_tokens as f64 / prefill_s);
             decode_rates.push(args.gen_tokens as f64 / decode_s);
+            stepwise_rates.push(args.gen_tokens as f64 / stepwise_s);
+            build_ms.push(build_s * 1e3 / args.gen_tokens as f64);
         }
     }
     let (prefill_rate, decode_rate) = (median(prefill_rates), median(decode_rates));
+    let stepwise_rate = median(stepwise_rates);
+    let build_ms = median(build_ms);
+    let step_ms = 1e3 / stepwise_rate;
     let curve = if args.verify_curve {
         verify_curve(model, &prompt, args.repeats)?
     } else {
@@ -874,6 +928,8 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 "device": args.model.device, "mlx_version": device::mlx_version(), "weight_bytes": weight_bytes,
                 "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
                 "prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": decode_rate,
+                "stepwise_decode_tokens_per_s": stepwise_rate, "stepwise_step_ms": step_ms,
+                "stepwise_graph_build_ms": build_ms,
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
             })
         );
@@ -890,6 +946,13 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             model.dtype,
             args.model.device,
             weight_bytes as f64 / 1e6
+        );
+        println!();
+        println!(
+            "decode: {decode_rate:.1} tok/s with the next step queued before each token is read; \
+             {stepwise_rate:.1} tok/s one synchronised step at a time ({step_ms:.2} ms a step: \
+             {build_ms:.2} ms building the graph on the host, {:.2} ms evaluating it)",
+            step_ms - build_ms
         );
         if !curve.is_empty() {
             println!();

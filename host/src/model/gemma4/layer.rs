@@ -3,9 +3,9 @@
 
 use anyhow::Result;
 use mlx_rs::fast::rms_norm;
-use mlx_rs::nn::gelu_approximate;
 use mlx_rs::Array;
 
+use super::activation::gated_gelu;
 use super::attention::Attention;
 use super::cache::{KvView, LayerKv};
 use super::config::Gemma4Config;
@@ -119,7 +119,7 @@ impl DecoderLayer {
         let mut x = x.add(&self.norm(&ff, &self.post_feedforward_norm)?)?;
 
         if let (Some(gate), Some(input)) = (&self.ple, per_layer_input) {
-            let g = gelu_approximate(gate.input_gate.forward(&x)?)?.multiply(input)?;
+            let g = gated_gelu(&gate.input_gate.forward(&x)?, input)?;
             let g = gate.projection.forward(&g)?;
             x = x.add(&self.norm(&g, &gate.post_norm)?)?;
         }

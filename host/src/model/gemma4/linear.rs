@@ -16,17 +16,37 @@ pub struct Quantized {
     pub spec: QuantSpec,
 }
 
+/// A dense weight in torch layout `[.., out, in]`, with its transposed view made once at load
+/// so a forward adds one matrix product to the graph, not a transpose and a product.
+pub struct Dense {
+    pub weight: Array,
+    /// `weight` with its last two axes swapped: a strided view of the same buffer.
+    pub transposed: Array,
+}
+
+impl Dense {
+    pub fn new(weight: Array) -> Result<Self> {
+        let transposed = weight.swap_axes(-1, -2)?;
+        transposed.eval()?;
+        Ok(Dense { weight, transposed })
+    }
+}
+
 /// A weight matrix in torch layout `[out, in]`.
 pub enum Linear {
-    Dense(Array),
+    Dense(Dense),
     Quantized(Quantized),
 }
 
 impl Linear {
+    pub fn dense(weight: Array) -> Result<Self> {
+        Ok(Linear::Dense(Dense::new(weight)?))
+    }
+
     /// `x @ W.T`
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Linear::Dense(w) => matmul(x, w.t())?,
+            Linear::Dense(d) => matmul(x, &d.transposed)?,
             Linear::Quantized(q) => quantized_matmul(
                 x,
                 &q.packed,
@@ -47,7 +67,7 @@ impl Embedding {
     /// Rows of the table for `ids` (any shape), in the table's float dtype.
     pub fn lookup(&self, ids: &Array) -> Result<Array> {
         Ok(match &self.0 {
-            Linear::Dense(w) => w.take_axis(ids, 0)?,
+            Linear::Dense(d) => d.weight.take_axis(ids, 0)?,
             Linear::Quantized(q) => {
                 let packed = q.packed.take_axis(ids, 0)?;
                 let scales = q.scales.take_axis(ids, 0)?;
@@ -112,7 +132,7 @@ impl Loader<'_> {
         let scales_name = format!("{module}.scales");
         if !self.has(&scales_name) {
             let shape: Vec<usize> = lead.iter().copied().chain([out_dim, in_dim]).collect();
-            return Ok(Linear::Dense(self.tensor(weight, &shape)?));
+            return Linear::dense(self.tensor(weight, &shape)?);
         }
         let full_module = self.name(module);
         let spec = self.quant.for_module(&full_module).with_context(|| {

@@ -1,9 +1,9 @@
 //! The gated feed-forward block: `down(gelu_tanh(gate(x)) * up(x))`.
 
 use anyhow::Result;
-use mlx_rs::nn::gelu_approximate;
 use mlx_rs::Array;
 
+use super::activation::gated_gelu;
 use super::linear::{Linear, Loader};
 
 pub struct Mlp {
@@ -22,8 +22,8 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let gate = gelu_approximate(self.gate_proj.forward(x)?)?;
+        let gate = self.gate_proj.forward(x)?;
         let up = self.up_proj.forward(x)?;
-        self.down_proj.forward(&gate.multiply(&up)?)
+        self.down_proj.forward(&gated_gelu(&gate, &up)?)
     }
 }

@@ -5,6 +5,7 @@
 //! [`mlp`], [`moe`], [`ple`] (per-layer embeddings), [`layer`] and [`cache`] (per-request KV
 //! state). Weights are immutable; all per-request state lives in [`cache::ModelCache`].
 
+pub mod activation;
 pub mod attention;
 pub mod cache;
 pub mod config;
@@ -216,9 +217,26 @@ impl Gemma4Model {
         capture_hidden: bool,
     ) -> Result<ForwardOutput> {
         self.check_ids(ids)?;
-        let t = ids.len() as i32;
+        let ids = Array::from_slice(ids, &[1, ids.len() as i32]);
+        self.forward_ids(&ids, cache, logits_for, capture_hidden)
+    }
+
+    /// [`Gemma4Model::forward`] on token ids already in an array (`[1, T]`, integer), which
+    /// may still be unevaluated: decode feeds the argmax of one step into the next without
+    /// waiting for it. The ids are not checked against the vocabulary here.
+    pub fn forward_ids(
+        &self,
+        ids: &Array,
+        cache: &mut ModelCache,
+        logits_for: LogitsFor,
+        capture_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        if ids.ndim() != 2 || ids.shape()[0] != 1 || ids.shape()[1] == 0 {
+            bail!("token ids must have shape [1, T] with T >= 1, got {:?}", ids.shape());
+        }
+        let t = ids.shape()[1];
         let offset = cache.offset();
-        let ids = Array::from_slice(ids, &[1, t]);
+        let ids = ids.clone();
 
         let mut x = self.embed.lookup(&ids)?.multiply(&self.embed_scale)?;
         let per_layer = match &self.per_layer {

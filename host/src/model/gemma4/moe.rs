@@ -7,11 +7,11 @@
 
 use anyhow::Result;
 use mlx_rs::fast::rms_norm;
-use mlx_rs::nn::gelu_approximate;
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::ops::{argpartition_axis, gather_mm, gather_qmm, softmax_axis};
 use mlx_rs::{Array, Dtype};
 
+use super::activation::gated_gelu;
 use super::config::MoeConfig;
 use super::linear::{Linear, Loader};
 
@@ -35,7 +35,7 @@ pub struct Experts {
 /// `x`: `[T, 1, 1, in]`, `experts`: `[T, k]` → `[T, k, 1, out]`.
 fn expert_matmul(w: &Linear, x: &Array, experts: &Array) -> Result<Array> {
     Ok(match w {
-        Linear::Dense(w) => gather_mm(x, w.swap_axes(-1, -2)?, None, experts, None)?,
+        Linear::Dense(d) => gather_mm(x, &d.transposed, None, experts, None)?,
         Linear::Quantized(q) => gather_qmm(
             x,
             &q.packed,
@@ -67,8 +67,8 @@ impl Experts {
             let fused = w.tensor(&format!("{p}experts.gate_up_proj"), &[e, 2 * i, hidden])?;
             let i = i as i32;
             (
-                Linear::Dense(fused.index((.., ..i, ..))),
-                Linear::Dense(fused.index((.., i.., ..))),
+                Linear::dense(fused.index((.., ..i, ..)))?,
+                Linear::dense(fused.index((.., i.., ..)))?,
                 w.matrix(
                     &format!("{p}experts.down_proj"),
                     &format!("{p}experts.down_proj"),
@@ -118,9 +118,9 @@ impl Experts {
             .multiply(&self.router.per_expert_scale.take_axis(&experts, 0)?)?;
 
         let xe = x.reshape(&[t, 1, 1, h])?;
-        let gate = gelu_approximate(expert_matmul(&self.gate, &xe, &experts)?)?;
+        let gate = expert_matmul(&self.gate, &xe, &experts)?;
         let up = expert_matmul(&self.up, &xe, &experts)?;
-        let y = expert_matmul(&self.down, &gate.multiply(&up)?, &experts)?; // [T, k, 1, H]
+        let y = expert_matmul(&self.down, &gated_gelu(&gate, &up)?, &experts)?; // [T, k, 1, H]
         let y = y.reshape(&[t, k, h])?;
         let weights = weights.as_dtype(y.dtype())?.reshape(&[t, k, 1])?;
         Ok(y.multiply(&weights)?
