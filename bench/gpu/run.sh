@@ -2,7 +2,14 @@
 # Runs ON the H200 machine, from the repository root, once .gpu/part-0 ... part-3 have arrived
 # (one per call while the machine stays warm; bench/gpu/README.md). Checks that the GPU computes what
 # the CPU computes, then measures; prints a table last. Results also go to $OUT if set.
+#
+#   bash bench/gpu/run.sh [STEP ...]      steps: fixtures bandwidth mlx peer cpu-check (default: all)
+#
+# Steps can be split over several calls (each call's time is limited): the bandwidth, once
+# measured, is kept in the results folder for the floor of later `mlx` steps.
 set -uo pipefail
+STEPS="${*:-fixtures bandwidth mlx peer cpu-check}"
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 G="$ROOT/.gpu"
 RES="${OUT:-$G/results}"
@@ -31,9 +38,9 @@ row() { ROWS+=("$*"); }
 
 # 1. The GPU computes the same function: greedy tokens on every fixture (f32, TF32 off)
 #    equal the transformers continuation in the fixture's golden file, which the CPU build
-#    reproduces in the test suite. (The CUDA libmlx's own CPU backend cannot serve as the
-#    reference there: it JIT-compiles fused CPU kernels with the machine's g++, which fails.)
+#    reproduces in the test suite.
 export MLX_ENABLE_TF32=0
+if want fixtures; then
 same=0
 total=0
 for f in "$ROOT"/tests/fixtures/*/; do
@@ -49,11 +56,15 @@ print(",".join(map(str, g["prompt_ids"].tolist())), ",".join(map(str, g["greedy_
     if [[ "$got" == "$want" ]]; then same=$((same + 1)); else echo "MISMATCH $name: got $got want $want"; fi
 done
 row "greedy tokens on GPU == transformers (f32, TF32 off) | $same / $total fixtures"
+fi
 unset MLX_ENABLE_TF32
 
 # 2. The memory floor's denominator: device-to-device copy bandwidth (bytes read + written).
-BW="$(python3 "$ROOT/bench/gpu/copy_bandwidth.py" 2>/dev/null)"
-row "device copy bandwidth (read + write) | ${BW:-?} TB/s"
+if want bandwidth; then
+    python3 "$ROOT/bench/gpu/copy_bandwidth.py" >"$RES/bandwidth.txt" 2>/dev/null
+    row "device copy bandwidth (read + write) | $(cat "$RES/bandwidth.txt") TB/s"
+fi
+BW="$(cat "$RES/bandwidth.txt" 2>/dev/null)"
 
 # 3. Plain decode speed of real Gemma 4 shapes with random weights, and the verify cost curve.
 bench() {
@@ -62,14 +73,19 @@ bench() {
     if json="$(timeout 240 "$BIN" bench --device gpu --random-weights --json "$@" 2>"$RES/bench.err")"; then
         echo "$json" >>"$RES/bench.jsonl"
         row "$label | $(python3 -c 'import json, sys
-j = json.loads(sys.argv[1])
+j, bw = json.loads(sys.argv[1]), sys.argv[2]
 curve = " ".join("k=%d %.1fms" % (c["k"], c["ms"]) for c in j.get("verify_curve", []))
-print("prefill %.0f tok/s | decode %.1f tok/s | weights %.1f GB %s" % (j["prefill_tokens_per_s"], j["decode_tokens_per_s"], j["weight_bytes"] / 1e9, curve))' "$json")"
+read = j["weight_bytes_read_per_token"]
+floor = "floor %.0f tok/s (%.2f GB read per token), decode at %.1f %% of it" % (
+    float(bw) * 1e12 / read, read / 1e9, 100 * j["decode_tokens_per_s"] * read / (float(bw) * 1e12)) if bw else "no bandwidth measured"
+print("prefill %.0f tok/s | decode %.1f tok/s (one synchronised step at a time: %.1f tok/s, %.2f ms of %.2f ms building the graph) | %s %s" % (
+    j["prefill_tokens_per_s"], j["decode_tokens_per_s"], j["stepwise_decode_tokens_per_s"],
+    j["stepwise_graph_build_ms"], j["stepwise_step_ms"], floor, curve))' "$json" "${BW:-}")"
     else
         row "$label | failed: $(tail -n 1 "$RES/bench.err")"
     fi
 }
-if [[ -z "${SKIP_MLX_BENCH:-}" ]]; then
+if want mlx; then
     bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --verify-curve
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 16 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
@@ -86,7 +102,18 @@ peer() {
         row "$label | failed: $(tail -n 1 "$RES/peer.err")"
     fi
 }
-peer "transformers E4B bf16" "$ROOT/configs/gemma-4-e4b.json" 512 64
+if want peer; then
+    peer "transformers E4B bf16" "$ROOT/configs/gemma-4-e4b.json" 512 64
+fi
+
+# 5. The GPU path computes the function the CPU path computes at the E4B shape: the same
+#    random f32 weights (one process), greedy on the GPU with TF32 off, then on the CPU.
+if want cpu-check; then
+    line="$(MLX_ENABLE_TF32=0 timeout 500 "$BIN" bench --device gpu --random-weights --dtype f32 \
+        --model "$ROOT/configs/gemma-4-e4b.json" --prompt-tokens 16 --gen-tokens 2 --repeats 1 --check-cpu 8 \
+        2>"$RES/cpu-check.err" | tail -n 1)"
+    row "E4B shape, f32 random weights: GPU (TF32 off) vs CPU | ${line:-failed: $(tail -n 1 "$RES/cpu-check.err")}"
+fi
 
 echo
 echo "| measurement | result |"

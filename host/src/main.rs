@@ -226,6 +226,11 @@ struct BenchArgs {
     /// verify cost curve: how many drafted tokens a verify window absorbs nearly for free).
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
+    /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
+    /// the CPU, with the same weights in one process, and fail unless the tokens agree (use
+    /// `--dtype f32`, and `MLX_ENABLE_TF32=0` on CUDA).
+    #[arg(long, value_name = "N", conflicts_with = "drafter")]
+    check_cpu: Option<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -799,6 +804,53 @@ fn synthetic_prompt(vocab: usize, len: usize) -> Vec<u32> {
 
 /// Milliseconds of one forward over `k` new tokens after `prompt`, for k = 1, 2, 4, … 32
 /// (median over `repeats`, the cache rolled back after each).
+/// What [`check_against_cpu`] found.
+struct CpuCheck {
+    device_tokens: Vec<u32>,
+    cpu_tokens: Vec<u32>,
+    /// Largest |difference| between the two devices' logits after the prompt.
+    max_logit_diff: f32,
+    /// Gap between the best and second-best logit there (how far from a tie the first pick was).
+    top2_margin: f32,
+}
+
+/// Greedy decode of `n` tokens after `prompt` on the default device, then on the CPU with the
+/// same weight arrays, so both runs compute the same function on the same values.
+fn check_against_cpu(model: &Gemma4Model, prompt: &[u32], n: usize, device: DeviceKind) -> Result<CpuCheck> {
+    let run = || -> Result<(Vec<u32>, Vec<f32>)> {
+        let mut cache = model.new_cache();
+        let logits = prefill(model, &mut cache, prompt)?;
+        let first = logits.as_dtype(Dtype::Float32)?;
+        first.eval()?;
+        let first = first.as_slice::<f32>().to_vec();
+        let (tokens, _, _) = decode_step_by_step(model, &mut cache, &logits, n.saturating_sub(1))?;
+        Ok((tokens, first))
+    };
+    let (device_tokens, device_logits) = run()?;
+    // A CUDA build of libmlx cannot JIT-compile fused CPU kernels (it has no host compiler
+    // setup), so the CPU reference runs every operation unfused.
+    // SAFETY: plain global switches of libmlx, called between evaluations.
+    unsafe { mlx_sys::mlx_disable_compile() };
+    device::select(DeviceKind::Cpu)?;
+    let cpu = run();
+    unsafe { mlx_sys::mlx_enable_compile() };
+    device::select(device)?;
+    let (cpu_tokens, cpu_logits) = cpu?;
+    let max_logit_diff = device_logits
+        .iter()
+        .zip(&cpu_logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    let mut sorted = cpu_logits.clone();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    Ok(CpuCheck {
+        device_tokens,
+        cpu_tokens,
+        max_logit_diff,
+        top2_margin: sorted[0] - sorted.get(1).copied().unwrap_or(f32::NEG_INFINITY),
+    })
+}
+
 fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<Vec<(usize, f64)>> {
     let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, 64);
     prefill(model, &mut cache, prompt)?;
@@ -919,6 +971,13 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     } else {
         Vec::new()
     };
+    let check = match args.check_cpu {
+        Some(n) => {
+            let short = &prompt[..prompt.len().min(16)];
+            Some(check_against_cpu(model, short, n.max(1), args.model.device)?)
+        }
+        None => None,
+    };
     let name = args.model.model.display().to_string();
     if args.json {
         println!(
@@ -926,11 +985,16 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             json!({
                 "model": name, "random_weights": args.model.random_weights, "dtype": format!("{:?}", model.dtype),
                 "device": args.model.device, "mlx_version": device::mlx_version(), "weight_bytes": weight_bytes,
+                "weight_bytes_read_per_token": model.weight_bytes_read_per_token(weight_bytes),
                 "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
                 "prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": decode_rate,
                 "stepwise_decode_tokens_per_s": stepwise_rate, "stepwise_step_ms": step_ms,
                 "stepwise_graph_build_ms": build_ms,
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
+                "cpu_check": check.as_ref().map(|c| json!({
+                    "same_tokens": c.device_tokens == c.cpu_tokens, "device_tokens": c.device_tokens,
+                    "cpu_tokens": c.cpu_tokens, "max_logit_diff": c.max_logit_diff, "top2_margin": c.top2_margin,
+                })),
             })
         );
     } else {
@@ -960,6 +1024,27 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             println!("|---|---|---|---|---|---|---|");
             let cells: Vec<String> = curve.iter().map(|(_, ms)| format!("{ms:.2} ms")).collect();
             println!("| one forward | {} |", cells.join(" | "));
+        }
+        if let Some(c) = &check {
+            println!();
+            println!(
+                "{:?} vs CPU, same weights: {} greedy tokens {}; logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
+                args.model.device,
+                c.cpu_tokens.len(),
+                if c.device_tokens == c.cpu_tokens { "identical" } else { "DIFFER" },
+                c.max_logit_diff,
+                c.top2_margin
+            );
+        }
+    }
+    if let Some(c) = &check {
+        if c.device_tokens != c.cpu_tokens {
+            bail!(
+                "greedy tokens differ between {:?} and CPU: {:?} vs {:?}",
+                args.model.device,
+                c.device_tokens,
+                c.cpu_tokens
+            );
         }
     }
     Ok(())

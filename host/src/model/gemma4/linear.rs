@@ -43,6 +43,14 @@ impl Linear {
         Ok(Linear::Dense(Dense::new(weight)?))
     }
 
+    /// Bytes of the stored weight (packed values, scales and biases when quantized).
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Linear::Dense(d) => d.weight.nbytes(),
+            Linear::Quantized(q) => q.packed.nbytes() + q.scales.nbytes() + q.biases.nbytes(),
+        }
+    }
+
     /// `x @ W.T`
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(match self {

@@ -42,6 +42,11 @@ impl PerLayerEmbeddings {
         })
     }
 
+    /// Bytes of the per-layer embedding table, of which a token reads only its own row.
+    pub fn table_nbytes(&self) -> usize {
+        self.table.0.nbytes()
+    }
+
     /// `[1, T, layers, width]` inputs for every layer, from token ids `[1, T]` and the scaled
     /// main embedding `[1, T, hidden]`.
     pub fn inputs(&self, ids: &Array, embedded: &Array) -> Result<Array> {
