@@ -3,7 +3,16 @@
 # (one per call while the machine stays warm; bench/gpu/README.md). Checks that the GPU computes what
 # the CPU computes, then measures; prints a table last. Results also go to $OUT if set.
 #
-#   bash bench/gpu/run.sh [STEP ...]      steps: fixtures bandwidth mlx peer cpu-check (default: all)
+#   bash bench/gpu/run.sh [STEP ...]
+#
+# Steps (default: fixtures bandwidth mlx peer cpu-check):
+#   fixtures   greedy tokens of every test fixture on the GPU == transformers' (f32, TF32 off)
+#   bandwidth  device copy bandwidth, the denominator of the memory floor
+#   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
+#   peer       transformers' Gemma4ForCausalLM decode on the E4B config
+#   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
+#   graph      operations in one E4B decode step, by kind
+#   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
 # measured, is kept in the results folder for the floor of later `mlx` steps.
@@ -70,7 +79,8 @@ BW="$(cat "$RES/bandwidth.txt" 2>/dev/null)"
 bench() {
     local label="$1"; shift
     local json
-    if json="$(timeout 240 "$BIN" bench --device gpu --random-weights --json "$@" 2>"$RES/bench.err")"; then
+    # BENCH_ENV: extra VAR=value settings for this one run.
+    if json="$(env ${BENCH_ENV:-} timeout 240 "$BIN" bench --device gpu --random-weights --json "$@" 2>"$RES/bench.err")"; then
         echo "$json" >>"$RES/bench.jsonl"
         row "$label | $(python3 -c 'import json, sys
 j, bw = json.loads(sys.argv[1]), sys.argv[2]
@@ -87,7 +97,7 @@ print("prefill %.0f tok/s | decode %.1f tok/s (one synchronised step at a time: 
 }
 if want mlx; then
     bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --verify-curve
-    bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 16 --repeats 1
+    bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
 fi
@@ -102,6 +112,20 @@ peer() {
         row "$label | failed: $(tail -n 1 "$RES/peer.err")"
     fi
 }
+# 6. Where a decode step's time goes: its operations, and MLX's CUDA graph batching.
+if want graph; then
+    line="$(timeout 240 "$BIN" bench --device gpu --random-weights --dtype bf16 --model "$ROOT/configs/gemma-4-e4b.json" \
+        --prompt-tokens 512 --gen-tokens 8 --repeats 1 --dump-step-graph "$RES/e4b-step.dot" 2>"$RES/graph.err" | tail -n 1)"
+    row "E4B bf16, graph of one decode step | ${line:-failed: $(tail -n 1 "$RES/graph.err")}"
+fi
+if want knobs; then
+    for knob in "MLX_MAX_OPS_PER_BUFFER=20" "MLX_MAX_OPS_PER_BUFFER=60" "MLX_MAX_OPS_PER_BUFFER=120" \
+        "MLX_MAX_OPS_PER_BUFFER=250" "MLX_CUDA_GRAPH_CACHE_SIZE=2000" "MLX_USE_CUDA_GRAPHS=0"; do
+        BENCH_ENV="$knob" bench "mlx-spec E4B bf16, $knob" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+            --prompt-tokens 512 --gen-tokens 64 --repeats 1
+    done
+fi
+
 if want peer; then
     peer "transformers E4B bf16" "$ROOT/configs/gemma-4-e4b.json" 512 64
 fi

@@ -7,6 +7,7 @@
 
 pub mod deploy;
 pub mod device;
+pub mod diagnostics;
 pub mod generate;
 pub mod model;
 pub mod plugins;

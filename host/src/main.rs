@@ -231,6 +231,11 @@ struct BenchArgs {
     /// `--dtype f32`, and `MLX_ENABLE_TF32=0` on CUDA).
     #[arg(long, value_name = "N", conflicts_with = "drafter")]
     check_cpu: Option<usize>,
+    /// Write the graph of one decode step (after the prompt) to this file in Graphviz DOT
+    /// format and print its operations by kind: on a GPU a step costs roughly a fixed host
+    /// time per operation.
+    #[arg(long, value_name = "PATH", conflicts_with = "drafter")]
+    dump_step_graph: Option<PathBuf>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -971,6 +976,20 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     } else {
         Vec::new()
     };
+    let step_ops = match &args.dump_step_graph {
+        Some(path) => {
+            let mut cache = model.new_cache();
+            let logits = prefill(model, &mut cache, &prompt)?;
+            let token = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?;
+            let out = model.forward_ids(&token.reshape(&[1, 1])?, &mut cache, LogitsFor::Last, false)?;
+            let next = mlx_rs::ops::indexing::argmax_axis(&out.logits, -1, false)?;
+            mlx_spec::diagnostics::export_dot(&next, path)?;
+            let dot = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read back {}", path.display()))?;
+            Some(mlx_spec::diagnostics::count_operations(&dot))
+        }
+        None => None,
+    };
     let check = match args.check_cpu {
         Some(n) => {
             let short = &prompt[..prompt.len().min(16)];
@@ -991,6 +1010,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 "stepwise_decode_tokens_per_s": stepwise_rate, "stepwise_step_ms": step_ms,
                 "stepwise_graph_build_ms": build_ms,
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
+                "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
                     "same_tokens": c.device_tokens == c.cpu_tokens, "device_tokens": c.device_tokens,
                     "cpu_tokens": c.cpu_tokens, "max_logit_diff": c.max_logit_diff, "top2_margin": c.top2_margin,
@@ -1024,6 +1044,17 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             println!("|---|---|---|---|---|---|---|");
             let cells: Vec<String> = curve.iter().map(|(_, ms)| format!("{ms:.2} ms")).collect();
             println!("| one forward | {} |", cells.join(" | "));
+        }
+        if let Some(ops) = &step_ops {
+            let mut by_count: Vec<_> = ops.iter().collect();
+            by_count.sort_by(|a, b| b.1.cmp(a.1));
+            let list: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            println!();
+            println!(
+                "one decode step: {} operations ({})",
+                ops.values().sum::<usize>(),
+                list.join(", ")
+            );
         }
         if let Some(c) = &check {
             println!();

@@ -81,32 +81,23 @@ impl Attention {
         window: usize,
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[1];
-        let q = self
-            .q_proj
-            .forward(x)?
-            .reshape(&[1, t, self.num_heads, self.head_dim])?;
-        let q = rms_norm(&q, Some(&self.q_norm), self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
+        let q = heads_first(&self.q_proj.forward(x)?, t, self.num_heads, self.head_dim)?;
+        let q = rms_norm(&q, Some(&self.q_norm), self.eps)?;
         let q = self.rope.apply(&q, offset)?;
 
         let (view, produced) = match (&self.kv, cache) {
             (Some(kv), Some(cache)) => {
-                let k_raw =
-                    kv.k_proj
-                        .forward(x)?
-                        .reshape(&[1, t, self.num_kv_heads, self.head_dim])?;
+                let (nkv, hd) = (self.num_kv_heads, self.head_dim);
+                let k_raw = heads_first(&kv.k_proj.forward(x)?, t, nkv, hd)?;
                 let v_raw = match &kv.v_proj {
-                    Some(v_proj) => {
-                        v_proj
-                            .forward(x)?
-                            .reshape(&[1, t, self.num_kv_heads, self.head_dim])?
-                    }
+                    Some(v_proj) => heads_first(&v_proj.forward(x)?, t, nkv, hd)?,
                     // K=V: the un-normalised k_proj output, before k_norm and RoPE.
                     None => k_raw.clone(),
                 };
-                let k =
-                    rms_norm(&k_raw, Some(&kv.k_norm), self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
+                // RMSNorm acts on the last axis (head_dim), so it commutes with the transpose.
+                let k = rms_norm(&k_raw, Some(&kv.k_norm), self.eps)?;
                 let k = self.rope.apply(&k, offset)?;
-                let v = rms_norm(&v_raw, None, self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
+                let v = rms_norm(&v_raw, None, self.eps)?;
                 let view = cache.append(&k, &v)?;
                 (view.clone(), Some(view))
             }
@@ -130,11 +121,26 @@ impl Attention {
             )?,
             None => scaled_dot_product_attention(&q, &view.keys, &view.values, 1.0, None, None)?,
         };
-        let out =
-            out.transpose_axes(&[0, 2, 1, 3])?
-                .reshape(&[1, t, self.num_heads * self.head_dim])?;
+        let width = self.num_heads * self.head_dim;
+        let out = if t == 1 {
+            out.reshape(&[1, 1, width])?
+        } else {
+            out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, t, width])?
+        };
         Ok((self.o_proj.forward(&out)?, produced))
     }
+}
+
+/// `[1, T, heads * head_dim]` projections to the `[1, heads, T, head_dim]` layout of RoPE and
+/// attention. A single token needs no transpose, only a reshape: one graph node instead of two
+/// on the decode path, and no strided view for the next kernel to copy.
+fn heads_first(x: &Array, t: i32, heads: i32, head_dim: i32) -> Result<Array> {
+    Ok(if t == 1 {
+        x.reshape(&[1, heads, 1, head_dim])?
+    } else {
+        x.reshape(&[1, t, heads, head_dim])?
+            .transpose_axes(&[0, 2, 1, 3])?
+    })
 }
 
 /// Boolean mask `[T, K]` (true = attend) for queries at `offset..offset+T` over keys at
