@@ -42,7 +42,11 @@ pub fn count_operations(dot: &str) -> BTreeMap<String, usize> {
         if !line.contains("shape=rectangle") {
             continue;
         }
-        if let Some(label) = line.split("label =\"").nth(1).and_then(|s| s.split('"').next()) {
+        if let Some(label) = line
+            .split("label =\"")
+            .nth(1)
+            .and_then(|s| s.split('"').next())
+        {
             *counts.entry(label.to_owned()).or_insert(0) += 1;
         }
     }

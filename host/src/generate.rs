@@ -88,7 +88,11 @@ pub fn greedy_token(logits: &Array) -> Result<u32> {
 
 /// Builds the forward of `token` (a `[1]` id still on the device, possibly not yet computed)
 /// and starts evaluating its greedy successor without waiting for it.
-pub fn queue_greedy_step(model: &Gemma4Model, cache: &mut ModelCache, token: &Array) -> Result<Array> {
+pub fn queue_greedy_step(
+    model: &Gemma4Model,
+    cache: &mut ModelCache,
+    token: &Array,
+) -> Result<Array> {
     let ids = token.reshape(&[1, 1])?;
     let logits = model
         .forward_ids(&ids, cache, LogitsFor::Last, false)?

@@ -821,7 +821,12 @@ struct CpuCheck {
 
 /// Greedy decode of `n` tokens after `prompt` on the default device, then on the CPU with the
 /// same weight arrays, so both runs compute the same function on the same values.
-fn check_against_cpu(model: &Gemma4Model, prompt: &[u32], n: usize, device: DeviceKind) -> Result<CpuCheck> {
+fn check_against_cpu(
+    model: &Gemma4Model,
+    prompt: &[u32],
+    n: usize,
+    device: DeviceKind,
+) -> Result<CpuCheck> {
     let run = || -> Result<(Vec<u32>, Vec<f32>)> {
         let mut cache = model.new_cache();
         let logits = prefill(model, &mut cache, prompt)?;
@@ -981,7 +986,8 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             let mut cache = model.new_cache();
             let logits = prefill(model, &mut cache, &prompt)?;
             let token = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?;
-            let out = model.forward_ids(&token.reshape(&[1, 1])?, &mut cache, LogitsFor::Last, false)?;
+            let out =
+                model.forward_ids(&token.reshape(&[1, 1])?, &mut cache, LogitsFor::Last, false)?;
             let next = mlx_rs::ops::indexing::argmax_axis(&out.logits, -1, false)?;
             mlx_spec::diagnostics::export_dot(&next, path)?;
             let dot = std::fs::read_to_string(path)
@@ -993,7 +999,12 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     let check = match args.check_cpu {
         Some(n) => {
             let short = &prompt[..prompt.len().min(16)];
-            Some(check_against_cpu(model, short, n.max(1), args.model.device)?)
+            Some(check_against_cpu(
+                model,
+                short,
+                n.max(1),
+                args.model.device,
+            )?)
         }
         None => None,
     };

@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::ops::{arange, logical_and};
+use mlx_rs::ops::{arange, logical_and, matmul, softmax_axis};
 use mlx_rs::Array;
 
 use super::cache::{KvView, LayerKv};
@@ -69,7 +69,7 @@ impl Attention {
         })
     }
 
-    /// Attends `x` (`[1, T, hidden]`, first token at `offset`). A KV-owning layer appends its
+    /// Attends `x` (`[T, hidden]`, first token at `offset`). A KV-owning layer appends its
     /// new K/V to `cache` and returns the view it attended over so sharers can reuse it; a
     /// sharer passes the donor's view in `shared`.
     pub fn forward(
@@ -80,7 +80,7 @@ impl Attention {
         shared: Option<&KvView>,
         window: usize,
     ) -> Result<(Array, Option<KvView>)> {
-        let t = x.shape()[1];
+        let t = x.shape()[0];
         let q = heads_first(&self.q_proj.forward(x)?, t, self.num_heads, self.head_dim)?;
         let q = rms_norm(&q, Some(&self.q_norm), self.eps)?;
         let q = self.rope.apply(&q, offset)?;
@@ -111,6 +111,10 @@ impl Attention {
 
         let mask = attention_mask(self.kind, offset, t as usize, &view, window)?;
         let out = match &mask {
+            None if t == 1 => {
+                let out = single_query_attention(&q, &view, self.num_kv_heads, self.head_dim)?;
+                return Ok((self.o_proj.forward(&out)?, produced));
+            }
             Some(m) => scaled_dot_product_attention(
                 &q,
                 &view.keys,
@@ -123,15 +127,32 @@ impl Attention {
         };
         let width = self.num_heads * self.head_dim;
         let out = if t == 1 {
-            out.reshape(&[1, 1, width])?
+            out.reshape(&[1, width])?
         } else {
-            out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, t, width])?
+            out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[t, width])?
         };
         Ok((self.o_proj.forward(&out)?, produced))
     }
 }
 
-/// `[1, T, heads * head_dim]` projections to the `[1, heads, T, head_dim]` layout of RoPE and
+/// Attention of one query token (`q`: `[1, heads, 1, head_dim]`) over every key of `view`, as
+/// two matrix products; returns `[1, heads * head_dim]`.
+///
+/// The query heads that share a KV head become the rows of one product, so nothing is
+/// broadcast or repeated. MLX's fused attention has no CUDA kernel for Gemma 4's head sizes
+/// (256 and 512) and falls back to a longer graph of the same products; this is the decode
+/// step's most frequent operation, so it is written out here. Scale 1.0: Gemma 4 normalises
+/// q and k instead. Scores are rounded to the activation dtype and the softmax accumulates in
+/// float32, as transformers' eager attention does.
+fn single_query_attention(q: &Array, view: &KvView, kv_heads: i32, head_dim: i32) -> Result<Array> {
+    let heads = q.shape()[1];
+    let q = q.reshape(&[1, kv_heads, heads / kv_heads, head_dim])?;
+    let scores = matmul(&q, view.keys.swap_axes(-1, -2)?)?;
+    let probs = softmax_axis(&scores, -1, true)?;
+    Ok(matmul(&probs, &view.values)?.reshape(&[1, heads * head_dim])?)
+}
+
+/// `[T, heads * head_dim]` projections to the `[1, heads, T, head_dim]` layout of RoPE and
 /// attention. A single token needs no transpose, only a reshape: one graph node instead of two
 /// on the decode path, and no strided view for the next kernel to copy.
 fn heads_first(x: &Array, t: i32, heads: i32, head_dim: i32) -> Result<Array> {

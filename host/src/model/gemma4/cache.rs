@@ -6,6 +6,12 @@
 //! temporal order (no ring), so a trim is always a length change; a trim deeper than what a
 //! sliding buffer still holds is refused with [`TrimError`] instead of silently attending over
 //! a wrong window. Buffers grow in steps and are written in place with slice updates.
+//!
+//! A sliding buffer forgets old keys by moving its first valid slot (`head`) forward, not by
+//! reallocating: the buffer is compacted (the kept keys copied to the front of a fresh one)
+//! only when its end is reached, about once every `GROWTH_STEP` tokens. A decode step
+//! therefore adds two slice updates and two slices per KV-owning layer to the graph, and
+//! copies nothing but the new keys.
 
 use anyhow::Result;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
@@ -41,14 +47,15 @@ pub struct KvView {
     pub first_position: usize,
 }
 
-/// K/V of one layer: `[1, kv_heads, capacity, head_dim]`, valid in `[0, len)`, slot 0 holding
-/// absolute position `start`.
+/// K/V of one layer: `[1, kv_heads, capacity, head_dim]`, valid in slots
+/// `[head, head + len)`, slot `head` holding absolute position `start`.
 pub struct LayerKv {
     kind: AttentionKind,
     window: usize,
     reserve: usize,
     keys: Option<Array>,
     values: Option<Array>,
+    head: usize,
     start: usize,
     len: usize,
 }
@@ -61,6 +68,7 @@ impl LayerKv {
             reserve,
             keys: None,
             values: None,
+            head: 0,
             start: 0,
             len: 0,
         }
@@ -81,16 +89,22 @@ impl LayerKv {
         let t = k.shape()[2] as usize;
         let offset = self.end_position();
         if self.kind == AttentionKind::Sliding {
-            // Drop keys no future query (nor a rollback within the reserve) can reach.
+            // Forget keys no future query (nor a rollback within the reserve) can reach.
             let keep_from = offset.saturating_sub(self.window - 1 + self.reserve);
             if keep_from > self.start {
-                self.drop_front(keep_from - self.start)?;
+                let n = keep_from - self.start;
+                self.head += n;
+                self.start += n;
+                self.len -= n;
             }
         }
-        if self.len + t > self.capacity() {
-            self.grow(k, v, self.len + t)?;
+        if self.head + self.len + t > self.capacity() {
+            self.compact_and_grow(k, v, self.len + t)?;
         }
-        let (a, b) = (self.len as i32, (self.len + t) as i32);
+        let (a, b) = (
+            (self.head + self.len) as i32,
+            (self.head + self.len + t) as i32,
+        );
         let keys = self.keys.as_mut().expect("allocated by grow");
         keys.try_index_mut((.., .., a..b, ..), k)?;
         let values = self.values.as_mut().expect("allocated by grow");
@@ -102,8 +116,8 @@ impl LayerKv {
             // The earliest new query (at `offset`) sees back to `offset - (window - 1)`.
             AttentionKind::Sliding => (offset + 1).saturating_sub(self.window).max(self.start),
         };
-        let from = (first_position - self.start) as i32;
-        let to = self.len as i32;
+        let from = (self.head + first_position - self.start) as i32;
+        let to = (self.head + self.len) as i32;
         Ok(KvView {
             keys: self.keys.as_ref().unwrap().index((.., .., from..to, ..)),
             values: self.values.as_ref().unwrap().index((.., .., from..to, ..)),
@@ -111,34 +125,26 @@ impl LayerKv {
         })
     }
 
-    fn grow(&mut self, k: &Array, v: &Array, needed: usize) -> Result<()> {
-        let capacity = needed.div_ceil(GROWTH_STEP) * GROWTH_STEP;
+    /// Moves the valid slots to the front of a fresh buffer with room for `needed` slots plus
+    /// at least one growth step (so a sliding buffer compacts once per step, not per token).
+    fn compact_and_grow(&mut self, k: &Array, v: &Array, needed: usize) -> Result<()> {
+        let capacity = (needed + GROWTH_STEP).div_ceil(GROWTH_STEP) * GROWTH_STEP;
         let shape = |a: &Array| {
             let s = a.shape();
             [s[0], s[1], (capacity - self.len) as i32, s[3]]
         };
         let fresh_k = zeros_dtype(&shape(k), k.dtype())?;
         let fresh_v = zeros_dtype(&shape(v), v.dtype())?;
-        let len = self.len as i32;
+        let (from, to) = (self.head as i32, (self.head + self.len) as i32);
         self.keys = Some(match &self.keys {
-            Some(old) => concatenate(&[old.index((.., .., ..len, ..)), fresh_k], 2)?,
+            Some(old) => concatenate(&[old.index((.., .., from..to, ..)), fresh_k], 2)?,
             None => fresh_k,
         });
         self.values = Some(match &self.values {
-            Some(old) => concatenate(&[old.index((.., .., ..len, ..)), fresh_v], 2)?,
+            Some(old) => concatenate(&[old.index((.., .., from..to, ..)), fresh_v], 2)?,
             None => fresh_v,
         });
-        Ok(())
-    }
-
-    fn drop_front(&mut self, n: usize) -> Result<()> {
-        let (from, to) = (n as i32, self.len as i32);
-        if let (Some(k), Some(v)) = (&self.keys, &self.values) {
-            self.keys = Some(k.index((.., .., from..to, ..)));
-            self.values = Some(v.index((.., .., from..to, ..)));
-        }
-        self.start += n;
-        self.len -= n;
+        self.head = 0;
         Ok(())
     }
 

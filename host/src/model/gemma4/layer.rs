@@ -3,6 +3,7 @@
 
 use anyhow::Result;
 use mlx_rs::fast::rms_norm;
+use mlx_rs::ops::broadcast_to;
 use mlx_rs::Array;
 
 use super::activation::gated_gelu;
@@ -39,6 +40,8 @@ pub struct DecoderLayer {
     moe: Option<MoeBranch>,
     post_feedforward_norm: Array,
     ple: Option<PleGate>,
+    /// The learned scalar, stored broadcast to `[1, H]` (a view, evaluated once) so a
+    /// single-token step multiplies equal shapes and MLX adds no broadcast node per layer.
     layer_scalar: Array,
 }
 
@@ -77,7 +80,11 @@ impl DecoderLayer {
             moe,
             post_feedforward_norm: norm("post_feedforward_layernorm")?,
             ple,
-            layer_scalar: w.tensor(&format!("{p}layer_scalar"), &[1])?,
+            layer_scalar: {
+                let s = broadcast_to(w.tensor(&format!("{p}layer_scalar"), &[1])?, &[1, h as i32])?;
+                s.eval()?;
+                s
+            },
         })
     }
 
@@ -85,7 +92,7 @@ impl DecoderLayer {
         Ok(rms_norm(x, Some(w), self.eps)?)
     }
 
-    /// Runs the layer on `x` (`[1, T, H]`). `per_layer_input` is this layer's `[1, T, P]`
+    /// Runs the layer on `x` (`[T, H]`). `per_layer_input` is this layer's `[T, P]`
     /// slice of the per-layer embeddings. Returns the new hidden state and, for KV-owning
     /// layers, the K/V view sharers of this layer read.
     pub fn forward(

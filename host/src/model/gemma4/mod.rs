@@ -246,11 +246,16 @@ impl Gemma4Model {
         capture_hidden: bool,
     ) -> Result<ForwardOutput> {
         if ids.ndim() != 2 || ids.shape()[0] != 1 || ids.shape()[1] == 0 {
-            bail!("token ids must have shape [1, T] with T >= 1, got {:?}", ids.shape());
+            bail!(
+                "token ids must have shape [1, T] with T >= 1, got {:?}",
+                ids.shape()
+            );
         }
         let t = ids.shape()[1];
         let offset = cache.offset();
-        let ids = ids.clone();
+        // Activations are `[T, hidden]` matrices throughout: MLX wraps a product of a 3-D
+        // input in flatten/unflatten operations, two extra graph nodes per matrix product.
+        let ids = ids.reshape(&[t])?;
 
         let mut x = self.embed.lookup(&ids)?.multiply(&self.embed_scale)?;
         let per_layer = match &self.per_layer {
@@ -259,13 +264,13 @@ impl Gemma4Model {
         };
         let mut hidden = Vec::new();
         if capture_hidden {
-            hidden.push(x.reshape(&[t, -1])?);
+            hidden.push(x.clone());
         }
 
         let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let plan = &self.config.layers[i];
-            let ple_i = per_layer.as_ref().map(|p| p.index((.., .., i as i32, ..)));
+            let ple_i = per_layer.as_ref().map(|p| p.index((.., i as i32, ..)));
             let shared = if plan.owns_kv(i) {
                 None
             } else {
@@ -276,18 +281,19 @@ impl Gemma4Model {
             views[i] = view;
             x = out;
             if capture_hidden && i + 1 < self.layers.len() {
-                hidden.push(x.reshape(&[t, -1])?);
+                hidden.push(x.clone());
             }
         }
-        cache.advance(ids.shape()[1] as usize);
+        cache.advance(t as usize);
 
         let x = rms_norm(&x, Some(&self.final_norm), self.config.rms_norm_eps)?;
         if capture_hidden {
-            hidden.push(x.reshape(&[t, -1])?);
+            hidden.push(x.clone());
         }
         let x = match logits_for {
             LogitsFor::All => x,
-            LogitsFor::Last => x.index((.., (t - 1).., ..)),
+            LogitsFor::Last if t == 1 => x,
+            LogitsFor::Last => x.index(((t - 1).., ..)),
         };
         Ok(ForwardOutput {
             logits: self.logits_from_hidden(&x)?,

@@ -99,10 +99,9 @@ impl Experts {
         })
     }
 
-    /// `residual` (`[1, T, H]`) drives routing; `x` is the pre-normed expert input.
+    /// `residual` (`[T, H]`) drives routing; `x` is the pre-normed expert input.
     pub fn forward(&self, residual: &Array, x: &Array) -> Result<Array> {
-        let shape = x.shape().to_vec();
-        let (t, h) = (shape[1], shape[2]);
+        let (t, h) = (x.shape()[0], x.shape()[1]);
         let k = self.cfg.top_k as i32;
 
         let r = rms_norm(residual, None, self.eps)?.multiply(&self.router.scale)?;
@@ -123,8 +122,6 @@ impl Experts {
         let y = expert_matmul(&self.down, &gated_gelu(&gate, &up)?, &experts)?; // [T, k, 1, H]
         let y = y.reshape(&[t, k, h])?;
         let weights = weights.as_dtype(y.dtype())?.reshape(&[t, k, 1])?;
-        Ok(y.multiply(&weights)?
-            .sum_axis(1, false)?
-            .reshape(&[1, t, h])?)
+        Ok(y.multiply(&weights)?.sum_axis(1, false)?.reshape(&[t, h])?)
     }
 }

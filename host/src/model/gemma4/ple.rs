@@ -47,11 +47,11 @@ impl PerLayerEmbeddings {
         self.table.0.nbytes()
     }
 
-    /// `[1, T, layers, width]` inputs for every layer, from token ids `[1, T]` and the scaled
-    /// main embedding `[1, T, hidden]`.
+    /// `[T, layers, width]` inputs for every layer, from token ids `[T]` and the scaled main
+    /// embedding `[T, hidden]`.
     pub fn inputs(&self, ids: &Array, embedded: &Array) -> Result<Array> {
-        let t = ids.shape()[1];
-        let shape = [1, t, self.num_layers, self.width];
+        let t = ids.shape()[0];
+        let shape = [t, self.num_layers, self.width];
         let from_table = self
             .table
             .lookup(ids)?
