@@ -122,7 +122,7 @@ if want knobs; then
     for knob in "MLX_MAX_OPS_PER_BUFFER=20" "MLX_MAX_OPS_PER_BUFFER=60" "MLX_MAX_OPS_PER_BUFFER=120" \
         "MLX_MAX_OPS_PER_BUFFER=250" "MLX_CUDA_GRAPH_CACHE_SIZE=2000" "MLX_USE_CUDA_GRAPHS=0"; do
         BENCH_ENV="$knob" bench "mlx-spec E4B bf16, $knob" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
-            --prompt-tokens 512 --gen-tokens 64 --repeats 1
+            --prompt-tokens 512 --gen-tokens 64 --repeats 2
     done
 fi
 
