@@ -109,12 +109,12 @@ impl Attention {
             }
         };
 
+        if let Some(slot_mask) = &view.slot_mask {
+            let out = buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?;
+            return Ok((self.o_proj.forward(&out)?, produced));
+        }
         let mask = attention_mask(self.kind, offset, t as usize, &view, window)?;
         let out = match &mask {
-            None if t == 1 => {
-                let out = single_query_attention(&q, &view, self.num_kv_heads, self.head_dim)?;
-                return Ok((self.o_proj.forward(&out)?, produced));
-            }
             Some(m) => scaled_dot_product_attention(
                 &q,
                 &view.keys,
@@ -135,21 +135,45 @@ impl Attention {
     }
 }
 
-/// Attention of one query token (`q`: `[1, heads, 1, head_dim]`) over every key of `view`, as
-/// two matrix products; returns `[1, heads * head_dim]`.
+/// Attention of a short query window (`q`: `[1, heads, T, head_dim]`) over the whole K/V
+/// buffers of `view`, `slot_mask` (`[T, capacity]`) hiding from each query the slots it must
+/// not see, as two matrix products; returns `[T, heads * head_dim]`.
 ///
-/// The query heads that share a KV head become the rows of one product, so nothing is
-/// broadcast or repeated. MLX's fused attention has no CUDA kernel for Gemma 4's head sizes
-/// (256 and 512) and falls back to a longer graph of the same products; this is the decode
-/// step's most frequent operation, so it is written out here. Scale 1.0: Gemma 4 normalises
-/// q and k instead. Scores are rounded to the activation dtype and the softmax accumulates in
+/// The query heads that share a KV head become rows of one product, so nothing is broadcast
+/// or repeated. MLX's fused attention has no CUDA kernel for Gemma 4's head sizes (256 and
+/// 512) and falls back to a longer graph of the same products; decode and verification run
+/// this on every layer, so it is written out here. Scale 1.0: Gemma 4 normalises q and k
+/// instead. Scores are rounded to the activation dtype and the softmax accumulates in
 /// float32, as transformers' eager attention does.
-fn single_query_attention(q: &Array, view: &KvView, kv_heads: i32, head_dim: i32) -> Result<Array> {
-    let heads = q.shape()[1];
-    let q = q.reshape(&[1, kv_heads, heads / kv_heads, head_dim])?;
+fn buffer_attention(
+    q: &Array,
+    view: &KvView,
+    slot_mask: &Array,
+    kv_heads: i32,
+    head_dim: i32,
+) -> Result<Array> {
+    let (heads, t) = (q.shape()[1], q.shape()[2]);
+    let group = heads / kv_heads;
+    let capacity = view.keys.shape()[2];
+    // Rows ordered (head within the group, token): the order of `q`'s memory.
+    let q = q.reshape(&[1, kv_heads, group * t, head_dim])?;
     let scores = matmul(&q, view.keys.swap_axes(-1, -2)?)?;
-    let probs = softmax_axis(&scores, -1, true)?;
-    Ok(matmul(&probs, &view.values)?.reshape(&[1, heads * head_dim])?)
+    let scores = if t == 1 {
+        scores.add(slot_mask)?
+    } else {
+        scores
+            .reshape(&[1, kv_heads, group, t, capacity])?
+            .add(slot_mask)?
+            .reshape(&[1, kv_heads, group * t, capacity])?
+    };
+    let out = matmul(&softmax_axis(&scores, -1, true)?, &view.values)?;
+    Ok(if t == 1 {
+        out.reshape(&[1, heads * head_dim])?
+    } else {
+        out.reshape(&[1, kv_heads, group, t, head_dim])?
+            .transpose_axes(&[0, 3, 1, 2, 4])?
+            .reshape(&[t, heads * head_dim])?
+    })
 }
 
 /// `[T, heads * head_dim]` projections to the `[1, heads, T, head_dim]` layout of RoPE and

@@ -16,7 +16,9 @@
 use anyhow::Result;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{concatenate, zeros_dtype};
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
+use std::cell::RefCell;
+use std::rc::Rc;
 
 use super::config::{AttentionKind, Gemma4Config};
 
@@ -45,6 +47,56 @@ pub struct KvView {
     pub keys: Array,
     pub values: Array,
     pub first_position: usize,
+    /// Set for short query windows (decode, verification): `keys`/`values` are then the whole
+    /// buffers, whose shape changes only when a buffer grows, and this additive `[T, capacity]`
+    /// mask (0 or -inf, in the activation dtype) hides from each query the slots it must not
+    /// see. A constant shape lets MLX reuse its matrix-product plans from one step to the next;
+    /// a view that grows by one key per token needs new plans at every step, which costs more
+    /// host time than the whole step's arithmetic.
+    pub slot_mask: Option<Array>,
+}
+
+/// Query windows up to this many tokens attend over whole buffers with a slot mask.
+pub const MAX_MASKED_WINDOW: usize = 64;
+
+/// What a slot mask depends on; equal keys give equal masks, so the layers of one kind (which
+/// all hold the same positions) share one mask per step.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct MaskKey {
+    offset: usize,
+    tokens: usize,
+    head: usize,
+    start: usize,
+    len: usize,
+    capacity: usize,
+}
+
+type MaskMemo = Rc<RefCell<Option<(MaskKey, Array)>>>;
+
+/// An additive `[rows, capacity]` mask: row `i` is 0 inside `visible(i)`, -inf elsewhere.
+fn mask_array(
+    rows: usize,
+    capacity: usize,
+    visible: impl Fn(usize) -> std::ops::Range<usize>,
+    dtype: Dtype,
+) -> Result<Array> {
+    let mut values = vec![f32::NEG_INFINITY; rows * capacity];
+    for i in 0..rows {
+        let range = visible(i);
+        values[i * capacity + range.start..i * capacity + range.end].fill(0.0);
+    }
+    let shape = [rows as i32, capacity as i32];
+    Ok(match dtype {
+        Dtype::Bfloat16 => {
+            let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            Array::from_slice(&v, &shape)
+        }
+        Dtype::Float16 => {
+            let v: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+            Array::from_slice(&v, &shape)
+        }
+        _ => Array::from_slice(&values, &shape).as_dtype(dtype)?,
+    })
 }
 
 /// K/V of one layer: `[1, kv_heads, capacity, head_dim]`, valid in slots
@@ -58,11 +110,14 @@ pub struct LayerKv {
     head: usize,
     start: usize,
     len: usize,
+    /// Shared by the layers of this kind.
+    mask_memo: MaskMemo,
 }
 
 impl LayerKv {
-    fn new(kind: AttentionKind, window: usize, reserve: usize) -> Self {
+    fn new(kind: AttentionKind, window: usize, reserve: usize, mask_memo: MaskMemo) -> Self {
         LayerKv {
+            mask_memo,
             kind,
             window,
             reserve,
@@ -84,7 +139,8 @@ impl LayerKv {
     }
 
     /// Appends `[1, kv_heads, t, head_dim]` keys/values for positions `end_position()..` and
-    /// returns what the new queries attend over.
+    /// returns what the new queries attend over: for windows up to [`MAX_MASKED_WINDOW`]
+    /// tokens the whole buffers and a slot mask, for longer ones the visible keys.
     pub fn append(&mut self, k: &Array, v: &Array) -> Result<KvView> {
         let t = k.shape()[2] as usize;
         let offset = self.end_position();
@@ -116,13 +172,56 @@ impl LayerKv {
             // The earliest new query (at `offset`) sees back to `offset - (window - 1)`.
             AttentionKind::Sliding => (offset + 1).saturating_sub(self.window).max(self.start),
         };
-        let from = (self.head + first_position - self.start) as i32;
-        let to = (self.head + self.len) as i32;
+        let from = self.head + first_position - self.start;
+        let to = self.head + self.len;
+        let (keys, values) = (self.keys.as_ref().unwrap(), self.values.as_ref().unwrap());
+        if t <= MAX_MASKED_WINDOW {
+            return Ok(KvView {
+                keys: keys.clone(),
+                values: values.clone(),
+                first_position,
+                slot_mask: Some(self.slot_mask(offset, t, k.dtype())?),
+            });
+        }
+        let (from, to) = (from as i32, to as i32);
         Ok(KvView {
-            keys: self.keys.as_ref().unwrap().index((.., .., from..to, ..)),
-            values: self.values.as_ref().unwrap().index((.., .., from..to, ..)),
+            keys: keys.index((.., .., from..to, ..)),
+            values: values.index((.., .., from..to, ..)),
             first_position,
+            slot_mask: None,
         })
+    }
+
+    /// The mask of queries at `offset..offset + t` after they were appended: query `i` sees
+    /// the kept slots from its window's start up to its own slot.
+    fn slot_mask(&self, offset: usize, t: usize, dtype: Dtype) -> Result<Array> {
+        let key = MaskKey {
+            offset,
+            tokens: t,
+            head: self.head,
+            start: self.start,
+            len: self.len,
+            capacity: self.capacity(),
+        };
+        if let Some((k, mask)) = self.mask_memo.borrow().as_ref() {
+            if *k == key {
+                return Ok(mask.clone());
+            }
+        }
+        let slot_of = |position: usize| self.head + position - self.start;
+        let visible = |i: usize| {
+            let position = offset + i;
+            let first = match self.kind {
+                AttentionKind::Full => self.start,
+                AttentionKind::Sliding => {
+                    (position + 1).saturating_sub(self.window).max(self.start)
+                }
+            };
+            slot_of(first)..slot_of(position) + 1
+        };
+        let mask = mask_array(t, self.capacity(), visible, dtype)?;
+        *self.mask_memo.borrow_mut() = Some((key, mask.clone()));
+        Ok(mask)
     }
 
     /// Moves the valid slots to the front of a fresh buffer with room for `needed` slots plus
@@ -149,13 +248,17 @@ impl LayerKv {
     }
 
     /// Forgets the last `n` positions.
-    fn trim(&mut self, layer: usize, n: usize) -> Result<(), TrimError> {
-        let available = match self.kind {
+    fn trimmable(&self) -> usize {
+        match self.kind {
             AttentionKind::Full => self.len,
             // After the trim the next query (at end - n) must still see back `window - 1`.
             AttentionKind::Sliding if self.start == 0 => self.len,
             AttentionKind::Sliding => (self.len + 1).saturating_sub(self.window),
-        };
+        }
+    }
+
+    fn trim(&mut self, layer: usize, n: usize) -> Result<(), TrimError> {
+        let available = self.trimmable();
         if n > available {
             return Err(TrimError {
                 layer,
@@ -181,13 +284,18 @@ impl ModelCache {
 
     /// A cache whose sliding layers can roll back up to `reserve` tokens at any time.
     pub fn with_reserve(config: &Gemma4Config, reserve: usize) -> Self {
+        let (full_masks, sliding_masks) = (MaskMemo::default(), MaskMemo::default());
         let layers = config
             .layers
             .iter()
             .enumerate()
             .map(|(i, l)| {
+                let memo = match l.kind {
+                    AttentionKind::Full => full_masks.clone(),
+                    AttentionKind::Sliding => sliding_masks.clone(),
+                };
                 l.owns_kv(i)
-                    .then(|| LayerKv::new(l.kind, config.sliding_window.max(1), reserve))
+                    .then(|| LayerKv::new(l.kind, config.sliding_window.max(1), reserve, memo))
             })
             .collect();
         ModelCache { layers, offset: 0 }
@@ -210,13 +318,14 @@ impl ModelCache {
     pub fn trim(&mut self, n: usize) -> Result<(), TrimError> {
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(l) = layer {
-                // Dry run first so a refusal leaves the cache consistent.
-                let mut probe = LayerKv {
-                    keys: None,
-                    values: None,
-                    ..*l
-                };
-                probe.trim(i, n)?;
+                // Check every layer first so a refusal leaves the cache consistent.
+                if n > l.trimmable() {
+                    return Err(TrimError {
+                        layer: i,
+                        requested: n,
+                        available: l.trimmable(),
+                    });
+                }
             }
         }
         for (i, layer) in self.layers.iter_mut().enumerate() {
