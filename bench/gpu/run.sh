@@ -106,7 +106,7 @@ fi
 peer() {
     local label="$1"; shift
     local line
-    if line="$(timeout 240 python3 "$ROOT/bench/gpu/transformers_peer.py" "$@" 2>"$RES/peer.err" | tail -n 1)"; then
+    if line="$(timeout 400 python3 "$ROOT/bench/gpu/transformers_peer.py" "$@" 2>"$RES/peer.err" | tail -n 1)"; then
         row "$label | $line"
     else
         row "$label | failed: $(tail -n 1 "$RES/peer.err")"
@@ -127,7 +127,8 @@ if want knobs; then
 fi
 
 if want peer; then
-    peer "transformers E4B bf16" "$ROOT/configs/gemma-4-e4b.json" 512 64
+    peer "transformers E4B bf16, dynamic cache" "$ROOT/configs/gemma-4-e4b.json" 512 64 dynamic
+    peer "transformers E4B bf16, static cache + torch.compile" "$ROOT/configs/gemma-4-e4b.json" 512 64 static
 fi
 
 # 5. The GPU path computes the function the CPU path computes at the E4B shape: the same
