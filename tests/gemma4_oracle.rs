@@ -8,8 +8,9 @@ mod common;
 
 use common::{default_model, fixture, max_abs_diff, repo_root, Golden, FIXTURES};
 use mlx_rs::Dtype;
-use mlx_spec::generate::greedy_token;
+use mlx_spec::generate::{generate, greedy_token, GenerateRequest, StopReason};
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
+use mlx_spec::sampler::SamplingParams;
 
 /// Tolerance for float32 logits against the float32 oracle.
 const LOGITS_TOL: f32 = 1e-4;
@@ -139,6 +140,35 @@ fn greedy_continuation_matches_transformers() {
         let want = golden.ids("greedy_ids");
         let got = greedy(&model, &ids, want.len());
         assert_eq!(got, want, "{name}: greedy continuation differs");
+    }
+}
+
+/// `generate` queues each greedy step before reading the token it consumes; it must still give
+/// transformers' continuation, and stop at a stop token without emitting it.
+#[test]
+fn pipelined_greedy_generation_matches_transformers() {
+    for name in FIXTURES {
+        let model = load_f32(name);
+        let golden = Golden::load(name);
+        let prompt_ids = golden.ids("prompt_ids");
+        let want = golden.ids("greedy_ids");
+        let request = |stop_ids: Vec<u32>, max_tokens: usize| GenerateRequest {
+            prompt_ids: prompt_ids.clone(),
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_ids,
+            ignore_eos: false,
+        };
+        let (got, stats) = generate(&model, &request(vec![], want.len()), |_| Ok(())).unwrap();
+        assert_eq!(got, want, "{name}: pipelined greedy continuation differs");
+        assert_eq!(stats.stop_reason, StopReason::Length);
+
+        // Stopping on the 6th token ends generation just before its first occurrence.
+        let stop = want[5];
+        let first = want.iter().position(|&t| t == stop).unwrap();
+        let (got, stats) = generate(&model, &request(vec![stop], want.len()), |_| Ok(())).unwrap();
+        assert_eq!(got, want[..first], "{name}: generation past the stop token");
+        assert_eq!(stats.stop_token, Some(stop));
     }
 }
 
