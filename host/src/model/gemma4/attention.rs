@@ -113,6 +113,7 @@ impl Attention {
             let out = buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?;
             return Ok((self.o_proj.forward(&out)?, produced));
         }
+        // Long windows (prefill chunks): MLX's attention over the visible keys.
         let mask = attention_mask(self.kind, offset, t as usize, &view, window)?;
         let out = match &mask {
             Some(m) => scaled_dot_product_attention(
@@ -125,12 +126,9 @@ impl Attention {
             )?,
             None => scaled_dot_product_attention(&q, &view.keys, &view.values, 1.0, None, None)?,
         };
-        let width = self.num_heads * self.head_dim;
-        let out = if t == 1 {
-            out.reshape(&[1, width])?
-        } else {
-            out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[t, width])?
-        };
+        let out = out
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[t, self.num_heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, produced))
     }
 }
