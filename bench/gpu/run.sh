@@ -11,6 +11,7 @@
 #   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
 #   peer       transformers' Gemma4ForCausalLM decode on the E4B config
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
+#   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
 #   graph      operations in one E4B decode step, by kind
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
@@ -100,6 +101,11 @@ if want mlx; then
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+fi
+
+if want large; then
+    bench "mlx-spec 31B bf16" --model "$ROOT/configs/gemma-4-31b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 32 --repeats 1
+    bench "mlx-spec 26B-A4B bf16 (MoE)" --model "$ROOT/configs/gemma-4-26b-a4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 32 --repeats 1
 fi
 
 # 4. The peer: transformers' Gemma4ForCausalLM, same config, random bf16 weights, greedy.
