@@ -159,3 +159,25 @@ fn random_weights_build_any_config_dense_and_quantized() {
         }
     }
 }
+
+/// The per-token weight bytes behind the decode floor: a dense model reads everything but the
+/// gathered per-layer table; an MoE model also skips its unrouted experts.
+#[test]
+fn bytes_read_per_token_skip_gathered_tables_and_unrouted_experts() {
+    let dense = Gemma4Model::random(tiny_config(false), 0, Dtype::Float32, None).unwrap();
+    let c = &dense.config;
+    let f32_bytes = 4;
+    let ple_table = c.per_layer_vocab_size * c.num_layers * c.per_layer_input_size * f32_bytes;
+    assert!(ple_table > 0, "the fixture config has per-layer embeddings");
+    let total = 10 * ple_table; // any total above the table
+    assert_eq!(dense.weight_bytes_read_per_token(total), total - ple_table);
+
+    let moe = Gemma4Model::random(tiny_config(true), 0, Dtype::Float32, None).unwrap();
+    let m = moe.config.moe.unwrap();
+    let per_expert = 3 * m.expert_intermediate_size * moe.config.hidden_size * f32_bytes;
+    let unrouted = moe.config.num_layers * (m.num_experts - m.top_k) * per_expert;
+    assert_eq!(
+        moe.weight_bytes_read_per_token(total),
+        total - ple_table - unrouted
+    );
+}

@@ -88,6 +88,13 @@ impl DecoderLayer {
         })
     }
 
+    /// Bytes of this layer's weights a single token does not read (unrouted experts).
+    pub fn unread_nbytes_per_token(&self) -> usize {
+        self.moe
+            .as_ref()
+            .map_or(0, |m| m.experts.unread_nbytes_per_token())
+    }
+
     fn norm(&self, x: &Array, w: &Array) -> Result<Array> {
         Ok(rms_norm(x, Some(w), self.eps)?)
     }

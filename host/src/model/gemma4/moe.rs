@@ -31,6 +31,14 @@ pub struct Experts {
     down: Linear,
 }
 
+impl Experts {
+    /// Bytes of the expert weights one token does not read: all but its `top_k` experts.
+    pub fn unread_nbytes_per_token(&self) -> usize {
+        let all = self.gate.nbytes() + self.up.nbytes() + self.down.nbytes();
+        all / self.cfg.num_experts * (self.cfg.num_experts - self.cfg.top_k)
+    }
+}
+
 /// `x @ W[e].T` for each token and each of its chosen experts.
 /// `x`: `[T, 1, 1, in]`, `experts`: `[T, k]` → `[T, k, 1, out]`.
 fn expert_matmul(w: &Linear, x: &Array, experts: &Array) -> Result<Array> {
