@@ -10,8 +10,8 @@
 //! A sliding buffer forgets old keys by moving its first valid slot (`head`) forward, not by
 //! reallocating: the buffer is compacted (the kept keys copied to the front of a fresh one)
 //! only when its end is reached, about once every `GROWTH_STEP` tokens. A decode step
-//! therefore adds two slice updates and two slices per KV-owning layer to the graph, and
-//! copies nothing but the new keys.
+//! therefore adds two slice updates per KV-owning layer to the graph and copies nothing but
+//! the new keys; its queries read the whole buffers through a slot mask ([`KvView`]).
 
 use anyhow::Result;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
