@@ -7,7 +7,7 @@
 //!   so a drafter that is mostly wrong only costs a verify window of one or two extra tokens;
 //! * pausing: when acceptance falls below [`MIN_ACCEPTED_PER_ROUND`], drafting pauses for a
 //!   number of rounds (plain decode steps) that doubles after each failed probe, up to
-//!   [`MAX_PAUSE`]; one probe round then tests the drafter again.
+//!   `MAX_PAUSE`; one probe round then tests the drafter again.
 //!
 //! A drafter that proposes nothing costs nothing and is not penalised.
 
