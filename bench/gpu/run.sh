@@ -12,6 +12,7 @@
 #   peer       transformers' Gemma4ForCausalLM decode on the E4B config
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
+#   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
@@ -106,6 +107,14 @@ fi
 if want large; then
     bench "mlx-spec 31B bf16" --model "$ROOT/configs/gemma-4-31b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 32 --repeats 1
     bench "mlx-spec 26B-A4B bf16 (MoE)" --model "$ROOT/configs/gemma-4-26b-a4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 32 --repeats 1
+fi
+
+if want spec; then
+    for set in free_text code_edit; do
+        line="$(timeout 240 "$BIN" bench --device gpu --drafter ngram --plugins-dir "$G/bin" \
+            --prompt-set "$ROOT/bench/prompts/$set.jsonl" --gen-tokens 128 --repeats 1 2>"$RES/spec.err" | tail -n 1)"
+        row "ngram vs plain, default model, $set set | ${line:-failed: $(tail -n 1 "$RES/spec.err")}"
+    done
 fi
 
 # 4. The peer: transformers' Gemma4ForCausalLM, same config, random bf16 weights, greedy.
