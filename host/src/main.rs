@@ -807,8 +807,6 @@ fn synthetic_prompt(vocab: usize, len: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Milliseconds of one forward over `k` new tokens after `prompt`, for k = 1, 2, 4, … 32
-/// (median over `repeats`, the cache rolled back after each).
 /// What [`check_against_cpu`] found.
 struct CpuCheck {
     device_tokens: Vec<u32>,
@@ -861,6 +859,8 @@ fn check_against_cpu(
     })
 }
 
+/// Milliseconds of one forward over `k` new tokens after `prompt`, for k = 1, 2, 4, … 32
+/// (median over `repeats`, the cache rolled back after each).
 fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<Vec<(usize, f64)>> {
     let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, 64);
     prefill(model, &mut cache, prompt)?;

@@ -59,11 +59,11 @@ pub struct KvView {
 /// Query windows up to this many tokens attend over whole buffers with a slot mask.
 pub const MAX_MASKED_WINDOW: usize = 64;
 
-/// What a slot mask depends on; equal keys give equal masks, so the layers of one kind (which
-/// all hold the same positions) share one mask per step.
+/// What a slot mask depends on (the queries are the last `tokens` kept positions); equal keys
+/// give equal masks, so the layers of one kind (which all hold the same positions) share one
+/// mask per step.
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct MaskKey {
-    offset: usize,
     tokens: usize,
     head: usize,
     start: usize,
@@ -167,11 +167,8 @@ impl LayerKv {
         values.try_index_mut((.., .., a..b, ..), v)?;
         self.len += t;
 
-        let first_position = match self.kind {
-            AttentionKind::Full => self.start,
-            // The earliest new query (at `offset`) sees back to `offset - (window - 1)`.
-            AttentionKind::Sliding => (offset + 1).saturating_sub(self.window).max(self.start),
-        };
+        // The earliest new query (at `offset`) sees the earliest key any of them needs.
+        let first_position = self.first_visible(offset);
         let from = self.head + first_position - self.start;
         let to = self.head + self.len;
         let (keys, values) = (self.keys.as_ref().unwrap(), self.values.as_ref().unwrap());
@@ -180,7 +177,7 @@ impl LayerKv {
                 keys: keys.clone(),
                 values: values.clone(),
                 first_position,
-                slot_mask: Some(self.slot_mask(offset, t, k.dtype())?),
+                slot_mask: Some(self.slot_mask(t, k.dtype())?),
             });
         }
         let (from, to) = (from as i32, to as i32);
@@ -192,11 +189,19 @@ impl LayerKv {
         })
     }
 
-    /// The mask of queries at `offset..offset + t` after they were appended: query `i` sees
-    /// the kept slots from its window's start up to its own slot.
-    fn slot_mask(&self, offset: usize, t: usize, dtype: Dtype) -> Result<Array> {
+    /// The first position a query at `position` attends to: the first kept one, or for a
+    /// sliding layer the start of its window.
+    fn first_visible(&self, position: usize) -> usize {
+        match self.kind {
+            AttentionKind::Full => self.start,
+            AttentionKind::Sliding => (position + 1).saturating_sub(self.window).max(self.start),
+        }
+    }
+
+    /// The mask of the last `t` positions, just appended, as queries: each sees the kept slots
+    /// from its window's start up to its own slot.
+    fn slot_mask(&self, t: usize, dtype: Dtype) -> Result<Array> {
         let key = MaskKey {
-            offset,
             tokens: t,
             head: self.head,
             start: self.start,
@@ -208,16 +213,11 @@ impl LayerKv {
                 return Ok(mask.clone());
             }
         }
+        let offset = self.end_position() - t;
         let slot_of = |position: usize| self.head + position - self.start;
         let visible = |i: usize| {
             let position = offset + i;
-            let first = match self.kind {
-                AttentionKind::Full => self.start,
-                AttentionKind::Sliding => {
-                    (position + 1).saturating_sub(self.window).max(self.start)
-                }
-            };
-            slot_of(first)..slot_of(position) + 1
+            slot_of(self.first_visible(position))..slot_of(position) + 1
         };
         let mask = mask_array(t, self.capacity(), visible, dtype)?;
         *self.mask_memo.borrow_mut() = Some((key, mask.clone()));

@@ -206,8 +206,8 @@ impl Gemma4Model {
     /// Weight bytes one decode step reads: every weight except the rows of embedding tables
     /// that are only gathered (the per-layer table always; the token table when the head is
     /// untied) and the experts a token is not routed to. `total_weight_bytes` is what the
-    /// loaded weights occupy. This over the device's
-    /// copy bandwidth is the floor of a decode step at batch 1 (plus the KV cache it reads).
+    /// loaded weights occupy. This over the device's copy bandwidth is the floor of a decode
+    /// step at batch 1 (plus the KV cache it reads).
     pub fn weight_bytes_read_per_token(&self, total_weight_bytes: usize) -> usize {
         let gathered_only = self.per_layer.as_ref().map_or(0, |p| p.table_nbytes())
             + if self.head.is_some() {
