@@ -11,6 +11,7 @@
 #   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
 #   peer       transformers' Gemma4ForCausalLM decode on the E4B config
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
+#   host       where the host's time goes in a pipelined E4B/12B decode step (graphs on, off)
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
@@ -90,9 +91,10 @@ curve = " ".join("k=%d %.1fms" % (c["k"], c["ms"]) for c in j.get("verify_curve"
 read = j["weight_bytes_read_per_token"]
 floor = "floor %.0f tok/s (%.2f GB read per token), decode at %.1f %% of it" % (
     float(bw) * 1e12 / read, read / 1e9, 100 * j["decode_tokens_per_s"] * read / (float(bw) * 1e12)) if bw else "no bandwidth measured"
-print("prefill %.0f tok/s | decode %.1f tok/s (one synchronised step at a time: %.1f tok/s, %.2f ms of %.2f ms building the graph) | %s %s" % (
-    j["prefill_tokens_per_s"], j["decode_tokens_per_s"], j["stepwise_decode_tokens_per_s"],
-    j["stepwise_graph_build_ms"], j["stepwise_step_ms"], floor, curve))' "$json" "${BW:-}")"
+host = j["pipelined_host_ms"]
+print("prefill %.0f tok/s | decode %.1f tok/s (host per step: build %.2f ms, submit %.2f ms, wait %.2f ms; one synchronised step at a time: %.1f tok/s) | %s %s" % (
+    j["prefill_tokens_per_s"], j["decode_tokens_per_s"], host["build"], host["submit"], host["wait"],
+    j["stepwise_decode_tokens_per_s"], floor, curve))' "$json" "${BW:-}")"
     else
         row "$label | failed: $(tail -n 1 "$RES/bench.err")"
     fi
@@ -102,6 +104,21 @@ if want mlx; then
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+fi
+
+if want host; then
+    bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+    BENCH_ENV="MLX_USE_CUDA_GRAPHS=0" bench "mlx-spec E4B bf16, MLX_USE_CUDA_GRAPHS=0" --model "$ROOT/configs/gemma-4-e4b.json" \
+        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+    # One CUDA graph per step: MLX then never waits for the device inside async_eval (it does
+    # once more than 10 committed graphs are in flight), so "submit" is the host's own work.
+    BENCH_ENV="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000" bench \
+        "mlx-spec E4B bf16, one graph per step" --model "$ROOT/configs/gemma-4-e4b.json" \
+        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+    bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+    BENCH_ENV="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000" bench \
+        "mlx-spec 12B bf16, one graph per step" --model "$ROOT/configs/gemma-4-12b.json" \
+        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
 fi
 
 if want large; then

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use mlx_spec::deploy::DeployConfig;
 use mlx_spec::device::{self, DeviceKind};
-use mlx_spec::generate::{generate, greedy_token, prefill, queue_greedy_step, GenerateRequest};
+use mlx_spec::generate::{generate, greedy_token, prefill, GenerateRequest};
 use mlx_spec::model::gemma4::config::{Gemma4Config, QuantSpec};
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
 use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
@@ -888,25 +888,51 @@ fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<V
     Ok(curve)
 }
 
+/// Where the host spends a pipelined decode step, in milliseconds per step.
+#[derive(Default, Clone, Copy)]
+struct HostSplit {
+    /// Building the step's lazy graph (our model code).
+    build_ms: f64,
+    /// Handing the graph to MLX (`async_eval`: MLX walks it and encodes its kernels).
+    submit_ms: f64,
+    /// Blocked reading the previous token while the device finishes it.
+    wait_ms: f64,
+}
+
 /// Greedy decode of `n` forwards after `logits` (`n + 1` tokens), the host queueing each step
-/// before reading the token it consumes (as `generate` does). Returns the tokens and the
-/// seconds taken.
+/// before reading the token it consumes (as `generate` does). Returns the tokens, the
+/// seconds taken and where the host spent them.
 fn decode_pipelined(
     model: &Gemma4Model,
     cache: &mut mlx_spec::model::gemma4::ModelCache,
     logits: &mlx_rs::Array,
     n: usize,
-) -> Result<(Vec<u32>, f64)> {
+) -> Result<(Vec<u32>, f64, HostSplit)> {
     let start = Instant::now();
     let mut next = mlx_rs::ops::indexing::argmax_axis(logits, -1, false)?;
     let mut tokens = Vec::with_capacity(n + 1);
+    let mut split = HostSplit::default();
     for _ in 0..n {
-        let following = queue_greedy_step(model, cache, &next)?;
+        // `queue_greedy_step`, timed in its two halves.
+        let t0 = Instant::now();
+        let out = model.forward_ids(&next.reshape(&[1, 1])?, cache, LogitsFor::Last, false)?;
+        let following = mlx_rs::ops::indexing::argmax_axis(&out.logits, -1, false)?;
+        let t1 = Instant::now();
+        mlx_rs::transforms::async_eval([&following])?;
+        let t2 = Instant::now();
         tokens.push(next.item_cast::<u32>());
+        let t3 = Instant::now();
+        split.build_ms += (t1 - t0).as_secs_f64();
+        split.submit_ms += (t2 - t1).as_secs_f64();
+        split.wait_ms += (t3 - t2).as_secs_f64();
         next = following;
     }
     tokens.push(next.item_cast::<u32>());
-    Ok((tokens, start.elapsed().as_secs_f64()))
+    let per_step = 1e3 / n as f64;
+    split.build_ms *= per_step;
+    split.submit_ms *= per_step;
+    split.wait_ms *= per_step;
+    Ok((tokens, start.elapsed().as_secs_f64(), split))
 }
 
 /// Greedy decode of `n` forwards after `logits`, building and evaluating one step at a time.
@@ -950,12 +976,14 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     let mut stepwise_rates = Vec::new();
     // Time a step-by-step decode step spends building its lazy graph on the host.
     let mut build_ms = Vec::new();
+    let mut splits = Vec::new();
     for round in 0..=args.repeats {
         let mut cache = model.new_cache();
         let start = Instant::now();
         let logits = prefill(model, &mut cache, &prompt)?;
         let prefill_s = start.elapsed().as_secs_f64();
-        let (pipelined, decode_s) = decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
+        let (pipelined, decode_s, split) =
+            decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
 
         // The same decode, one synchronised step at a time, from a fresh cache.
         let mut cache = model.new_cache();
@@ -970,11 +998,17 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             decode_rates.push(args.gen_tokens as f64 / decode_s);
             stepwise_rates.push(args.gen_tokens as f64 / stepwise_s);
             build_ms.push(build_s * 1e3 / args.gen_tokens as f64);
+            splits.push(split);
         }
     }
     let (prefill_rate, decode_rate) = (median(prefill_rates), median(decode_rates));
     let stepwise_rate = median(stepwise_rates);
     let build_ms = median(build_ms);
+    let host = HostSplit {
+        build_ms: median(splits.iter().map(|s| s.build_ms).collect()),
+        submit_ms: median(splits.iter().map(|s| s.submit_ms).collect()),
+        wait_ms: median(splits.iter().map(|s| s.wait_ms).collect()),
+    };
     let step_ms = 1e3 / stepwise_rate;
     let curve = if args.verify_curve {
         verify_curve(model, &prompt, args.repeats)?
@@ -1020,6 +1054,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 "prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": decode_rate,
                 "stepwise_decode_tokens_per_s": stepwise_rate, "stepwise_step_ms": step_ms,
                 "stepwise_graph_build_ms": build_ms,
+                "pipelined_host_ms": json!({"build": host.build_ms, "submit": host.submit_ms, "wait": host.wait_ms}),
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
@@ -1048,6 +1083,11 @@ fn run_bench(args: BenchArgs) -> Result<()> {
              {stepwise_rate:.1} tok/s one synchronised step at a time ({step_ms:.2} ms a step: \
              {build_ms:.2} ms building the graph on the host, {:.2} ms evaluating it)",
             step_ms - build_ms
+        );
+        println!(
+            "pipelined host time per step: {:.2} ms building the graph, {:.2} ms handing it to \
+             MLX (async_eval), {:.2} ms waiting for the device",
+            host.build_ms, host.submit_ms, host.wait_ms
         );
         if !curve.is_empty() {
             println!();

@@ -8,9 +8,18 @@
 //! * it builds a new compiled function on every call, so MLX traces, simplifies and caches
 //!   the graph again each time (about 10 µs of host time per call, and a cache that grows).
 //!
-//! Here the compiled function is built once per thread and reused, so MLX's compile cache is
+//! Here the compiled functions are built once per thread and reused, so MLX's compile cache is
 //! hit after the first call; the GELU itself runs in float32 (as PyTorch computes it for half
 //! inputs) and is rounded to the input dtype before the gating product, as transformers does.
+//!
+//! Two compiled forms, by input size. A shapeless trace serves every shape, but MLX then puts
+//! an explicit broadcast in front of every operand of every operation, which doubles the depth
+//! of the graph, so its fuser (at most 11 levels deep) leaves the first operations outside
+//! the fused kernel: one gated GELU became five operations. A trace per shape has no such
+//! broadcasts and fuses into one kernel. Decode and verification (a few rows) run it on every
+//! layer of every step, where each operation costs host time, so small inputs use the
+//! per-shape trace (few distinct shapes: rows <= [`PER_SHAPE_MAX_ROWS`]); prefill chunks,
+//! whose row counts vary, keep the shapeless one.
 
 use std::cell::RefCell;
 
@@ -37,14 +46,26 @@ fn gated_gelu_eager((gate, up): (&Array, &Array)) -> Result<Array, Exception> {
     gelu.as_dtype(up.dtype())?.multiply(up)
 }
 
+/// Inputs with at most this many rows (all axes but the last) use the per-shape trace.
+pub const PER_SHAPE_MAX_ROWS: i32 = 64;
+
 thread_local! {
-    // Shapeless: one trace serves every token count and width.
-    static GATED_GELU: RefCell<GatedFn> = RefCell::new(Box::new(compile(gated_gelu_eager, true)));
+    static GATED_GELU_SHAPELESS: RefCell<GatedFn> =
+        RefCell::new(Box::new(compile(gated_gelu_eager, true)));
+    static GATED_GELU_PER_SHAPE: RefCell<GatedFn> =
+        RefCell::new(Box::new(compile(gated_gelu_eager, false)));
 }
 
 /// `gelu_tanh(gate) * up`, elementwise, in `up`'s dtype. `gate` and `up` have equal shapes.
 pub fn gated_gelu(gate: &Array, up: &Array) -> Result<Array> {
-    Ok(GATED_GELU.with(|f| (f.borrow_mut())((gate, up)))?)
+    let width = gate.shape().last().copied().unwrap_or(1).max(1);
+    let rows = gate.size() as i32 / width;
+    let compiled = if rows <= PER_SHAPE_MAX_ROWS {
+        &GATED_GELU_PER_SHAPE
+    } else {
+        &GATED_GELU_SHAPELESS
+    };
+    Ok(compiled.with(|f| (f.borrow_mut())((gate, up)))?)
 }
 
 #[cfg(test)]
@@ -81,6 +102,7 @@ mod tests {
             (Dtype::Bfloat16, vec![1, 3, 8]),
             (Dtype::Float16, vec![5, 2]),
             (Dtype::Bfloat16, vec![7]),
+            (Dtype::Bfloat16, vec![100, 3]), // more rows than the per-shape limit
         ] {
             let n: i32 = shape.iter().product();
             let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.37 - 1.2).collect();
@@ -93,5 +115,30 @@ mod tests {
             let eager = gated_gelu_eager((&gate, &up)).unwrap();
             assert_eq!(values(&out), values(&eager));
         }
+    }
+
+    /// Operations MLX would run for `out`, by kind (its graph written out and counted).
+    fn operations(out: &Array, tag: &str) -> std::collections::BTreeMap<String, usize> {
+        let path = std::env::temp_dir().join(format!(
+            "mlx-spec-gelu-{tag}-{}.dot",
+            std::process::id()
+        ));
+        crate::diagnostics::export_dot(out, &path).unwrap();
+        let dot = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).ok();
+        crate::diagnostics::count_operations(&dot)
+    }
+
+    #[test]
+    fn a_decode_sized_call_is_one_fused_operation() {
+        let data: Vec<f32> = (0..48).map(|i| i as f32 * 0.1 - 2.0).collect();
+        let gate = Array::from_slice(&data, &[3, 16])
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap();
+        let up = gate.multiply(Array::from_f32(0.5).as_dtype(Dtype::Bfloat16).unwrap()).unwrap();
+        mlx_rs::transforms::eval([&gate, &up]).unwrap();
+        let ops = operations(&gated_gelu(&gate, &up).unwrap(), "small");
+        assert_eq!(ops.values().sum::<usize>(), 1, "{ops:?}");
+        assert!(ops.keys().all(|k| k.starts_with("Compiled")), "{ops:?}");
     }
 }
