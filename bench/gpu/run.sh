@@ -11,7 +11,7 @@
 #   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
 #   peer       transformers' Gemma4ForCausalLM decode on the E4B config
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
-#   host       where the host's time goes in a pipelined E4B/12B decode step (graphs on, off)
+#   host       where a pipelined E4B decode step's time goes, with and without our fused kernels
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
@@ -107,18 +107,17 @@ if want mlx; then
 fi
 
 if want host; then
-    bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
-    BENCH_ENV="MLX_USE_CUDA_GRAPHS=0" bench "mlx-spec E4B bf16, MLX_USE_CUDA_GRAPHS=0" --model "$ROOT/configs/gemma-4-e4b.json" \
-        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
-    # One CUDA graph per step: MLX then never waits for the device inside async_eval (it does
-    # once more than 10 committed graphs are in flight), so "submit" is the host's own work.
-    BENCH_ENV="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000" bench \
-        "mlx-spec E4B bf16, one graph per step" --model "$ROOT/configs/gemma-4-e4b.json" \
-        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
-    bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
-    BENCH_ENV="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000" bench \
-        "mlx-spec 12B bf16, one graph per step" --model "$ROOT/configs/gemma-4-12b.json" \
-        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+    # With one CUDA graph per step MLX never waits for the device inside async_eval (it does
+    # once more than 10 committed graphs are in flight), so "submit" is the host's own work and
+    # a synchronised step is build + submit + the device's own time.
+    ONE_GRAPH="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"
+    for fused in attention,residual-norm attention residual-norm none; do
+        bench "mlx-spec E4B bf16, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+            --prompt-tokens 512 --gen-tokens 64 --repeats 2 --fused-kernels "$fused"
+        BENCH_ENV="$ONE_GRAPH" bench "mlx-spec E4B bf16, --fused-kernels $fused, one graph per step" \
+            --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 \
+            --fused-kernels "$fused"
+    done
 fi
 
 if want large; then

@@ -9,6 +9,7 @@ pub mod deploy;
 pub mod device;
 pub mod diagnostics;
 pub mod generate;
+pub mod kernels;
 pub mod model;
 pub mod plugins;
 pub mod sampler;

@@ -138,6 +138,32 @@ struct ModelArgs {
     /// Group size of --random-bits.
     #[arg(long, default_value_t = 64, requires = "random_bits")]
     random_group_size: i32,
+    /// mlx-spec's own CUDA kernels to use on a CUDA GPU (elsewhere MLX's operations run):
+    /// `attention` (one decode token over the KV cache), `residual-norm` (x + RMSNorm(y)), or
+    /// `none` (MLX's operations only, for comparison).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "attention,residual-norm"
+    )]
+    fused_kernels: Vec<FusedKernelArg>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FusedKernelArg {
+    Attention,
+    ResidualNorm,
+    None,
+}
+
+impl ModelArgs {
+    fn fused(&self) -> mlx_spec::kernels::Fused {
+        mlx_spec::kernels::Fused {
+            attention: self.fused_kernels.contains(&FusedKernelArg::Attention),
+            residual_norm: self.fused_kernels.contains(&FusedKernelArg::ResidualNorm),
+        }
+    }
 }
 
 #[derive(Args)]
@@ -265,6 +291,7 @@ struct Loaded {
 
 fn load_model(args: &ModelArgs) -> Result<Loaded> {
     device::select(args.device)?;
+    mlx_spec::kernels::set_allowed(args.fused());
     let start = Instant::now();
     let path = &args.model;
     if args.random_weights {
@@ -588,6 +615,7 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             weights_seed: 0,
             random_bits: None,
             random_group_size: 64,
+            fused_kernels: vec![FusedKernelArg::Attention, FusedKernelArg::ResidualNorm],
         },
         input: &args.input,
         max_tokens: s.max_tokens,

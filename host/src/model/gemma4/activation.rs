@@ -119,10 +119,8 @@ mod tests {
 
     /// Operations MLX would run for `out`, by kind (its graph written out and counted).
     fn operations(out: &Array, tag: &str) -> std::collections::BTreeMap<String, usize> {
-        let path = std::env::temp_dir().join(format!(
-            "mlx-spec-gelu-{tag}-{}.dot",
-            std::process::id()
-        ));
+        let path =
+            std::env::temp_dir().join(format!("mlx-spec-gelu-{tag}-{}.dot", std::process::id()));
         crate::diagnostics::export_dot(out, &path).unwrap();
         let dot = std::fs::read_to_string(&path).unwrap();
         std::fs::remove_file(&path).ok();
@@ -135,7 +133,9 @@ mod tests {
         let gate = Array::from_slice(&data, &[3, 16])
             .as_dtype(Dtype::Bfloat16)
             .unwrap();
-        let up = gate.multiply(Array::from_f32(0.5).as_dtype(Dtype::Bfloat16).unwrap()).unwrap();
+        let up = gate
+            .multiply(Array::from_f32(0.5).as_dtype(Dtype::Bfloat16).unwrap())
+            .unwrap();
         mlx_rs::transforms::eval([&gate, &up]).unwrap();
         let ops = operations(&gated_gelu(&gate, &up).unwrap(), "small");
         assert_eq!(ops.values().sum::<usize>(), 1, "{ops:?}");

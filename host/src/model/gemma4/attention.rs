@@ -10,6 +10,8 @@ use super::cache::{KvView, LayerKv};
 use super::config::{AttentionKind, Gemma4Config, LayerPlan};
 use super::linear::{Linear, Loader};
 use super::rope::Rope;
+use crate::kernels::decode_attention::{decode_attention, splits_for};
+use crate::kernels::Fused;
 
 /// K/V projections, present only on KV-owning layers.
 struct KvProjections {
@@ -79,6 +81,7 @@ impl Attention {
         cache: Option<&mut LayerKv>,
         shared: Option<&KvView>,
         window: usize,
+        fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[0];
         let q = heads_first(&self.q_proj.forward(x)?, t, self.num_heads, self.head_dim)?;
@@ -110,6 +113,14 @@ impl Attention {
         };
 
         if let Some(slot_mask) = &view.slot_mask {
+            let slots = view.keys.shape()[2] as usize;
+            if fused.attention
+                && t == 1
+                && splits_for(slots, self.head_dim as usize, q.dtype()).is_some()
+            {
+                let out = decode_attention(&q, &view.keys, &view.values, slot_mask)?;
+                return Ok((self.o_proj.forward(&out)?, produced));
+            }
             let out = buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?;
             return Ok((self.o_proj.forward(&out)?, produced));
         }

@@ -13,6 +13,8 @@ use super::config::Gemma4Config;
 use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
+use crate::kernels::residual_norm::residual_norm;
+use crate::kernels::Fused;
 
 /// The MoE branch and its three extra norms.
 struct MoeBranch {
@@ -43,6 +45,8 @@ pub struct DecoderLayer {
     /// The learned scalar, stored broadcast to `[1, H]` (a view, evaluated once) so a
     /// single-token step multiplies equal shapes and MLX adds no broadcast node per layer.
     layer_scalar: Array,
+    /// The same scalar as stored (`[1]`), for the fused kernel.
+    layer_scalar_one: Array,
 }
 
 impl DecoderLayer {
@@ -69,6 +73,8 @@ impl DecoderLayer {
         } else {
             None
         };
+        let layer_scalar_one = w.tensor(&format!("{p}layer_scalar"), &[1])?;
+        layer_scalar_one.eval()?;
         Ok(DecoderLayer {
             eps: cfg.rms_norm_eps,
             window: cfg.sliding_window,
@@ -81,10 +87,11 @@ impl DecoderLayer {
             post_feedforward_norm: norm("post_feedforward_layernorm")?,
             ple,
             layer_scalar: {
-                let s = broadcast_to(w.tensor(&format!("{p}layer_scalar"), &[1])?, &[1, h as i32])?;
+                let s = broadcast_to(&layer_scalar_one, &[1, h as i32])?;
                 s.eval()?;
                 s
             },
+            layer_scalar_one,
         })
     }
 
@@ -99,9 +106,25 @@ impl DecoderLayer {
         Ok(rms_norm(x, Some(w), self.eps)?)
     }
 
+    /// `x + rms_norm(y, w)`, then times the layer scalar when `last` (the layer's output).
+    /// With `fused`, one CUDA kernel instead of two or three operations.
+    fn residual(&self, x: &Array, y: &Array, w: &Array, last: bool, fused: Fused) -> Result<Array> {
+        if fused.residual_norm {
+            let scale = last.then_some(&self.layer_scalar_one);
+            return residual_norm(x, y, w, self.eps, scale);
+        }
+        let sum = x.add(&self.norm(y, w)?)?;
+        Ok(if last {
+            sum.multiply(&self.layer_scalar)?
+        } else {
+            sum
+        })
+    }
+
     /// Runs the layer on `x` (`[T, H]`). `per_layer_input` is this layer's `[T, P]`
     /// slice of the per-layer embeddings. Returns the new hidden state and, for KV-owning
-    /// layers, the K/V view sharers of this layer read.
+    /// layers, the K/V view sharers of this layer read. `fused`: which CUDA kernels of
+    /// [`crate::kernels`] to use.
     pub fn forward(
         &self,
         x: &Array,
@@ -109,6 +132,7 @@ impl DecoderLayer {
         cache: Option<&mut LayerKv>,
         shared: Option<&KvView>,
         per_layer_input: Option<&Array>,
+        fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
         let (attn, view) = self.attention.forward(
             &self.norm(x, &self.input_norm)?,
@@ -116,8 +140,9 @@ impl DecoderLayer {
             cache,
             shared,
             self.window,
+            fused,
         )?;
-        let x = x.add(&self.norm(&attn, &self.post_attention_norm)?)?;
+        let x = self.residual(x, &attn, &self.post_attention_norm, false, fused)?;
 
         let dense = self
             .mlp
@@ -130,13 +155,14 @@ impl DecoderLayer {
                 dense.add(&self.norm(&routed, &moe.post_norm_experts)?)?
             }
         };
-        let mut x = x.add(&self.norm(&ff, &self.post_feedforward_norm)?)?;
+        let gated = self.ple.as_ref().zip(per_layer_input);
+        let x = self.residual(&x, &ff, &self.post_feedforward_norm, gated.is_none(), fused)?;
 
-        if let (Some(gate), Some(input)) = (&self.ple, per_layer_input) {
+        if let Some((gate, input)) = gated {
             let g = gated_gelu(&gate.input_gate.forward(&x)?, input)?;
             let g = gate.projection.forward(&g)?;
-            x = x.add(&self.norm(&g, &gate.post_norm)?)?;
+            return Ok((self.residual(&x, &g, &gate.post_norm, true, fused)?, view));
         }
-        Ok((x.multiply(&self.layer_scalar)?, view))
+        Ok((x, view))
     }
 }

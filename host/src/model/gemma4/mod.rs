@@ -273,6 +273,7 @@ impl Gemma4Model {
             hidden.push(x.clone());
         }
 
+        let fused = crate::kernels::Fused::for_next_forward();
         let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let plan = &self.config.layers[i];
@@ -282,8 +283,14 @@ impl Gemma4Model {
             } else {
                 views[plan.kv_source].as_ref()
             };
-            let (out, view) =
-                layer.forward(&x, offset, cache.layer_mut(i), shared, ple_i.as_ref())?;
+            let (out, view) = layer.forward(
+                &x,
+                offset,
+                cache.layer_mut(i),
+                shared,
+                ple_i.as_ref(),
+                fused,
+            )?;
             views[i] = view;
             x = out;
             if capture_hidden && i + 1 < self.layers.len() {

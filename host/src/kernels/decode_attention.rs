@@ -1,0 +1,300 @@
+//! Attention of one query token over a layer's whole K/V buffers, with the additive slot mask
+//! of the cache (0 where visible, -inf elsewhere): the single-token case of
+//! `model::gemma4::attention`'s buffer attention, as one kernel.
+//!
+//! The slots of each query head are split over several blocks of eight warps (a decode step
+//! has few heads, and one block per head leaves most of the device idle). Scores: a warp per
+//! slot with four slots in flight, each lane loading 16 bytes of a key row at a time; slots
+//! the mask hides are not read (an unfilled buffer costs nothing). Softmax over the block's
+//! scores in shared memory. Weighted values: a warp per slot again, each lane summing its
+//! elements, then the warps' sums added. A second, small kernel merges a head's blocks. Scale 1.0 (Gemma 4
+//! normalises q and k). Scores are rounded to the activation dtype as MLX's product rounds
+//! them; the softmax and the weighted sum run in float32.
+
+use std::cell::RefCell;
+
+use anyhow::Result;
+use mlx_rs::{Array, Dtype};
+
+use super::{CudaKernel, TemplateArg, REDUCE_HEADER};
+
+const PARTIAL_SOURCE: &str = r#"
+  // A lane loads 16 bytes (VEC elements) at a time; a row of D elements is CH such chunks
+  // per lane. UNROLL slots are in flight per warp so loads overlap the reductions.
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CH = D / (32 * VEC);
+  constexpr int UNROLL = 4;
+  __shared__ float scores[MAX_CHUNK];
+  __shared__ float sums[WARPS * D];
+  __shared__ float red[32];
+  const int head = blockIdx.x / SPLITS;
+  const int split = blockIdx.x % SPLITS;
+  const int kv_head = head / GROUP;
+  const int slots = k_shape[2];
+  const int chunk = (slots + SPLITS - 1) / SPLITS;
+  const int lo = split * chunk;
+  const int hi = min(slots, lo + chunk);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const T* kb = k + (size_t)kv_head * slots * D;
+  const T* vb = v + (size_t)kv_head * slots * D;
+
+  // This lane's elements of q: chunk j covers elements (lane + 32 j) * VEC ... + VEC - 1.
+  float qr[CH * VEC];
+  {
+    const uint4* q4 = reinterpret_cast<const uint4*>(q + (size_t)head * D);
+#pragma unroll
+    for (int j = 0; j < CH; j++) {
+      uint4 c = q4[lane + 32 * j];
+      const T* e = reinterpret_cast<const T*>(&c);
+#pragma unroll
+      for (int x = 0; x < VEC; x++) qr[j * VEC + x] = static_cast<float>(e[x]);
+    }
+  }
+
+  for (int base = lo + warp * UNROLL; base < hi; base += WARPS * UNROLL) {
+    uint4 rows[UNROLL][CH];
+    float mv[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      const int s = base + u;
+      mv[u] = s < hi ? static_cast<float>(mask[s]) : -INFINITY;
+      const uint4* r4 = reinterpret_cast<const uint4*>(kb + (size_t)s * D);
+#pragma unroll
+      for (int j = 0; j < CH; j++) {
+        rows[u][j] = mv[u] != -INFINITY ? r4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
+      }
+    }
+    float dot[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      dot[u] = 0.f;
+#pragma unroll
+      for (int j = 0; j < CH; j++) {
+        const T* e = reinterpret_cast<const T*>(&rows[u][j]);
+#pragma unroll
+        for (int x = 0; x < VEC; x++) dot[u] += qr[j * VEC + x] * static_cast<float>(e[x]);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        const int s = base + u;
+        if (s < hi) {
+          // Rounded as MLX rounds the product, then the mask added in the same dtype.
+          const float rounded = static_cast<float>(static_cast<T>(dot[u]));
+          scores[s - lo] = mv[u] == -INFINITY
+              ? -INFINITY
+              : static_cast<float>(static_cast<T>(rounded + mv[u]));
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  float mx = -INFINITY;
+  for (int s = lo + threadIdx.x; s < hi; s += blockDim.x) mx = fmaxf(mx, scores[s - lo]);
+  mx = block_max(mx, red);
+  float total = 0.f;
+  for (int s = lo + threadIdx.x; s < hi; s += blockDim.x) {
+    const float e = scores[s - lo] == -INFINITY ? 0.f : __expf(scores[s - lo] - mx);
+    scores[s - lo] = e;
+    total += e;
+  }
+  total = block_sum(total, red);
+
+  float acc[CH * VEC];
+#pragma unroll
+  for (int i = 0; i < CH * VEC; i++) acc[i] = 0.f;
+  for (int base = lo + warp * UNROLL; base < hi; base += WARPS * UNROLL) {
+    uint4 rows[UNROLL][CH];
+    float p[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      const int s = base + u;
+      p[u] = s < hi ? scores[s - lo] : 0.f;
+      const uint4* r4 = reinterpret_cast<const uint4*>(vb + (size_t)s * D);
+#pragma unroll
+      for (int j = 0; j < CH; j++) {
+        rows[u][j] = p[u] != 0.f ? r4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+#pragma unroll
+      for (int j = 0; j < CH; j++) {
+        const T* e = reinterpret_cast<const T*>(&rows[u][j]);
+#pragma unroll
+        for (int x = 0; x < VEC; x++) acc[j * VEC + x] += p[u] * static_cast<float>(e[x]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < CH; j++) {
+#pragma unroll
+    for (int x = 0; x < VEC; x++) sums[warp * D + (lane + 32 * j) * VEC + x] = acc[j * VEC + x];
+  }
+  __syncthreads();
+  float* mine = partial + (size_t)blockIdx.x * (D + 2);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) o += sums[w * D + i];
+    mine[i] = o;
+  }
+  if (threadIdx.x == 0) {
+    mine[D] = mx;
+    mine[D + 1] = total;
+  }
+"#;
+
+const COMBINE_SOURCE: &str = r#"
+  const int head = blockIdx.x;
+  const float* ph = partial + (size_t)head * SPLITS * (D + 2);
+  float mx = -INFINITY;
+  for (int b = 0; b < SPLITS; b++) mx = fmaxf(mx, ph[b * (D + 2) + D]);
+  float total = 0.f;
+  for (int b = 0; b < SPLITS; b++) {
+    const float m = ph[b * (D + 2) + D];
+    if (m != -INFINITY) total += expf(m - mx) * ph[b * (D + 2) + D + 1];
+  }
+  const float inv = 1.f / total;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float o = 0.f;
+    for (int b = 0; b < SPLITS; b++) {
+      const float m = ph[b * (D + 2) + D];
+      if (m != -INFINITY) o += expf(m - mx) * ph[b * (D + 2) + i];
+    }
+    out[(size_t)head * D + i] = static_cast<T>(o * inv);
+  }
+"#;
+
+const WARPS: i32 = 8;
+/// Slots one block of the first kernel scores at most (its shared score buffer).
+const MAX_CHUNK: usize = 1024;
+/// Slots a block takes when there are enough of them to fill the device.
+const TARGET_CHUNK: usize = 128;
+/// At most this many blocks per head.
+const MAX_SPLITS: usize = 64;
+
+thread_local! {
+    static KERNELS: RefCell<Option<(CudaKernel, CudaKernel)>> = const { RefCell::new(None) };
+}
+
+/// How many blocks split the slots of one head: a power of two (few compiled variants as a
+/// buffer grows) giving each about [`TARGET_CHUNK`] slots; `None` when the kernel does not
+/// serve the shape: rows must split into 16-byte loads over a warp (`head_dim` a multiple of
+/// 256 in half precision, 128 in float32: Gemma 4's 256 and 512), and a block's share must
+/// fit its score buffer.
+pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> {
+    let element = match dtype {
+        Dtype::Float32 => 4,
+        Dtype::Bfloat16 | Dtype::Float16 => 2,
+        _ => return None,
+    };
+    if head_dim == 0 || (head_dim * element) % (32 * 16) != 0 || slots == 0 {
+        return None;
+    }
+    let splits = (slots.next_power_of_two() / TARGET_CHUNK).clamp(1, MAX_SPLITS);
+    (slots.div_ceil(splits) <= MAX_CHUNK).then_some(splits)
+}
+
+/// `q`: `[1, heads, 1, D]`; `keys`, `values`: `[1, kv_heads, slots, D]`; `slot_mask`:
+/// `[1, slots]` (additive). Returns `[1, heads * D]`. Call only when [`splits_for`] accepts
+/// the shape.
+///
+/// Two kernels: the first gives every (head, share of the slots) block its own softmax
+/// maximum, sum and weighted sum of values; the second merges a head's shares. The
+/// probabilities therefore stay in float32 until the end, where MLX's softmax rounds them to
+/// the activation dtype before the product with the values: the same function, computed
+/// slightly more precisely in half precision (identical roundings in float32).
+pub fn decode_attention(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    slot_mask: &Array,
+) -> Result<Array> {
+    let (heads, d) = (q.shape()[1], q.shape()[3]);
+    let (kv_heads, slots) = (keys.shape()[1], keys.shape()[2]);
+    let splits = splits_for(slots as usize, d as usize, q.dtype()).ok_or_else(|| {
+        anyhow::anyhow!("decode attention over {slots} slots of width {d} does not fit the kernel")
+    })? as i32;
+    KERNELS.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.is_none() {
+            let partial = CudaKernel::new(
+                "decode_attention_partial",
+                &["q", "k", "v", "mask"],
+                &["partial"],
+                PARTIAL_SOURCE,
+                REDUCE_HEADER,
+            )?;
+            let combine = CudaKernel::new(
+                "decode_attention_combine",
+                &["partial"],
+                &["out"],
+                COMBINE_SOURCE,
+                "",
+            )?;
+            *slot = Some((partial, combine));
+        }
+        let (partial_kernel, combine_kernel) = slot.as_ref().expect("just built");
+        let threads = 32 * WARPS;
+        let partial = partial_kernel
+            .apply(
+                &[q, keys, values, slot_mask],
+                &[(&[heads * splits, d + 2], Dtype::Float32)],
+                (heads * splits * threads, 1, 1),
+                (threads, 1, 1),
+                &[
+                    ("T", TemplateArg::Dtype(q.dtype())),
+                    ("D", TemplateArg::Int(d)),
+                    ("GROUP", TemplateArg::Int(heads / kv_heads)),
+                    ("WARPS", TemplateArg::Int(WARPS)),
+                    ("SPLITS", TemplateArg::Int(splits)),
+                    ("MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
+                ],
+            )?
+            .remove(0);
+        let combine_threads = d.min(512);
+        let out = combine_kernel
+            .apply(
+                &[&partial],
+                &[(&[1, heads * d], q.dtype())],
+                (heads * combine_threads, 1, 1),
+                (combine_threads, 1, 1),
+                &[
+                    ("T", TemplateArg::Dtype(q.dtype())),
+                    ("D", TemplateArg::Int(d)),
+                    ("SPLITS", TemplateArg::Int(splits)),
+                ],
+            )?
+            .remove(0);
+        Ok(out)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_slots_into_block_sized_shares_for_gemma_head_sizes() {
+        // About 128 slots a block, in powers of two.
+        assert_eq!(splits_for(600, 256, Dtype::Bfloat16), Some(8));
+        assert_eq!(splits_for(100, 512, Dtype::Float32), Some(1));
+        assert_eq!(splits_for(4096, 512, Dtype::Bfloat16), Some(32));
+        // At most 64 blocks a head; beyond 64 x 1024 slots the MLX operations take over.
+        assert_eq!(splits_for(40_000, 256, Dtype::Bfloat16), Some(64));
+        assert_eq!(splits_for(70_000, 256, Dtype::Bfloat16), None);
+        // Rows that do not split into 16-byte loads over a warp.
+        assert_eq!(splits_for(100, 64, Dtype::Bfloat16), None);
+        assert_eq!(splits_for(100, 128, Dtype::Float32), Some(1));
+        assert_eq!(splits_for(100, 256, Dtype::Int32), None);
+    }
+}

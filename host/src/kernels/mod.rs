@@ -1,0 +1,259 @@
+//! Fused CUDA kernels for the decode path, run through MLX's custom-kernel API.
+//!
+//! Why they exist: on CUDA, MLX spends host time on every operation of a step (walking the
+//! graph, allocating, encoding a graph node), and a Gemma 4 decode step is ~2 000 small
+//! operations. Measured on an H200 (`mlx-spec bench`, BENCHMARKS.md), the device finishes a
+//! step's kernels in about the time the floor allows while the host spends 10–12 ms handing
+//! them to MLX, so a step costs what its operation count costs. Each kernel here replaces a
+//! chain of MLX operations with one:
+//! * [`residual_norm`]: `x + rms_norm(y, w)` (times the layer scalar at a layer's end),
+//!   three per layer instead of six or seven operations;
+//! * [`decode_attention`]: one query token over a layer's whole K/V buffers with the slot
+//!   mask (scores, mask, softmax, weighted sum), instead of seven operations.
+//!
+//! They compute what the MLX operations compute, with the same roundings to the activation
+//! dtype at the same places, so a CUDA step matches the CPU one (checked by `bench/gpu/run.sh`:
+//! greedy tokens of every fixture against transformers, and the E4B shape against the CPU).
+//! They run only where MLX's default device is a CUDA GPU; the CPU and Metal use the plain
+//! operations. `--fused-kernels` chooses which run, for comparison.
+
+pub mod decode_attention;
+pub mod residual_norm;
+
+use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{bail, Result};
+use mlx_rs::{Array, Dtype};
+
+static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
+static RESIDUAL_NORM_ALLOWED: AtomicBool = AtomicBool::new(true);
+
+/// Which fused kernels a forward uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fused {
+    /// [`decode_attention`] for single-token steps.
+    pub attention: bool,
+    /// [`residual_norm`] for every residual update.
+    pub residual_norm: bool,
+}
+
+impl Fused {
+    /// What the next forward may use: the kernels allowed for this process, when this is a
+    /// Linux build (MLX's GPU backend there is CUDA) and MLX's default device is the GPU.
+    pub fn for_next_forward() -> Fused {
+        if !cfg!(target_os = "linux") || !default_device_is_gpu() {
+            return Fused::default();
+        }
+        Fused {
+            attention: ATTENTION_ALLOWED.load(Ordering::Relaxed),
+            residual_norm: RESIDUAL_NORM_ALLOWED.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Allows or forbids each fused kernel for the rest of the process (`--fused-kernels`).
+pub fn set_allowed(allowed: Fused) {
+    ATTENTION_ALLOWED.store(allowed.attention, Ordering::Relaxed);
+    RESIDUAL_NORM_ALLOWED.store(allowed.residual_norm, Ordering::Relaxed);
+}
+
+fn default_device_is_gpu() -> bool {
+    let mut kind = mlx_sys::mlx_device_type__MLX_CPU;
+    // SAFETY: the device handle is created, queried and freed here.
+    unsafe {
+        let mut device = mlx_sys::mlx_device_new();
+        let ok = mlx_sys::mlx_get_default_device(&mut device) == 0
+            && mlx_sys::mlx_device_get_type(&mut kind, device) == 0;
+        mlx_sys::mlx_device_free(device);
+        ok && kind == mlx_sys::mlx_device_type__MLX_GPU
+    }
+}
+
+/// A compile-time constant of a kernel's source.
+pub enum TemplateArg {
+    Dtype(Dtype),
+    Int(i32),
+    Bool(bool),
+}
+
+/// One CUDA kernel source, compiled by MLX (NVRTC) the first time each set of template
+/// arguments is evaluated. Not `Send`: build one per thread.
+pub struct CudaKernel {
+    name: &'static str,
+    raw: mlx_sys::mlx_fast_cuda_kernel,
+}
+
+impl CudaKernel {
+    /// `source` is the kernel body; `header` holds device helpers placed before it. Inputs
+    /// are `const T*` named by `inputs` (plus `<name>_shape` where the body mentions it),
+    /// outputs `T*` named by `outputs`. Inputs are made row-contiguous first.
+    pub fn new(
+        name: &'static str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        header: &str,
+    ) -> Result<Self> {
+        let c_name = CString::new(name)?;
+        let c_source = CString::new(source)?;
+        let c_header = CString::new(header)?;
+        let names = |list: &[&str]| -> Result<Vec<CString>> {
+            list.iter().map(|n| Ok(CString::new(*n)?)).collect()
+        };
+        let (in_names, out_names) = (names(inputs)?, names(outputs)?);
+        // SAFETY: the string vectors are created, filled and freed here; MLX copies them.
+        let raw = unsafe {
+            let ins = mlx_sys::mlx_vector_string_new();
+            for n in &in_names {
+                mlx_sys::mlx_vector_string_append_value(ins, n.as_ptr());
+            }
+            let outs = mlx_sys::mlx_vector_string_new();
+            for n in &out_names {
+                mlx_sys::mlx_vector_string_append_value(outs, n.as_ptr());
+            }
+            let raw = mlx_sys::mlx_fast_cuda_kernel_new(
+                c_name.as_ptr(),
+                ins,
+                outs,
+                c_source.as_ptr(),
+                c_header.as_ptr(),
+                true,
+                0,
+            );
+            mlx_sys::mlx_vector_string_free(ins);
+            mlx_sys::mlx_vector_string_free(outs);
+            raw
+        };
+        if raw.ctx.is_null() {
+            bail!("MLX could not create the CUDA kernel {name}");
+        }
+        Ok(CudaKernel { name, raw })
+    }
+
+    /// Adds the kernel to the lazy graph: `grid` counts threads (not blocks) per axis,
+    /// `block` threads per block; returns the outputs, one per `(shape, dtype)`.
+    pub fn apply(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        grid: (i32, i32, i32),
+        block: (i32, i32, i32),
+        template: &[(&str, TemplateArg)],
+    ) -> Result<Vec<Array>> {
+        let template_names: Vec<CString> = template
+            .iter()
+            .map(|(n, _)| CString::new(*n))
+            .collect::<Result<_, _>>()?;
+        // SAFETY: every handle is created and freed here; the input arrays outlive the call,
+        // and the outputs are taken over as new owned arrays before the vector is freed.
+        unsafe {
+            let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
+            for (shape, dtype) in outputs {
+                mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+                    config,
+                    shape.as_ptr(),
+                    shape.len(),
+                    *dtype as u32 as mlx_sys::mlx_dtype,
+                );
+            }
+            mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, grid.0, grid.1, grid.2);
+            mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(
+                config, block.0, block.1, block.2,
+            );
+            for ((_, arg), name) in template.iter().zip(&template_names) {
+                match arg {
+                    TemplateArg::Dtype(d) => {
+                        mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                            config,
+                            name.as_ptr(),
+                            *d as u32 as mlx_sys::mlx_dtype,
+                        )
+                    }
+                    TemplateArg::Int(v) => {
+                        mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+                            config,
+                            name.as_ptr(),
+                            *v,
+                        )
+                    }
+                    TemplateArg::Bool(v) => {
+                        mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_bool(
+                            config,
+                            name.as_ptr(),
+                            *v,
+                        )
+                    }
+                };
+            }
+            let ins = mlx_sys::mlx_vector_array_new();
+            for a in inputs {
+                mlx_sys::mlx_vector_array_append_value(ins, a.as_ptr());
+            }
+            let mut outs = mlx_sys::mlx_vector_array_new();
+            let mut device = mlx_sys::mlx_device_new();
+            mlx_sys::mlx_get_default_device(&mut device);
+            let mut stream = mlx_sys::mlx_stream_new();
+            mlx_sys::mlx_get_default_stream(&mut stream, device);
+            let rc = mlx_sys::mlx_fast_cuda_kernel_apply(&mut outs, self.raw, ins, config, stream);
+            mlx_sys::mlx_stream_free(stream);
+            mlx_sys::mlx_device_free(device);
+            mlx_sys::mlx_vector_array_free(ins);
+            mlx_sys::mlx_fast_cuda_kernel_config_free(config);
+            let result = if rc == 0 {
+                let n = mlx_sys::mlx_vector_array_size(outs);
+                let mut arrays = Vec::with_capacity(n);
+                for i in 0..n {
+                    let mut a = mlx_sys::mlx_array_new();
+                    mlx_sys::mlx_vector_array_get(&mut a, outs, i);
+                    arrays.push(Array::from_ptr(a));
+                }
+                Ok(arrays)
+            } else {
+                Err(anyhow::anyhow!("MLX refused the CUDA kernel {}", self.name))
+            };
+            mlx_sys::mlx_vector_array_free(outs);
+            result
+        }
+    }
+}
+
+impl Drop for CudaKernel {
+    fn drop(&mut self) {
+        // SAFETY: `raw` was created by `mlx_fast_cuda_kernel_new` and is freed once.
+        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) }
+    }
+}
+
+/// Device helpers shared by the kernels: block-wide sum and max over `float`, with `red`
+/// a `__shared__ float[32]` scratch.
+const REDUCE_HEADER: &str = r#"
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ inline float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Every thread of the block gets the result; `red` is reused, so calls are separated by the
+// barriers inside.
+__device__ inline float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < warps ? red[lane] : 0.f;
+  return warp_sum(v);
+}
+__device__ inline float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < warps ? red[lane] : -INFINITY;
+  return warp_max(v);
+}
+"#;
