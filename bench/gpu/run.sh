@@ -92,6 +92,8 @@ read = j["weight_bytes_read_per_token"]
 floor = "floor %.0f tok/s (%.2f GB read per token), decode at %.1f %% of it" % (
     float(bw) * 1e12 / read, read / 1e9, 100 * j["decode_tokens_per_s"] * read / (float(bw) * 1e12)) if bw else "no bandwidth measured"
 host = j["pipelined_host_ms"]
+fused = " ".join("[%s] %.1f tok/s%s" % (f["kernels"], f["decode_tokens_per_s"], "" if f["same_tokens_as_none"] else " (tokens differ)") for f in j.get("fused_comparison", []))
+curve = (curve + " | fused kernels, alternated in one process: " + fused) if fused else curve
 print("prefill %.0f tok/s | decode %.1f tok/s (host per step: build %.2f ms, submit %.2f ms, wait %.2f ms; one synchronised step at a time: %.1f tok/s) | %s %s" % (
     j["prefill_tokens_per_s"], j["decode_tokens_per_s"], host["build"], host["submit"], host["wait"],
     j["stepwise_decode_tokens_per_s"], floor, curve))' "$json" "${BW:-}")"
@@ -100,7 +102,7 @@ print("prefill %.0f tok/s | decode %.1f tok/s (host per step: build %.2f ms, sub
     fi
 }
 if want mlx; then
-    bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --verify-curve
+    bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --verify-curve --compare-fused
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2

@@ -252,6 +252,10 @@ struct BenchArgs {
     /// verify cost curve: how many drafted tokens a verify window absorbs nearly for free).
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
+    /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
+    /// residual-norm, both), alternating between them round by round in this process.
+    #[arg(long)]
+    compare_fused: bool,
     /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
     /// the CPU, with the same weights in one process, and fail unless the tokens agree (use
     /// `--dtype f32`, and `MLX_ENABLE_TF32=0` on CUDA).
@@ -615,7 +619,7 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             weights_seed: 0,
             random_bits: None,
             random_group_size: 64,
-            fused_kernels: vec![FusedKernelArg::Attention, FusedKernelArg::ResidualNorm],
+            fused_kernels: vec![FusedKernelArg::Attention],
         },
         input: &args.input,
         max_tokens: s.max_tokens,
@@ -679,7 +683,12 @@ fn run_plugins(cmd: PluginsCommand) -> Result<()> {
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    if n % 2 == 0 {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
 }
 
 /// Plain and speculative greedy decoding of the same prompt, alternated, in one process.
@@ -963,6 +972,63 @@ fn decode_pipelined(
     Ok((tokens, start.elapsed().as_secs_f64(), split))
 }
 
+/// Pipelined greedy decode with each set of fused kernels, the sets alternating round by
+/// round so that drifts of the machine's speed hit them alike. Returns (set, median tok/s,
+/// whether its tokens equal those of MLX's operations alone).
+fn compare_fused(
+    model: &Gemma4Model,
+    prompt: &[u32],
+    args: &BenchArgs,
+) -> Result<Vec<(String, f64, bool)>> {
+    use mlx_spec::kernels::{set_allowed, Fused};
+    let sets = [
+        ("none", Fused::default()),
+        (
+            "attention",
+            Fused {
+                attention: true,
+                residual_norm: false,
+            },
+        ),
+        (
+            "residual-norm",
+            Fused {
+                attention: false,
+                residual_norm: true,
+            },
+        ),
+        (
+            "attention,residual-norm",
+            Fused {
+                attention: true,
+                residual_norm: true,
+            },
+        ),
+    ];
+    let mut rates = vec![Vec::new(); sets.len()];
+    let mut tokens: Vec<Option<Vec<u32>>> = vec![None; sets.len()];
+    let repeats = args.repeats.max(3);
+    for round in 0..=repeats {
+        for (i, (_, fused)) in sets.iter().enumerate() {
+            set_allowed(*fused);
+            let mut cache = model.new_cache();
+            let logits = prefill(model, &mut cache, prompt)?;
+            let (got, seconds, _) = decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
+            if round > 0 {
+                rates[i].push(args.gen_tokens as f64 / seconds);
+            }
+            tokens[i] = Some(got);
+        }
+    }
+    set_allowed(args.model.fused());
+    Ok(sets
+        .iter()
+        .zip(rates)
+        .zip(&tokens)
+        .map(|(((name, _), r), t)| (name.to_string(), median(r), *t == tokens[0]))
+        .collect())
+}
+
 /// Greedy decode of `n` forwards after `logits`, building and evaluating one step at a time.
 /// Returns the tokens, the seconds taken, and the seconds spent building graphs.
 fn decode_step_by_step(
@@ -1058,6 +1124,11 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         }
         None => None,
     };
+    let fused_comparison = if args.compare_fused {
+        compare_fused(model, &prompt, &args)?
+    } else {
+        Vec::new()
+    };
     let check = match args.check_cpu {
         Some(n) => {
             let short = &prompt[..prompt.len().min(16)];
@@ -1083,6 +1154,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 "stepwise_decode_tokens_per_s": stepwise_rate, "stepwise_step_ms": step_ms,
                 "stepwise_graph_build_ms": build_ms,
                 "pipelined_host_ms": json!({"build": host.build_ms, "submit": host.submit_ms, "wait": host.wait_ms}),
+                "fused_comparison": fused_comparison.iter().map(|(name, rate, same)| json!({"kernels": name, "decode_tokens_per_s": rate, "same_tokens_as_none": same})).collect::<Vec<_>>(),
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
@@ -1117,6 +1189,17 @@ fn run_bench(args: BenchArgs) -> Result<()> {
              MLX (async_eval), {:.2} ms waiting for the device",
             host.build_ms, host.submit_ms, host.wait_ms
         );
+        if !fused_comparison.is_empty() {
+            println!();
+            println!("| fused kernels | decode (tok/s) | tokens as with none |");
+            println!("|---|---|---|");
+            for (name, rate, same) in &fused_comparison {
+                println!(
+                    "| {name} | {rate:.1} | {} |",
+                    if *same { "same" } else { "differ" }
+                );
+            }
+        }
         if !curve.is_empty() {
             println!();
             println!("| verify window k | 1 | 2 | 4 | 8 | 16 | 32 |");
