@@ -3,7 +3,8 @@
 //! The library holds everything the `mlx-spec` binary runs: the Gemma 4 target
 //! ([`model::gemma4`]), checkpoint loading ([`weights`]), the tokenizer and chat format
 //! ([`tokenizer`]), the sampler ([`sampler`]), device selection ([`device`]), plain
-//! generation ([`generate`]), drafter plugins ([`plugins`]) and the verify loop ([`spec`]).
+//! generation ([`generate`]), drafter plugins ([`plugins`]), the verify loop ([`spec`]) and
+//! mlx-spec's own CUDA kernels for the decode step ([`kernels`]).
 
 pub mod deploy;
 pub mod device;
