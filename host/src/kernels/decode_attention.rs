@@ -187,7 +187,7 @@ thread_local! {
 }
 
 /// How many blocks split the slots of one head: a power of two (few compiled variants as a
-/// buffer grows) giving each about [`TARGET_CHUNK`] slots; `None` when the kernel does not
+/// buffer grows) giving each about 128 slots; `None` when the kernel does not
 /// serve the shape: rows must split into 16-byte loads over a warp (`head_dim` a multiple of
 /// 256 in half precision, 128 in float32: Gemma 4's 256 and 512), and a block's share must
 /// fit its score buffer.
