@@ -87,17 +87,22 @@ pub fn greedy_token(logits: &Array) -> Result<u32> {
 }
 
 /// Builds the forward of `token` (a `[1]` id still on the device, possibly not yet computed)
-/// and starts evaluating its greedy successor without waiting for it.
+/// and returns its greedy successor, not yet evaluated.
+pub fn greedy_step(model: &Gemma4Model, cache: &mut ModelCache, token: &Array) -> Result<Array> {
+    let ids = token.reshape(&[1, 1])?;
+    let logits = model
+        .forward_ids(&ids, cache, LogitsFor::Last, false)?
+        .logits;
+    Ok(argmax_axis(&logits, -1, false)?)
+}
+
+/// [`greedy_step`], then starts evaluating the successor without waiting for it.
 pub fn queue_greedy_step(
     model: &Gemma4Model,
     cache: &mut ModelCache,
     token: &Array,
 ) -> Result<Array> {
-    let ids = token.reshape(&[1, 1])?;
-    let logits = model
-        .forward_ids(&ids, cache, LogitsFor::Last, false)?
-        .logits;
-    let next = argmax_axis(&logits, -1, false)?;
+    let next = greedy_step(model, cache, token)?;
     async_eval([&next])?;
     Ok(next)
 }

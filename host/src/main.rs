@@ -13,7 +13,7 @@ use serde_json::json;
 
 use mlx_spec::deploy::DeployConfig;
 use mlx_spec::device::{self, DeviceKind};
-use mlx_spec::generate::{generate, greedy_token, prefill, GenerateRequest};
+use mlx_spec::generate::{generate, greedy_step, greedy_token, prefill, GenerateRequest};
 use mlx_spec::model::gemma4::config::{Gemma4Config, QuantSpec};
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
 use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
@@ -952,8 +952,7 @@ fn decode_pipelined(
     for _ in 0..n {
         // `queue_greedy_step`, timed in its two halves.
         let t0 = Instant::now();
-        let out = model.forward_ids(&next.reshape(&[1, 1])?, cache, LogitsFor::Last, false)?;
-        let following = mlx_rs::ops::indexing::argmax_axis(&out.logits, -1, false)?;
+        let following = greedy_step(model, cache, &next)?;
         let t1 = Instant::now();
         mlx_rs::transforms::async_eval([&following])?;
         let t2 = Instant::now();
@@ -1006,7 +1005,7 @@ fn compare_fused(
         ),
     ];
     let mut rates = vec![Vec::new(); sets.len()];
-    let mut tokens: Vec<Option<Vec<u32>>> = vec![None; sets.len()];
+    let mut tokens = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
     for round in 0..=repeats {
         for (i, (_, fused)) in sets.iter().enumerate() {
@@ -1017,7 +1016,7 @@ fn compare_fused(
             if round > 0 {
                 rates[i].push(args.gen_tokens as f64 / seconds);
             }
-            tokens[i] = Some(got);
+            tokens[i] = got;
         }
     }
     set_allowed(args.model.fused());

@@ -205,8 +205,8 @@ pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> 
 }
 
 /// `q`: `[1, heads, 1, D]`; `keys`, `values`: `[1, kv_heads, slots, D]`; `slot_mask`:
-/// `[1, slots]` (additive). Returns `[1, heads * D]`. Call only when [`splits_for`] accepts
-/// the shape.
+/// `[1, slots]` (additive). Returns `[1, heads * D]`. `splits` is what [`splits_for`] gave
+/// for the shape (the caller asks it first, to know whether the kernel serves the shape).
 ///
 /// Two kernels: the first gives every (head, share of the slots) block its own softmax
 /// maximum, sum and weighted sum of values; the second merges a head's shares. The
@@ -218,12 +218,11 @@ pub fn decode_attention(
     keys: &Array,
     values: &Array,
     slot_mask: &Array,
+    splits: usize,
 ) -> Result<Array> {
     let (heads, d) = (q.shape()[1], q.shape()[3]);
-    let (kv_heads, slots) = (keys.shape()[1], keys.shape()[2]);
-    let splits = splits_for(slots as usize, d as usize, q.dtype()).ok_or_else(|| {
-        anyhow::anyhow!("decode attention over {slots} slots of width {d} does not fit the kernel")
-    })? as i32;
+    let kv_heads = keys.shape()[1];
+    let splits = splits as i32;
     KERNELS.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {

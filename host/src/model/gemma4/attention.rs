@@ -114,14 +114,13 @@ impl Attention {
 
         if let Some(slot_mask) = &view.slot_mask {
             let slots = view.keys.shape()[2] as usize;
-            if fused.attention
-                && t == 1
-                && splits_for(slots, self.head_dim as usize, q.dtype()).is_some()
-            {
-                let out = decode_attention(&q, &view.keys, &view.values, slot_mask)?;
-                return Ok((self.o_proj.forward(&out)?, produced));
-            }
-            let out = buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?;
+            let splits = (fused.attention && t == 1)
+                .then(|| splits_for(slots, self.head_dim as usize, q.dtype()))
+                .flatten();
+            let out = match splits {
+                Some(splits) => decode_attention(&q, &view.keys, &view.values, slot_mask, splits)?,
+                None => buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?,
+            };
             return Ok((self.o_proj.forward(&out)?, produced));
         }
         // Long windows (prefill chunks): MLX's attention over the visible keys.
