@@ -7,7 +7,8 @@
 //! them to MLX, so a step costs what its operation count costs. Each kernel here replaces a
 //! chain of MLX operations with one:
 //! * [`residual_norm`]: `x + rms_norm(y, w)` (times the layer scalar at a layer's end),
-//!   three per layer instead of six or seven operations;
+//!   three per layer instead of six or seven operations (off unless asked for: measured
+//!   slower, see BENCHMARKS.md);
 //! * [`decode_attention`]: one query token over a layer's whole K/V buffers with the slot
 //!   mask (scores, mask, softmax, weighted sum), instead of seven operations.
 //!
@@ -27,7 +28,8 @@ use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
-static RESIDUAL_NORM_ALLOWED: AtomicBool = AtomicBool::new(true);
+// Off unless asked for: measured slower than the MLX operations it replaces (BENCHMARKS.md).
+static RESIDUAL_NORM_ALLOWED: AtomicBool = AtomicBool::new(false);
 
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -58,7 +60,8 @@ pub fn set_allowed(allowed: Fused) {
     RESIDUAL_NORM_ALLOWED.store(allowed.residual_norm, Ordering::Relaxed);
 }
 
-fn default_device_is_gpu() -> bool {
+/// Whether MLX's default device (of this thread) is the GPU.
+pub(crate) fn default_device_is_gpu() -> bool {
     let mut kind = mlx_sys::mlx_device_type__MLX_CPU;
     // SAFETY: the device handle is created, queried and freed here.
     unsafe {
