@@ -12,7 +12,6 @@
 #   peer       transformers' Gemma4ForCausalLM decode on the E4B config
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
 #   host       where a pipelined E4B decode step's time goes, with and without our fused kernels
-#              and the submit thread
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
@@ -114,15 +113,12 @@ if want host; then
     # once more than 10 committed graphs are in flight), so "submit" is the host's own work and
     # a synchronised step is build + submit + the device's own time.
     ONE_GRAPH="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"
-    for fused in attention none; do
-        for submit in on off; do
-            bench "mlx-spec E4B bf16, --fused-kernels $fused --submit-thread $submit" \
-                --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 \
-                --fused-kernels "$fused" --submit-thread "$submit"
-        done
-        BENCH_ENV="$ONE_GRAPH" bench "mlx-spec E4B bf16, --fused-kernels $fused --submit-thread off, one graph per step" \
+    for fused in attention,residual-norm attention residual-norm none; do
+        bench "mlx-spec E4B bf16, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+            --prompt-tokens 512 --gen-tokens 64 --repeats 2 --fused-kernels "$fused"
+        BENCH_ENV="$ONE_GRAPH" bench "mlx-spec E4B bf16, --fused-kernels $fused, one graph per step" \
             --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 \
-            --fused-kernels "$fused" --submit-thread off
+            --fused-kernels "$fused"
     done
 fi
 

@@ -10,7 +10,6 @@ use serde::Serialize;
 
 use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
 use crate::sampler::SamplingParams;
-use crate::submit::{SharedStream, SubmitThread};
 
 /// Prompts longer than this are prefilled in chunks, bounding activation memory.
 pub const PREFILL_CHUNK: usize = 512;
@@ -138,20 +137,6 @@ pub fn generate(
         bail!("the prompt is empty: give at least one token");
     }
     req.sampling.validate()?;
-    let greedy = req.sampling.is_greedy();
-    // Greedy steps go to MLX from a second thread (crate::submit), which needs every array
-    // of the request on a stream both threads may use: entered before the cache is made.
-    let pipelined = greedy && crate::submit::use_for_next_decode();
-    let _stream = if pipelined {
-        Some(SharedStream::enter()?)
-    } else {
-        None
-    };
-    let mut submitter = if pipelined {
-        Some(SubmitThread::start()?)
-    } else {
-        None
-    };
     let mut cache = model.new_cache();
     let mut tokens = Vec::new();
     let mut stop_token = None;
@@ -163,12 +148,9 @@ pub fn generate(
     // Greedy decoding keeps the next token on the device and queues the forward that
     // consumes it before reading it back, so the host builds step n+1 while the device still
     // runs step n. Sampling reads the logits on the host, so it goes one step at a time.
+    let greedy = req.sampling.is_greedy();
     let mut pending = if greedy {
-        let first = argmax_axis(&logits, -1, false)?;
-        if let Some(submitter) = submitter.as_mut() {
-            submitter.submit(&first)?;
-        }
-        Some(first)
+        Some(argmax_axis(&logits, -1, false)?)
     } else {
         None
     };
@@ -176,21 +158,9 @@ pub fn generate(
     while tokens.len() < req.max_tokens {
         let token = match pending.take() {
             Some(next) => {
-                let more = tokens.len() + 1 < req.max_tokens;
-                match submitter.as_mut() {
-                    Some(submitter) => {
-                        // Built while the submit thread still encodes `next`.
-                        let following = more
-                            .then(|| greedy_step(model, &mut cache, &next))
-                            .transpose()?;
-                        submitter.wait_oldest()?;
-                        if let Some(following) = following {
-                            submitter.submit(&following)?;
-                            pending = Some(following);
-                        }
-                    }
-                    None if more => pending = Some(queue_greedy_step(model, &mut cache, &next)?),
-                    None => {}
+                if tokens.len() + 1 < req.max_tokens {
+                    let following = queue_greedy_step(model, &mut cache, &next)?;
+                    pending = Some(following);
                 }
                 next.item_cast::<u32>()
             }

@@ -4,8 +4,7 @@
 //! ([`model::gemma4`]), checkpoint loading ([`weights`]), the tokenizer and chat format
 //! ([`tokenizer`]), the sampler ([`sampler`]), device selection ([`device`]), plain
 //! generation ([`generate`]), drafter plugins ([`plugins`]), the verify loop ([`spec`]) and
-//! mlx-spec's own CUDA kernels for the decode step ([`kernels`]), and the second host thread
-//! that hands decode steps to MLX ([`submit`]).
+//! mlx-spec's own CUDA kernels for the decode step ([`kernels`]).
 
 pub mod deploy;
 pub mod device;
@@ -16,7 +15,6 @@ pub mod model;
 pub mod plugins;
 pub mod sampler;
 pub mod spec;
-pub mod submit;
 pub mod tokenizer;
 pub mod weights;
 

@@ -19,7 +19,6 @@ use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
 use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
 use mlx_spec::sampler::SamplingParams;
 use mlx_spec::spec::{generate_speculative, SpecOptions};
-use mlx_spec::submit::{SharedStream, SubmitMode, SubmitThread};
 use mlx_spec::tokenizer::{stop_ids, ChatMessage, StreamDecoder, Tokenizer};
 
 #[derive(Parser)]
@@ -140,32 +139,11 @@ struct ModelArgs {
     #[arg(long, default_value_t = 64, requires = "random_bits")]
     random_group_size: i32,
     /// mlx-spec's own CUDA kernels to use on a CUDA GPU (elsewhere MLX's operations run):
-    /// `attention` (one decode token over the KV cache; the default), `residual-norm`
-    /// (x + RMSNorm(y); measured slower, for comparison), or `none` (MLX's operations only).
+    /// `attention` (one decode token's attention and its q/k/v norms and RoPE; the default),
+    /// `residual-norm` (x + RMSNorm(y); measured slower, for comparison), or `none` (MLX's
+    /// operations only).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "attention")]
     fused_kernels: Vec<FusedKernelArg>,
-    /// Hand greedy decode steps to MLX from a second host thread, so that the next step's
-    /// graph is built while MLX encodes the previous one: `auto` does on a GPU (where a step
-    /// is host-bound), `on` everywhere, `off` never (one thread, for comparison).
-    #[arg(long, value_enum, default_value = "auto")]
-    submit_thread: SubmitThreadArg,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum SubmitThreadArg {
-    Auto,
-    On,
-    Off,
-}
-
-impl SubmitThreadArg {
-    fn mode(self) -> SubmitMode {
-        match self {
-            SubmitThreadArg::Auto => SubmitMode::Auto,
-            SubmitThreadArg::On => SubmitMode::On,
-            SubmitThreadArg::Off => SubmitMode::Off,
-        }
-    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -314,7 +292,6 @@ struct Loaded {
 fn load_model(args: &ModelArgs) -> Result<Loaded> {
     device::select(args.device)?;
     mlx_spec::kernels::set_allowed(args.fused());
-    mlx_spec::submit::set_mode(args.submit_thread.mode());
     let start = Instant::now();
     let path = &args.model;
     if args.random_weights {
@@ -639,7 +616,6 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             random_bits: None,
             random_group_size: 64,
             fused_kernels: vec![FusedKernelArg::Attention],
-            submit_thread: SubmitThreadArg::Auto,
         },
         input: &args.input,
         max_tokens: s.max_tokens,
@@ -950,43 +926,31 @@ fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<V
 struct HostSplit {
     /// Building the step's lazy graph (our model code).
     build_ms: f64,
-    /// Handing the graph to MLX (`async_eval`: MLX walks it and encodes its kernels); with
-    /// the submit thread, the time this thread still waits for that after building the next.
+    /// Handing the graph to MLX (`async_eval`: MLX walks it and encodes its kernels).
     submit_ms: f64,
     /// Blocked reading the previous token while the device finishes it.
     wait_ms: f64,
 }
 
 /// Greedy decode of `n` forwards after `logits` (`n + 1` tokens), the host queueing each step
-/// before reading the token it consumes, as `generate` does: with `submit_thread`, MLX
-/// encodes each step on a second thread while this one builds the next. Returns the tokens,
-/// the seconds taken and where this thread spent them. Call it inside a [`SharedStream`].
+/// before reading the token it consumes (as `generate` does). Returns the tokens, the
+/// seconds taken and where the host spent them.
 fn decode_pipelined(
     model: &Gemma4Model,
     cache: &mut mlx_spec::model::gemma4::ModelCache,
     logits: &mlx_rs::Array,
     n: usize,
-    submit_thread: bool,
 ) -> Result<(Vec<u32>, f64, HostSplit)> {
     let start = Instant::now();
-    let mut submitter = submit_thread.then(SubmitThread::start).transpose()?;
     let mut next = mlx_rs::ops::indexing::argmax_axis(logits, -1, false)?;
-    if let Some(s) = submitter.as_mut() {
-        s.submit(&next)?;
-    }
     let mut tokens = Vec::with_capacity(n + 1);
     let mut split = HostSplit::default();
     for _ in 0..n {
+        // `queue_greedy_step`, timed in its two halves.
         let t0 = Instant::now();
         let following = greedy_step(model, cache, &next)?;
         let t1 = Instant::now();
-        match submitter.as_mut() {
-            Some(s) => {
-                s.wait_oldest()?;
-                s.submit(&following)?;
-            }
-            None => mlx_rs::transforms::async_eval([&following])?,
-        }
+        mlx_rs::transforms::async_eval([&following])?;
         let t2 = Instant::now();
         tokens.push(next.item_cast::<u32>());
         let t3 = Instant::now();
@@ -994,9 +958,6 @@ fn decode_pipelined(
         split.submit_ms += (t2 - t1).as_secs_f64();
         split.wait_ms += (t3 - t2).as_secs_f64();
         next = following;
-    }
-    if let Some(s) = submitter.as_mut() {
-        s.wait_oldest()?;
     }
     tokens.push(next.item_cast::<u32>());
     let per_step = 1e3 / n as f64;
@@ -1015,32 +976,39 @@ fn compare_fused(
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
     use mlx_spec::kernels::{set_allowed, Fused};
-    let kernels = |attention, residual_norm| Fused {
-        attention,
-        residual_norm,
-    };
-    // (name, kernels, submit thread)
     let sets = [
-        ("none", kernels(false, false), true),
-        ("attention", kernels(true, false), true),
-        ("residual-norm", kernels(false, true), true),
-        ("attention,residual-norm", kernels(true, true), true),
+        ("none", Fused::default()),
         (
-            "attention, without the submit thread",
-            kernels(true, false),
-            false,
+            "attention",
+            Fused {
+                attention: true,
+                residual_norm: false,
+            },
+        ),
+        (
+            "residual-norm",
+            Fused {
+                attention: false,
+                residual_norm: true,
+            },
+        ),
+        (
+            "attention,residual-norm",
+            Fused {
+                attention: true,
+                residual_norm: true,
+            },
         ),
     ];
     let mut rates = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
     for round in 0..=repeats {
-        for (i, (_, fused, submit_thread)) in sets.iter().enumerate() {
+        for (i, (_, fused)) in sets.iter().enumerate() {
             set_allowed(*fused);
             let mut cache = model.new_cache();
             let logits = prefill(model, &mut cache, prompt)?;
-            let (got, seconds, _) =
-                decode_pipelined(model, &mut cache, &logits, args.gen_tokens, *submit_thread)?;
+            let (got, seconds, _) = decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
             if round > 0 {
                 rates[i].push(args.gen_tokens as f64 / seconds);
             }
@@ -1052,7 +1020,7 @@ fn compare_fused(
         .iter()
         .zip(rates)
         .zip(&tokens)
-        .map(|(((name, _, _), r), t)| (name.to_string(), median(r), *t == tokens[0]))
+        .map(|(((name, _), r), t)| (name.to_string(), median(r), *t == tokens[0]))
         .collect())
 }
 
@@ -1091,9 +1059,6 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     let model = &loaded.model;
     let weight_bytes = mlx_rs::memory::active_memory().unwrap_or(0);
     let prompt = synthetic_prompt(model.config.vocab_size, args.prompt_tokens);
-    // Every graph of the measurement on a stream the submit thread may evaluate too.
-    let _stream = SharedStream::enter()?;
-    let submit_thread = mlx_spec::submit::use_for_next_decode();
 
     let mut prefill_rates = Vec::new();
     let mut decode_rates = Vec::new();
@@ -1107,7 +1072,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         let logits = prefill(model, &mut cache, &prompt)?;
         let prefill_s = start.elapsed().as_secs_f64();
         let (pipelined, decode_s, split) =
-            decode_pipelined(model, &mut cache, &logits, args.gen_tokens, submit_thread)?;
+            decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
 
         // The same decode, one synchronised step at a time, from a fresh cache.
         let mut cache = model.new_cache();
@@ -1216,15 +1181,8 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         );
         println!(
             "pipelined host time per step: {:.2} ms building the graph, {:.2} ms handing it to \
-             MLX (async_eval{}), {:.2} ms waiting for the device",
-            host.build_ms,
-            host.submit_ms,
-            if submit_thread {
-                " on the submit thread: the part not hidden behind building"
-            } else {
-                ""
-            },
-            host.wait_ms
+             MLX (async_eval), {:.2} ms waiting for the device",
+            host.build_ms, host.submit_ms, host.wait_ms
         );
         if !fused_comparison.is_empty() {
             println!();

@@ -9,6 +9,8 @@
 //! * [`residual_norm`]: `x + rms_norm(y, w)` (times the layer scalar at a layer's end),
 //!   three per layer instead of six or seven operations (off unless asked for: measured
 //!   slower, see BENCHMARKS.md);
+//! * [`attention_inputs`]: q/k RMSNorm + RoPE and the v RMSNorm of one token, one kernel
+//!   instead of eight operations (three on a KV-sharing layer); runs with `attention`;
 //! * [`decode_attention`]: one query token over a layer's whole K/V buffers with the slot
 //!   mask (scores, mask, softmax, weighted sum), instead of seven operations.
 //!
@@ -18,6 +20,7 @@
 //! They run only where MLX's default device is a CUDA GPU; the CPU and Metal use the plain
 //! operations. `--fused-kernels` chooses which run, for comparison.
 
+pub mod attention_inputs;
 pub mod decode_attention;
 pub mod residual_norm;
 
@@ -60,8 +63,7 @@ pub fn set_allowed(allowed: Fused) {
     RESIDUAL_NORM_ALLOWED.store(allowed.residual_norm, Ordering::Relaxed);
 }
 
-/// Whether MLX's default device (of this thread) is the GPU.
-pub(crate) fn default_device_is_gpu() -> bool {
+fn default_device_is_gpu() -> bool {
     let mut kind = mlx_sys::mlx_device_type__MLX_CPU;
     // SAFETY: the device handle is created, queried and freed here.
     unsafe {

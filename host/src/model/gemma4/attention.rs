@@ -10,6 +10,7 @@ use super::cache::{KvView, LayerKv};
 use super::config::{AttentionKind, Gemma4Config, LayerPlan};
 use super::linear::{Linear, Loader};
 use super::rope::Rope;
+use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
 use crate::kernels::decode_attention::{decode_attention, splits_for};
 use crate::kernels::Fused;
 
@@ -84,23 +85,54 @@ impl Attention {
         fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[0];
-        let q = heads_first(&self.q_proj.forward(x)?, t, self.num_heads, self.head_dim)?;
-        let q = rms_norm(&q, Some(&self.q_norm), self.eps)?;
-        let q = self.rope.apply(&q, offset)?;
-
-        let (view, produced) = match (&self.kv, cache) {
-            (Some(kv), Some(cache)) => {
-                let (nkv, hd) = (self.num_kv_heads, self.head_dim);
-                let k_raw = heads_first(&kv.k_proj.forward(x)?, t, nkv, hd)?;
+        let q_raw = self.q_proj.forward(x)?;
+        // A KV-owning layer's raw K and V projections (V is K's on K=V layers).
+        let kv_raw = match (&self.kv, cache.is_some()) {
+            (Some(kv), true) => {
+                let k_raw = kv.k_proj.forward(x)?;
                 let v_raw = match &kv.v_proj {
-                    Some(v_proj) => heads_first(&v_proj.forward(x)?, t, nkv, hd)?,
+                    Some(v_proj) => v_proj.forward(x)?,
                     // K=V: the un-normalised k_proj output, before k_norm and RoPE.
                     None => k_raw.clone(),
                 };
-                // RMSNorm acts on the last axis (head_dim), so it commutes with the transpose.
-                let k = rms_norm(&k_raw, Some(&kv.k_norm), self.eps)?;
-                let k = self.rope.apply(&k, offset)?;
-                let v = rms_norm(&v_raw, None, self.eps)?;
+                Some((k_raw, v_raw, &kv.k_norm))
+            }
+            _ => None,
+        };
+        let (q, kv) = if fused.attention && t == 1 && serves(self.head_dim as usize, q_raw.dtype())
+        {
+            let raw = RawHeads {
+                q: &q_raw,
+                q_norm: &self.q_norm,
+                kv: kv_raw.as_ref().map(|(k, v, norm)| (k, v, *norm)),
+                periods: self.rope.periods(),
+            };
+            let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+            attention_inputs(&raw, nh, nkv, hd, self.eps, offset)?
+        } else {
+            let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+            let q = rms_norm(
+                &heads_first(&q_raw, t, nh, hd)?,
+                Some(&self.q_norm),
+                self.eps,
+            )?;
+            let q = self.rope.apply(&q, offset)?;
+            let kv = match &kv_raw {
+                Some((k_raw, v_raw, k_norm)) => {
+                    // RMSNorm acts on the last axis (head_dim), so it commutes with the
+                    // transpose.
+                    let k = rms_norm(&heads_first(k_raw, t, nkv, hd)?, Some(*k_norm), self.eps)?;
+                    let k = self.rope.apply(&k, offset)?;
+                    let v = rms_norm(&heads_first(v_raw, t, nkv, hd)?, None, self.eps)?;
+                    Some((k, v))
+                }
+                None => None,
+            };
+            (q, kv)
+        };
+
+        let (view, produced) = match (kv, cache) {
+            (Some((k, v)), Some(cache)) => {
                 let view = cache.append(&k, &v)?;
                 (view.clone(), Some(view))
             }

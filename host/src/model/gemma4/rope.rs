@@ -11,16 +11,25 @@ pub struct Rope {
     base: Option<f32>,
     /// Per-pair periods (`1 / inverse frequency`) when not a plain `base^(2j/d)` schedule.
     periods: Option<Array>,
+    /// The periods of every pair in either case (float32 `[head_dim / 2]`), for the fused
+    /// decode kernel (`crate::kernels::attention_inputs`).
+    all_periods: Array,
 }
 
 impl Rope {
     pub fn new(kind: &RopeKind, head_dim: usize) -> Self {
         match *kind {
-            RopeKind::Default { theta } => Rope {
-                head_dim: head_dim as i32,
-                base: Some(theta),
-                periods: None,
-            },
+            RopeKind::Default { theta } => {
+                let periods: Vec<f32> = (0..head_dim / 2)
+                    .map(|j| theta.powf(2.0 * j as f32 / head_dim as f32))
+                    .collect();
+                Rope {
+                    head_dim: head_dim as i32,
+                    base: Some(theta),
+                    periods: None,
+                    all_periods: Array::from_slice(&periods, &[periods.len() as i32]),
+                }
+            }
             RopeKind::Proportional {
                 theta,
                 partial_factor,
@@ -40,13 +49,20 @@ impl Rope {
                         }
                     })
                     .collect();
+                let periods = Array::from_slice(&periods, &[half as i32]);
                 Rope {
                     head_dim: head_dim as i32,
                     base: None,
-                    periods: Some(Array::from_slice(&periods, &[half as i32])),
+                    periods: Some(periods.clone()),
+                    all_periods: periods,
                 }
             }
         }
+    }
+
+    /// Every pair's period (float32 `[head_dim / 2]`).
+    pub fn periods(&self) -> &Array {
+        &self.all_periods
     }
 
     /// Rotates `x` (`[batch, heads, tokens, head_dim]`) whose first token sits at `offset`.

@@ -1,0 +1,165 @@
+//! The inputs of one decode token's attention, as one kernel: q and k RMSNorm (with their
+//! weights) then RoPE, and the weightless RMSNorm of v, from the raw projections.
+//!
+//! On the MLX path these are eight operations on a KV-owning layer (three reshapes, three
+//! RMSNorms, two RoPEs) and three on a KV-sharing one; on a GPU each operation costs host
+//! time whatever its size (BENCHMARKS.md), so one launch replaces them.
+//!
+//! One block per head (query heads, then key heads, then value heads); thread `i` holds the
+//! rotate-half pair `(i, i + D/2)`. It rounds where MLX's operations round: the normalised
+//! vector to the activation dtype, then its product with the weight, then each rotated
+//! element; the angle is `position / period` in float32, as MLX's RoPE computes it.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use anyhow::{bail, Result};
+use mlx_rs::{Array, Dtype};
+
+use super::{CudaKernel, TemplateArg, REDUCE_HEADER};
+
+const SOURCE: &str = r#"
+  __shared__ float red[32];
+  constexpr int HALF = D / 2;
+  const int i = threadIdx.x;
+  const int b = blockIdx.x;
+  const T* src;
+  const T* w = nullptr;
+  T* dst;
+  if (b < NH) {
+    src = q_raw + (size_t)b * D; w = q_w; dst = q + (size_t)b * D;
+  } else if (b < NH + NKV) {
+    src = k_raw + (size_t)(b - NH) * D; w = k_w; dst = k + (size_t)(b - NH) * D;
+  } else {
+    src = v_raw + (size_t)(b - NH - NKV) * D; dst = v + (size_t)(b - NH - NKV) * D;
+  }
+  const float a = static_cast<float>(src[i]);
+  const float c = static_cast<float>(src[i + HALF]);
+  const float r = rsqrtf(block_sum(a * a + c * c, red) / D + EPS);
+  T n1 = static_cast<T>(a * r);
+  T n2 = static_cast<T>(c * r);
+  if (w == nullptr) {
+    dst[i] = n1;
+    dst[i + HALF] = n2;
+    return;
+  }
+  n1 = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(n1));
+  n2 = static_cast<T>(static_cast<float>(w[i + HALF]) * static_cast<float>(n2));
+  const float inv_freq = 1.0 / periods[i];
+  const float theta = static_cast<float>(position[0]) * inv_freq;
+  const float cs = cos(theta);
+  const float sn = sin(theta);
+  const float x1 = static_cast<float>(n1);
+  const float x2 = static_cast<float>(n2);
+  dst[i] = static_cast<T>(x1 * cs - x2 * sn);
+  dst[i + HALF] = static_cast<T>(x1 * sn + x2 * cs);
+"#;
+
+thread_local! {
+    // One kernel object per epsilon (baked into the source).
+    static KERNELS: RefCell<HashMap<u32, CudaKernel>> = RefCell::new(HashMap::new());
+    // The position array of the current step, shared by every layer of a forward.
+    static POSITION: RefCell<Option<(usize, Array)>> = const { RefCell::new(None) };
+}
+
+/// Whether the kernel serves heads of `head_dim` in `dtype`: a block holds half a head.
+pub fn serves(head_dim: usize, dtype: Dtype) -> bool {
+    head_dim >= 64
+        && head_dim % 64 == 0
+        && head_dim / 2 <= 1024
+        && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+}
+
+/// A `[1]` int32 array holding `position`, made once per step and reused by every layer.
+fn position_array(position: usize) -> Array {
+    POSITION.with(|cell| {
+        let mut memo = cell.borrow_mut();
+        match memo.as_ref() {
+            Some((p, a)) if *p == position => a.clone(),
+            _ => {
+                let a = Array::from_slice(&[position as i32], &[1]);
+                *memo = Some((position, a.clone()));
+                a
+            }
+        }
+    })
+}
+
+/// The raw projections of one token and the weights of its attention.
+pub struct RawHeads<'a> {
+    /// `[1, heads * D]`.
+    pub q: &'a Array,
+    pub q_norm: &'a Array,
+    /// `[1, kv_heads * D]` key and value projections with the key norm, on a KV-owning layer
+    /// (for K = V layers `v` is the key projection itself).
+    pub kv: Option<(&'a Array, &'a Array, &'a Array)>,
+    /// RoPE periods `[D / 2]` (float32; infinite for pairs that are not rotated).
+    pub periods: &'a Array,
+}
+
+/// Returns q `[1, heads, 1, D]` and, on a KV-owning layer, k and v `[1, kv_heads, 1, D]`,
+/// for a token at `position`. Check [`serves`] first.
+pub fn attention_inputs(
+    raw: &RawHeads,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    eps: f32,
+    position: usize,
+) -> Result<(Array, Option<(Array, Array)>)> {
+    let dtype = raw.q.dtype();
+    let position = position_array(position);
+    let nkv = if raw.kv.is_some() { kv_heads } else { 0 };
+    // A sharing layer has no k/v: the query's arrays stand in for the unused inputs.
+    let (k_raw, v_raw, k_norm) = raw.kv.unwrap_or((raw.q, raw.q, raw.q_norm));
+    KERNELS.with(|cell| {
+        let mut kernels = cell.borrow_mut();
+        let kernel = match kernels.entry(eps.to_bits()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(CudaKernel::new(
+                "attention_inputs",
+                &[
+                    "q_raw", "k_raw", "v_raw", "q_w", "k_w", "periods", "position",
+                ],
+                &["q", "k", "v"],
+                SOURCE,
+                &format!("{REDUCE_HEADER}\nconstexpr float EPS = {eps:e}f;\n"),
+            )?),
+        };
+        let q_shape = [1, heads, 1, head_dim];
+        // Outputs of a sharing layer's k and v hold one element each and are dropped.
+        let kv_shape = if nkv > 0 {
+            [1, nkv, 1, head_dim]
+        } else {
+            [1, 1, 1, 1]
+        };
+        let threads = head_dim / 2;
+        let mut out = kernel.apply(
+            &[
+                raw.q,
+                k_raw,
+                v_raw,
+                raw.q_norm,
+                k_norm,
+                raw.periods,
+                &position,
+            ],
+            &[(&q_shape, dtype), (&kv_shape, dtype), (&kv_shape, dtype)],
+            ((heads + 2 * nkv) * threads, 1, 1),
+            (threads, 1, 1),
+            &[
+                ("T", TemplateArg::Dtype(dtype)),
+                ("D", TemplateArg::Int(head_dim)),
+                ("NH", TemplateArg::Int(heads)),
+                ("NKV", TemplateArg::Int(nkv)),
+            ],
+        )?;
+        let (Some(v), Some(k), Some(q)) = (out.pop(), out.pop(), out.pop()) else {
+            bail!(
+                "the attention-inputs kernel returned {} arrays, not 3",
+                out.len()
+            );
+        };
+        Ok((q, (nkv > 0).then_some((k, v))))
+    })
+}
