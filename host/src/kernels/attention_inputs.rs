@@ -163,3 +163,34 @@ pub fn attention_inputs(
         Ok((q, (nkv > 0).then_some((k, v))))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serves_gemma_head_sizes_in_float_dtypes_only() {
+        assert!(serves(256, Dtype::Bfloat16));
+        assert!(serves(512, Dtype::Float32));
+        assert!(serves(64, Dtype::Float16));
+        // A block holds half a head as whole warps, at most 1024 threads.
+        assert!(!serves(32, Dtype::Float32));
+        assert!(!serves(96, Dtype::Float32));
+        assert!(!serves(4096, Dtype::Bfloat16));
+        assert!(!serves(256, Dtype::Int32));
+    }
+
+    #[test]
+    fn one_position_array_serves_every_layer_of_a_step() {
+        let a = position_array(17);
+        let b = position_array(17);
+        assert_eq!(a.as_slice::<i32>(), &[17]);
+        assert_eq!(
+            a.as_slice::<i32>().as_ptr(),
+            b.as_slice::<i32>().as_ptr(),
+            "the second layer made a new array"
+        );
+        let c = position_array(18);
+        assert_eq!(c.as_slice::<i32>(), &[18]);
+    }
+}

@@ -78,3 +78,31 @@ impl Rope {
         )?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn periods_cover_every_pair_for_both_kinds() {
+        let plain = Rope::new(&RopeKind::Default { theta: 10_000.0 }, 8);
+        let p = plain.periods().as_slice::<f32>().to_vec();
+        let want: Vec<f32> = (0..4).map(|j| 10_000f32.powf(j as f32 / 4.0)).collect();
+        assert_eq!(p.len(), 4);
+        for (got, want) in p.iter().zip(&want) {
+            assert!((got / want - 1.0).abs() < 1e-6, "{got} vs {want}");
+        }
+        // Proportional with a quarter of the head rotated: 1 of 4 pairs, the rest pass through.
+        let partial = Rope::new(
+            &RopeKind::Proportional {
+                theta: 10_000.0,
+                partial_factor: 0.25,
+                factor: 1.0,
+            },
+            8,
+        );
+        let p = partial.periods().as_slice::<f32>().to_vec();
+        assert_eq!(p[0], 1.0);
+        assert!(p[1..].iter().all(|x| x.is_infinite()));
+    }
+}
