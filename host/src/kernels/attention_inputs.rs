@@ -11,12 +11,11 @@
 //! element; the angle is `position / period` in float32, as MLX's RoPE computes it.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
-use super::{CudaKernel, TemplateArg, REDUCE_HEADER};
+use super::{PerEpsilon, TemplateArg};
 
 const SOURCE: &str = r#"
   __shared__ float red[32];
@@ -56,8 +55,12 @@ const SOURCE: &str = r#"
 "#;
 
 thread_local! {
-    // One kernel object per epsilon (baked into the source).
-    static KERNELS: RefCell<HashMap<u32, CudaKernel>> = RefCell::new(HashMap::new());
+    static KERNELS: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
+        "attention_inputs",
+        &["q_raw", "k_raw", "v_raw", "q_w", "k_w", "periods", "position"],
+        &["q", "k", "v"],
+        SOURCE,
+    ));
     // The position array of the current step, shared by every layer of a forward.
     static POSITION: RefCell<Option<(usize, Array)>> = const { RefCell::new(None) };
 }
@@ -114,18 +117,7 @@ pub fn attention_inputs(
     let (k_raw, v_raw, k_norm) = raw.kv.unwrap_or((raw.q, raw.q, raw.q_norm));
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
-        let kernel = match kernels.entry(eps.to_bits()) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(CudaKernel::new(
-                "attention_inputs",
-                &[
-                    "q_raw", "k_raw", "v_raw", "q_w", "k_w", "periods", "position",
-                ],
-                &["q", "k", "v"],
-                SOURCE,
-                &format!("{REDUCE_HEADER}\nconstexpr float EPS = {eps:e}f;\n"),
-            )?),
-        };
+        let kernel = kernels.get(eps)?;
         let q_shape = [1, heads, 1, head_dim];
         // Outputs of a sharing layer's k and v hold one element each and are dropped.
         let kv_shape = if nkv > 0 {

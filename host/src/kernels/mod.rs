@@ -24,6 +24,8 @@ pub mod attention_inputs;
 pub mod decode_attention;
 pub mod residual_norm;
 
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -227,6 +229,48 @@ impl Drop for CudaKernel {
     fn drop(&mut self) {
         // SAFETY: `raw` was created by `mlx_fast_cuda_kernel_new` and is freed once.
         unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) }
+    }
+}
+
+/// A kernel whose source bakes in an RMSNorm epsilon (after [`REDUCE_HEADER`], as `EPS`):
+/// one compiled object per epsilon, made at first use. Keep one per thread, like
+/// [`CudaKernel`].
+pub(crate) struct PerEpsilon {
+    name: &'static str,
+    inputs: &'static [&'static str],
+    outputs: &'static [&'static str],
+    source: &'static str,
+    kernels: HashMap<u32, CudaKernel>,
+}
+
+impl PerEpsilon {
+    pub(crate) fn new(
+        name: &'static str,
+        inputs: &'static [&'static str],
+        outputs: &'static [&'static str],
+        source: &'static str,
+    ) -> Self {
+        PerEpsilon {
+            name,
+            inputs,
+            outputs,
+            source,
+            kernels: HashMap::new(),
+        }
+    }
+
+    /// The kernel for `eps`.
+    pub(crate) fn get(&mut self, eps: f32) -> Result<&CudaKernel> {
+        Ok(match self.kernels.entry(eps.to_bits()) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(CudaKernel::new(
+                self.name,
+                self.inputs,
+                self.outputs,
+                self.source,
+                &format!("{REDUCE_HEADER}\nconstexpr float EPS = {eps:e}f;\n"),
+            )?),
+        })
     }
 }
 

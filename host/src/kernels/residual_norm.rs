@@ -6,12 +6,11 @@
 //! the weighted value, the sum, and the scaled sum.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use anyhow::Result;
 use mlx_rs::Array;
 
-use super::{CudaKernel, TemplateArg, REDUCE_HEADER};
+use super::{PerEpsilon, TemplateArg};
 
 const SOURCE: &str = r#"
   __shared__ float red[32];
@@ -40,8 +39,12 @@ const SOURCE: &str = r#"
 const THREADS: i32 = 256;
 
 thread_local! {
-    // One kernel object per epsilon (it is baked into the source).
-    static KERNELS: RefCell<HashMap<u32, CudaKernel>> = RefCell::new(HashMap::new());
+    static KERNELS: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
+        "residual_norm",
+        &["x", "y", "w", "scale"],
+        &["out"],
+        SOURCE,
+    ));
 }
 
 /// `x + rms_norm(y, w, eps)`, times `scale` (a one-element array) when given. `x` and `y`
@@ -58,16 +61,7 @@ pub fn residual_norm(
     let rows = (y.size() as i32) / h.max(1);
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
-        let kernel = match kernels.entry(eps.to_bits()) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(CudaKernel::new(
-                "residual_norm",
-                &["x", "y", "w", "scale"],
-                &["out"],
-                SOURCE,
-                &format!("{REDUCE_HEADER}\nconstexpr float EPS = {eps:e}f;\n"),
-            )?),
-        };
+        let kernel = kernels.get(eps)?;
         // Without a scale, `w` stands in for the unused input (never read: SCALED is false).
         let scale_input = scale.unwrap_or(w);
         let mut out = kernel.apply(

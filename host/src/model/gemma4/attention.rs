@@ -99,18 +99,16 @@ impl Attention {
             }
             _ => None,
         };
-        let (q, kv) = if fused.attention && t == 1 && serves(self.head_dim as usize, q_raw.dtype())
-        {
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let (q, kv) = if fused.attention && t == 1 && serves(hd as usize, q_raw.dtype()) {
             let raw = RawHeads {
                 q: &q_raw,
                 q_norm: &self.q_norm,
                 kv: kv_raw.as_ref().map(|(k, v, norm)| (k, v, *norm)),
                 periods: self.rope.periods(),
             };
-            let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
             attention_inputs(&raw, nh, nkv, hd, self.eps, offset)?
         } else {
-            let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
             let q = rms_norm(
                 &heads_first(&q_raw, t, nh, hd)?,
                 Some(&self.q_norm),

@@ -8,12 +8,11 @@ use super::config::RopeKind;
 /// RoPE for one layer kind, ready to apply to `[batch, heads, tokens, head_dim]`.
 pub struct Rope {
     head_dim: i32,
+    /// The base of a plain `base^(2j/d)` schedule; `None`: MLX's RoPE takes `periods`.
     base: Option<f32>,
-    /// Per-pair periods (`1 / inverse frequency`) when not a plain `base^(2j/d)` schedule.
-    periods: Option<Array>,
-    /// The periods of every pair in either case (float32 `[head_dim / 2]`), for the fused
-    /// decode kernel (`crate::kernels::attention_inputs`).
-    all_periods: Array,
+    /// Every pair's period (`1 / inverse frequency`, float32 `[head_dim / 2]`), also read by
+    /// the fused decode kernel (`crate::kernels::attention_inputs`).
+    periods: Array,
 }
 
 impl Rope {
@@ -26,8 +25,7 @@ impl Rope {
                 Rope {
                     head_dim: head_dim as i32,
                     base: Some(theta),
-                    periods: None,
-                    all_periods: Array::from_slice(&periods, &[periods.len() as i32]),
+                    periods: Array::from_slice(&periods, &[periods.len() as i32]),
                 }
             }
             RopeKind::Proportional {
@@ -49,12 +47,10 @@ impl Rope {
                         }
                     })
                     .collect();
-                let periods = Array::from_slice(&periods, &[half as i32]);
                 Rope {
                     head_dim: head_dim as i32,
                     base: None,
-                    periods: Some(periods.clone()),
-                    all_periods: periods,
+                    periods: Array::from_slice(&periods, &[half as i32]),
                 }
             }
         }
@@ -62,7 +58,7 @@ impl Rope {
 
     /// Every pair's period (float32 `[head_dim / 2]`).
     pub fn periods(&self) -> &Array {
-        &self.all_periods
+        &self.periods
     }
 
     /// Rotates `x` (`[batch, heads, tokens, head_dim]`) whose first token sits at `offset`.
@@ -74,7 +70,8 @@ impl Rope {
             self.base,
             1.0,
             offset as i32,
-            self.periods.as_ref(),
+            // MLX takes either a base or the periods, not both.
+            self.base.is_none().then_some(&self.periods),
         )?)
     }
 }
