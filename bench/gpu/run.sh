@@ -113,7 +113,7 @@ if want host; then
     # once more than 10 committed graphs are in flight), so "submit" is the host's own work and
     # a synchronised step is build + submit + the device's own time.
     ONE_GRAPH="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"
-    for fused in attention,residual-norm attention residual-norm none; do
+    for fused in attention,products attention products none; do
         bench "mlx-spec E4B bf16, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --prompt-tokens 512 --gen-tokens 64 --repeats 2 --fused-kernels "$fused"
         BENCH_ENV="$ONE_GRAPH" bench "mlx-spec E4B bf16, --fused-kernels $fused, one graph per step" \

@@ -139,17 +139,22 @@ struct ModelArgs {
     #[arg(long, default_value_t = 64, requires = "random_bits")]
     random_group_size: i32,
     /// mlx-spec's own CUDA kernels to use on a CUDA GPU (elsewhere MLX's operations run):
-    /// `attention` (one decode token's attention and its q/k/v norms and RoPE; the default),
-    /// `residual-norm` (x + RMSNorm(y); measured slower, for comparison), or `none` (MLX's
-    /// operations only).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "attention")]
+    /// `attention` (one decode token's attention and its q/k/v norms and RoPE), `products`
+    /// (a decode token's matrix-vector products fused with the norms, gates and residual
+    /// updates around them), or `none` (MLX's operations only). Default: both.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "attention,products"
+    )]
     fused_kernels: Vec<FusedKernelArg>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum FusedKernelArg {
     Attention,
-    ResidualNorm,
+    Products,
     None,
 }
 
@@ -157,7 +162,7 @@ impl ModelArgs {
     fn fused(&self) -> mlx_spec::kernels::Fused {
         mlx_spec::kernels::Fused {
             attention: self.fused_kernels.contains(&FusedKernelArg::Attention),
-            residual_norm: self.fused_kernels.contains(&FusedKernelArg::ResidualNorm),
+            products: self.fused_kernels.contains(&FusedKernelArg::Products),
         }
     }
 }
@@ -249,7 +254,7 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
     /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
-    /// residual-norm, both), alternating between them round by round in this process.
+    /// products, both), alternating between them round by round in this process.
     #[arg(long)]
     compare_fused: bool,
     /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
@@ -615,7 +620,7 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             weights_seed: 0,
             random_bits: None,
             random_group_size: 64,
-            fused_kernels: vec![FusedKernelArg::Attention],
+            fused_kernels: vec![FusedKernelArg::Attention, FusedKernelArg::Products],
         },
         input: &args.input,
         max_tokens: s.max_tokens,
@@ -982,21 +987,21 @@ fn compare_fused(
             "attention",
             Fused {
                 attention: true,
-                residual_norm: false,
+                products: false,
             },
         ),
         (
-            "residual-norm",
+            "products",
             Fused {
                 attention: false,
-                residual_norm: true,
+                products: true,
             },
         ),
         (
-            "attention,residual-norm",
+            "attention,products",
             Fused {
                 attention: true,
-                residual_norm: true,
+                products: true,
             },
         ),
     ];

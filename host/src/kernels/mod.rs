@@ -6,9 +6,10 @@
 //! step's kernels in about the time the floor allows while the host spends 10–12 ms handing
 //! them to MLX, so a step costs what its operation count costs. Each kernel here replaces a
 //! chain of MLX operations with one:
-//! * [`residual_norm`]: `x + rms_norm(y, w)` (times the layer scalar at a layer's end),
-//!   three per layer instead of six or seven operations (off unless asked for: measured
-//!   slower, see BENCHMARKS.md);
+//! * [`products`]: a decode token's matrix-vector products with the norms, gates and
+//!   residual updates around them (norm + q/k/v, norm + gate/up + GELU, product + post-norm +
+//!   residual), three to four launches per layer instead of ~17 operations; runs with
+//!   `products`;
 //! * [`attention_inputs`]: q/k RMSNorm + RoPE and the v RMSNorm of one token, one kernel
 //!   instead of eight operations (three on a KV-sharing layer); runs with `attention`;
 //! * [`decode_attention`]: one query token over a layer's whole K/V buffers with the slot
@@ -22,7 +23,7 @@
 
 pub mod attention_inputs;
 pub mod decode_attention;
-pub mod residual_norm;
+pub mod products;
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -33,16 +34,15 @@ use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
-// Off unless asked for: measured slower than the MLX operations it replaces (BENCHMARKS.md).
-static RESIDUAL_NORM_ALLOWED: AtomicBool = AtomicBool::new(false);
+static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
 
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fused {
     /// [`decode_attention`] for single-token steps.
     pub attention: bool,
-    /// [`residual_norm`] for every residual update.
-    pub residual_norm: bool,
+    /// [`products`] for single-token steps over dense weights.
+    pub products: bool,
 }
 
 impl Fused {
@@ -54,7 +54,7 @@ impl Fused {
         }
         Fused {
             attention: ATTENTION_ALLOWED.load(Ordering::Relaxed),
-            residual_norm: RESIDUAL_NORM_ALLOWED.load(Ordering::Relaxed),
+            products: PRODUCTS_ALLOWED.load(Ordering::Relaxed),
         }
     }
 }
@@ -62,7 +62,7 @@ impl Fused {
 /// Allows or forbids each fused kernel for the rest of the process (`--fused-kernels`).
 pub fn set_allowed(allowed: Fused) {
     ATTENTION_ALLOWED.store(allowed.attention, Ordering::Relaxed);
-    RESIDUAL_NORM_ALLOWED.store(allowed.residual_norm, Ordering::Relaxed);
+    PRODUCTS_ALLOWED.store(allowed.products, Ordering::Relaxed);
 }
 
 fn default_device_is_gpu() -> bool {
@@ -240,6 +240,8 @@ pub(crate) struct PerEpsilon {
     inputs: &'static [&'static str],
     outputs: &'static [&'static str],
     source: &'static str,
+    /// Device helpers placed after the reductions and `EPS`.
+    header: &'static str,
     kernels: HashMap<u32, CudaKernel>,
 }
 
@@ -255,8 +257,15 @@ impl PerEpsilon {
             inputs,
             outputs,
             source,
+            header: "",
             kernels: HashMap::new(),
         }
+    }
+
+    /// Adds device helpers after the reductions and `EPS`.
+    pub(crate) fn with_header(mut self, header: &'static str) -> Self {
+        self.header = header;
+        self
     }
 
     /// The kernel for `eps`.
@@ -268,7 +277,10 @@ impl PerEpsilon {
                 self.inputs,
                 self.outputs,
                 self.source,
-                &format!("{REDUCE_HEADER}\nconstexpr float EPS = {eps:e}f;\n"),
+                &format!(
+                    "{REDUCE_HEADER}\nconstexpr float EPS = {eps:e}f;\n{}",
+                    self.header
+                ),
             )?),
         })
     }

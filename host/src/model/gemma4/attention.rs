@@ -12,6 +12,7 @@ use super::linear::{Linear, Loader};
 use super::rope::Rope;
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
 use crate::kernels::decode_attention::{decode_attention, splits_for};
+use crate::kernels::products::{normed_products, serves as serves_products};
 use crate::kernels::Fused;
 
 /// K/V projections, present only on KV-owning layers.
@@ -72,12 +73,69 @@ impl Attention {
         })
     }
 
-    /// Attends `x` (`[T, hidden]`, first token at `offset`). A KV-owning layer appends its
-    /// new K/V to `cache` and returns the view it attended over so sharers can reuse it; a
-    /// sharer passes the donor's view in `shared`.
+    pub fn o_proj(&self) -> &Linear {
+        &self.o_proj
+    }
+
+    /// Raw q and, on a KV-owning layer (`owning`), raw k and v projections of
+    /// `rms_norm(x, input_norm)`. One CUDA kernel for a single token with `fused.products`.
+    fn projections(
+        &self,
+        x: &Array,
+        input_norm: &Array,
+        owning: bool,
+        fused: Fused,
+    ) -> Result<(Array, Option<(Array, Array)>)> {
+        let kv = self.kv.as_ref().filter(|_| owning);
+        let hidden = x.shape()[x.ndim() - 1] as usize;
+        if fused.products && x.shape()[0] == 1 && serves_products(hidden, x.dtype()) {
+            let mut weights = vec![self.q_proj.dense_weight()];
+            if let Some(kv) = kv {
+                weights.push(kv.k_proj.dense_weight());
+                if let Some(v_proj) = &kv.v_proj {
+                    weights.push(v_proj.dense_weight());
+                }
+            }
+            // Quantized weights stay with MLX's products.
+            if let Some(weights) = weights.into_iter().collect::<Option<Vec<&Array>>>() {
+                let mut out = normed_products(x, Some(input_norm), self.eps, &weights)?.into_iter();
+                let q = out.next().expect("one output per weight");
+                let kv = match (out.next(), out.next()) {
+                    (Some(k), Some(v)) => Some((k, v)),
+                    // K=V: the un-normalised k_proj output, before k_norm and RoPE.
+                    (Some(k), None) => Some((k.clone(), k)),
+                    _ => None,
+                };
+                return Ok((q, kv));
+            }
+        }
+        let x = rms_norm(x, Some(input_norm), self.eps)?;
+        let q = self.q_proj.forward(&x)?;
+        let kv = match kv {
+            Some(kv) => {
+                let k = kv.k_proj.forward(&x)?;
+                let v = match &kv.v_proj {
+                    Some(v_proj) => v_proj.forward(&x)?,
+                    // K=V: the un-normalised k_proj output, before k_norm and RoPE.
+                    None => k.clone(),
+                };
+                Some((k, v))
+            }
+            None => None,
+        };
+        Ok((q, kv))
+    }
+
+    /// Attends `rms_norm(x, input_norm)` (`x`: `[T, hidden]`, first token at `offset`) and
+    /// returns the heads' output `[T, heads * head_dim]`, before `o_proj` (the layer fuses that
+    /// product with its residual update). A KV-owning layer appends its new K/V to `cache` and
+    /// returns the view it attended over so sharers can reuse it; a sharer passes the donor's
+    /// view in `shared`.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         x: &Array,
+        input_norm: &Array,
         offset: usize,
         cache: Option<&mut LayerKv>,
         shared: Option<&KvView>,
@@ -85,18 +143,9 @@ impl Attention {
         fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[0];
-        let q_raw = self.q_proj.forward(x)?;
-        // A KV-owning layer's raw K and V projections (V is K's on K=V layers).
-        let kv_raw = match (&self.kv, cache.is_some()) {
-            (Some(kv), true) => {
-                let k_raw = kv.k_proj.forward(x)?;
-                let v_raw = match &kv.v_proj {
-                    Some(v_proj) => v_proj.forward(x)?,
-                    // K=V: the un-normalised k_proj output, before k_norm and RoPE.
-                    None => k_raw.clone(),
-                };
-                Some((k_raw, v_raw, &kv.k_norm))
-            }
+        let (q_raw, kv_raw) = self.projections(x, input_norm, cache.is_some(), fused)?;
+        let kv_raw = match (&self.kv, kv_raw) {
+            (Some(kv), Some((k, v))) => Some((k, v, &kv.k_norm)),
             _ => None,
         };
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -151,7 +200,7 @@ impl Attention {
                 Some(splits) => decode_attention(&q, &view.keys, &view.values, slot_mask, splits)?,
                 None => buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?,
             };
-            return Ok((self.o_proj.forward(&out)?, produced));
+            return Ok((out, produced));
         }
         // Long windows (prefill chunks): MLX's attention over the visible keys.
         let mask = attention_mask(self.kind, offset, t as usize, &view, window)?;
@@ -169,7 +218,7 @@ impl Attention {
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[t, self.num_heads * self.head_dim])?;
-        Ok((self.o_proj.forward(&out)?, produced))
+        Ok((out, produced))
     }
 }
 

@@ -4,6 +4,7 @@
 use anyhow::Result;
 use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::broadcast_to;
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use super::activation::gated_gelu;
@@ -13,7 +14,9 @@ use super::config::Gemma4Config;
 use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
-use crate::kernels::residual_norm::residual_norm;
+use crate::kernels::products::{
+    gated_product, new_counter, product_residual, serves as serves_products, GateUp,
+};
 use crate::kernels::Fused;
 
 /// The MoE branch and its three extra norms.
@@ -47,6 +50,9 @@ pub struct DecoderLayer {
     layer_scalar: Array,
     /// The same scalar as stored (`[1]`), for the fused kernel.
     layer_scalar_one: Array,
+    /// One counter per fused closing product (attention, feed-forward, per-layer input): see
+    /// [`crate::kernels::products::new_counter`].
+    counters: [Array; 3],
 }
 
 impl DecoderLayer {
@@ -92,6 +98,7 @@ impl DecoderLayer {
                 s
             },
             layer_scalar_one,
+            counters: [new_counter(), new_counter(), new_counter()],
         })
     }
 
@@ -107,12 +114,7 @@ impl DecoderLayer {
     }
 
     /// `x + rms_norm(y, w)`, then times the layer scalar when `last` (the layer's output).
-    /// With `fused`, one CUDA kernel instead of two or three operations.
-    fn residual(&self, x: &Array, y: &Array, w: &Array, last: bool, fused: Fused) -> Result<Array> {
-        if fused.residual_norm {
-            let scale = last.then_some(&self.layer_scalar_one);
-            return residual_norm(x, y, w, self.eps, scale);
-        }
+    fn residual(&self, x: &Array, y: &Array, w: &Array, last: bool) -> Result<Array> {
         let sum = x.add(&self.norm(y, w)?)?;
         Ok(if last {
             sum.multiply(&self.layer_scalar)?
@@ -121,47 +123,122 @@ impl DecoderLayer {
         })
     }
 
-    /// Runs the layer on `x` (`[T, H]`). `per_layer_input` is this layer's `[T, P]`
-    /// slice of the per-layer embeddings. Returns the new hidden state and, for KV-owning
-    /// layers, the K/V view sharers of this layer read. `fused`: which CUDA kernels of
-    /// [`crate::kernels`] to use.
+    /// `x + rms_norm(proj(a), w)` (times the layer scalar when `last`): the product that
+    /// closes a block, with its residual update. One CUDA kernel for a single token over a
+    /// dense weight with `fused.products`; `counter` is the call site's.
+    #[allow(clippy::too_many_arguments)]
+    fn closing_product(
+        &self,
+        x: &Array,
+        a: &Array,
+        proj: &Linear,
+        w: &Array,
+        last: bool,
+        counter: &Array,
+        fused: Fused,
+    ) -> Result<Array> {
+        let width = a.shape()[a.ndim() - 1] as usize;
+        if fused.products && a.shape()[0] == 1 && serves_products(width, a.dtype()) {
+            if let Some(weight) = proj.dense_weight() {
+                let scale = last.then_some(&self.layer_scalar_one);
+                return product_residual(a, weight, x, w, self.eps, scale, counter);
+            }
+        }
+        self.residual(x, &proj.forward(a)?, w, last)
+    }
+
+    /// `gelu_tanh(input_gate(x)) * per_layer[:, index]`, the per-layer input's gate.
+    fn per_layer_gate(
+        &self,
+        gate: &PleGate,
+        x: &Array,
+        per_layer: &Array,
+        index: usize,
+        fused: Fused,
+    ) -> Result<Array> {
+        let hidden = x.shape()[x.ndim() - 1] as usize;
+        if fused.products && x.shape()[0] == 1 && serves_products(hidden, x.dtype()) {
+            if let Some(weight) = gate.input_gate.dense_weight() {
+                // `per_layer` is `[1, layers, width]`: this layer's inputs are one run of it.
+                let width = per_layer.shape()[2];
+                let up = GateUp::Slice {
+                    values: per_layer,
+                    offset: index as i32 * width,
+                };
+                return gated_product(x, None, self.eps, weight, up);
+            }
+        }
+        let input = per_layer.index((.., index as i32, ..));
+        gated_gelu(&gate.input_gate.forward(x)?, &input)
+    }
+
+    /// Runs the layer on `x` (`[T, H]`). `per_layer` is the per-layer embeddings of every
+    /// layer (`[T, layers, P]`) with this layer's index. Returns the new hidden state and, for
+    /// KV-owning layers, the K/V view sharers of this layer read. `fused`: which CUDA kernels
+    /// of [`crate::kernels`] to use.
     pub fn forward(
         &self,
         x: &Array,
         offset: usize,
         cache: Option<&mut LayerKv>,
         shared: Option<&KvView>,
-        per_layer_input: Option<&Array>,
+        per_layer: Option<(&Array, usize)>,
         fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
         let (attn, view) = self.attention.forward(
-            &self.norm(x, &self.input_norm)?,
+            x,
+            &self.input_norm,
             offset,
             cache,
             shared,
             self.window,
             fused,
         )?;
-        let x = self.residual(x, &attn, &self.post_attention_norm, false, fused)?;
+        let x = self.closing_product(
+            x,
+            &attn,
+            self.attention.o_proj(),
+            &self.post_attention_norm,
+            false,
+            &self.counters[0],
+            fused,
+        )?;
 
-        let dense = self
+        let gated = self.ple.as_ref().zip(per_layer);
+        let act = self
             .mlp
-            .forward(&self.norm(&x, &self.pre_feedforward_norm)?)?;
-        let ff = match &self.moe {
-            None => dense,
+            .activation(&x, &self.pre_feedforward_norm, self.eps, fused)?;
+        let x = match &self.moe {
+            None => self.closing_product(
+                &x,
+                &act,
+                self.mlp.down_proj(),
+                &self.post_feedforward_norm,
+                gated.is_none(),
+                &self.counters[1],
+                fused,
+            )?,
             Some(moe) => {
-                let dense = self.norm(&dense, &moe.post_norm_dense)?;
+                let dense =
+                    self.norm(&self.mlp.down_proj().forward(&act)?, &moe.post_norm_dense)?;
                 let routed = moe.experts.forward(&x, &self.norm(&x, &moe.pre_norm)?)?;
-                dense.add(&self.norm(&routed, &moe.post_norm_experts)?)?
+                let ff = dense.add(&self.norm(&routed, &moe.post_norm_experts)?)?;
+                self.residual(&x, &ff, &self.post_feedforward_norm, gated.is_none())?
             }
         };
-        let gated = self.ple.as_ref().zip(per_layer_input);
-        let x = self.residual(&x, &ff, &self.post_feedforward_norm, gated.is_none(), fused)?;
 
-        if let Some((gate, input)) = gated {
-            let g = gated_gelu(&gate.input_gate.forward(&x)?, input)?;
-            let g = gate.projection.forward(&g)?;
-            return Ok((self.residual(&x, &g, &gate.post_norm, true, fused)?, view));
+        if let Some((gate, (per_layer, index))) = gated {
+            let g = self.per_layer_gate(gate, &x, per_layer, index, fused)?;
+            let out = self.closing_product(
+                &x,
+                &g,
+                &gate.projection,
+                &gate.post_norm,
+                true,
+                &self.counters[2],
+                fused,
+            )?;
+            return Ok((out, view));
         }
         Ok((x, view))
     }

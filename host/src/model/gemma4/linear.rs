@@ -51,6 +51,14 @@ impl Linear {
         }
     }
 
+    /// The `[out, in]` weight of a dense matrix (what the fused CUDA products read).
+    pub fn dense_weight(&self) -> Option<&Array> {
+        match self {
+            Linear::Dense(d) => Some(&d.weight),
+            Linear::Quantized(_) => None,
+        }
+    }
+
     /// `x @ W.T`
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(match self {

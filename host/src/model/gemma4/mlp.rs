@@ -1,10 +1,13 @@
 //! The gated feed-forward block: `down(gelu_tanh(gate(x)) * up(x))`.
 
 use anyhow::Result;
+use mlx_rs::fast::rms_norm;
 use mlx_rs::Array;
 
 use super::activation::gated_gelu;
 use super::linear::{Linear, Loader};
+use crate::kernels::products::{gated_product, serves, GateUp};
+use crate::kernels::Fused;
 
 pub struct Mlp {
     gate_proj: Linear,
@@ -21,9 +24,24 @@ impl Mlp {
         })
     }
 
-    pub fn forward(&self, x: &Array) -> Result<Array> {
-        let gate = self.gate_proj.forward(x)?;
-        let up = self.up_proj.forward(x)?;
-        self.down_proj.forward(&gated_gelu(&gate, &up)?)
+    /// `gelu_tanh(gate(x')) * up(x')` with `x' = rms_norm(x, pre_norm)`: the input of the
+    /// down projection. One CUDA kernel for a single token with `fused.products`.
+    pub fn activation(&self, x: &Array, pre_norm: &Array, eps: f32, fused: Fused) -> Result<Array> {
+        let width = x.shape()[x.ndim() - 1] as usize;
+        if fused.products && x.shape()[0] == 1 && serves(width, x.dtype()) {
+            if let (Some(gate), Some(up)) =
+                (self.gate_proj.dense_weight(), self.up_proj.dense_weight())
+            {
+                return gated_product(x, Some(pre_norm), eps, gate, GateUp::Product(up));
+            }
+        }
+        let x = rms_norm(x, Some(pre_norm), eps)?;
+        let gate = self.gate_proj.forward(&x)?;
+        let up = self.up_proj.forward(&x)?;
+        gated_gelu(&gate, &up)
+    }
+
+    pub fn down_proj(&self) -> &Linear {
+        &self.down_proj
     }
 }

@@ -277,7 +277,6 @@ impl Gemma4Model {
         let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let plan = &self.config.layers[i];
-            let ple_i = per_layer.as_ref().map(|p| p.index((.., i as i32, ..)));
             let shared = if plan.owns_kv(i) {
                 None
             } else {
@@ -288,7 +287,7 @@ impl Gemma4Model {
                 offset,
                 cache.layer_mut(i),
                 shared,
-                ple_i.as_ref(),
+                per_layer.as_ref().map(|p| (p, i)),
                 fused,
             )?;
             views[i] = view;

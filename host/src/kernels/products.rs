@@ -1,0 +1,406 @@
+//! Matrix-vector products of one decode token with what surrounds them in a Gemma 4 layer,
+//! one kernel each:
+//! * [`normed_products`]: RMSNorm of the input, then up to three products sharing it (the
+//!   layer's input norm with q, k and v);
+//! * [`gated_product`]: RMSNorm of the input (optional), then `gelu_tanh(W_g x) * u`, where
+//!   `u` is a second product (the feed-forward's up) or a slice of a given vector (the
+//!   per-layer input);
+//! * [`product_residual`]: `h + rms_norm(W a)` (times the layer scalar at a layer's end), the
+//!   product that closes an attention, feed-forward or per-layer-input block.
+//!
+//! Why: on CUDA, MLX's host time per operation, not the weights, bounds a decode step
+//! (BENCHMARKS.md). With these a layer is about eleven operations instead of ~28.
+//!
+//! A warp computes one output row (two, gate and up, in [`gated_product`]): its lanes stream
+//! the row in 16-byte loads and dot it with the input, staged once per block in shared memory.
+//! The staging recomputes the input's RMSNorm in every block, which costs a read of the input
+//! from L2 and saves a launch. [`product_residual`] needs the norm of the whole product: the
+//! last block to finish (counted by an atomic counter the caller owns, reset by that block)
+//! reads every row and writes the residual.
+//!
+//! Roundings follow MLX's operations: the normed input to the activation dtype, then its
+//! product with the norm weight; each product rounded to the dtype; the GELU in float32,
+//! rounded before the gating product.
+
+use std::cell::RefCell;
+
+use anyhow::{bail, Result};
+use mlx_rs::{Array, Dtype};
+
+use super::{PerEpsilon, TemplateArg};
+
+/// Device helpers of the three kernels (placed after the reduction helpers and `EPS`).
+const HEADER: &str = r#"
+// Stages the input row in shared memory as T: RMS-normed with weight `nw` when NORM, rounded
+// as MLX's RMSNorm rounds; every thread of the block takes part.
+template <typename T, int K, bool NORM>
+__device__ inline void stage_input(const T* x, const T* nw, T* xs, float* red) {
+  if (NORM) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const float a = static_cast<float>(x[i]);
+      ss += a * a;
+    }
+    const float r = rsqrtf(block_sum(ss, red) / K + EPS);
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const T n = static_cast<T>(static_cast<float>(x[i]) * r);
+      xs[i] = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(n));
+    }
+  } else {
+    for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = x[i];
+  }
+  __syncthreads();
+}
+
+// Dots of R rows (each K elements of T, 16-byte aligned) with the staged input, summed over
+// the warp: every lane gets the results. The loads of all rows are issued together.
+template <typename T, int K, int R>
+__device__ inline void rows_dot(const T* const* rows, const T* xs, float* out) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNKS = K / VEC;
+  const int lane = threadIdx.x & 31;
+  const uint4* x4 = reinterpret_cast<const uint4*>(xs);
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = 0.f;
+#pragma unroll 4
+  for (int c = lane; c < CHUNKS; c += 32) {
+    uint4 wc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) wc[r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
+    const uint4 xc = x4[c];
+    const T* xe = reinterpret_cast<const T*>(&xc);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const T* we = reinterpret_cast<const T*>(&wc[r]);
+#pragma unroll
+      for (int e = 0; e < VEC; e++) acc[r] += static_cast<float>(we[e]) * static_cast<float>(xe[e]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
+}
+
+// gelu_tanh(g) in float32, written as g * sigmoid(2z) like the MLX path.
+__device__ inline float gelu_tanh(float g) {
+  const float c = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
+  const float z2 = g * (g * g * (c * 0.044715f) + c);
+  return g / (1.f + expf(-z2));
+}
+"#;
+
+const NORMED_SOURCE: &str = r#"
+  constexpr int WARPS = 8;
+  __shared__ __align__(16) T xs[K];
+  __shared__ float red[32];
+  stage_input<T, K, NORM>(x, nw, xs, red);
+  const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+  const T* wrow;
+  T* dst;
+  if (row < N0) {
+    wrow = w0 + (size_t)row * K; dst = y0 + row;
+  } else if (row < N0 + N1) {
+    wrow = w1 + (size_t)(row - N0) * K; dst = y1 + (row - N0);
+  } else if (row < N0 + N1 + N2) {
+    wrow = w2 + (size_t)(row - N0 - N1) * K; dst = y2 + (row - N0 - N1);
+  } else {
+    return;
+  }
+  float d;
+  rows_dot<T, K, 1>(&wrow, xs, &d);
+  if ((threadIdx.x & 31) == 0) *dst = static_cast<T>(d);
+"#;
+
+const GATED_SOURCE: &str = r#"
+  constexpr int WARPS = 8;
+  __shared__ __align__(16) T xs[K];
+  __shared__ float red[32];
+  stage_input<T, K, NORM>(x, nw, xs, red);
+  const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+  if (row >= N) return;
+  float g;
+  T u;
+  if (BY_VECTOR) {
+    const T* wrow = wg + (size_t)row * K;
+    rows_dot<T, K, 1>(&wrow, xs, &g);
+    u = mul[MUL_OFFSET + row];
+  } else {
+    const T* rows[2] = {wg + (size_t)row * K, wu + (size_t)row * K};
+    float d[2];
+    rows_dot<T, K, 2>(rows, xs, d);
+    g = d[0];
+    u = static_cast<T>(d[1]);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(g))));
+    y[row] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
+  }
+"#;
+
+const RESIDUAL_SOURCE: &str = r#"
+  constexpr int WARPS = 8;
+  __shared__ __align__(16) T xs[K];
+  __shared__ float red[32];
+  __shared__ bool is_last;
+  unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
+  stage_input<T, K, false>(a, a, xs, red);
+  const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+  if (row < N) {
+    const T* wrow = w + (size_t)row * K;
+    float d;
+    rows_dot<T, K, 1>(&wrow, xs, &d);
+    // The product as MLX rounds it, kept in float32 for the last block.
+    if ((threadIdx.x & 31) == 0) o[row] = static_cast<float>(static_cast<T>(d));
+  }
+  // Publish this block's rows, then count it; the last block to arrive sees all rows.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    const float v = __ldcg(o + i);
+    ss += v * v;
+  }
+  const float r = rsqrtf(block_sum(ss, red) / N + EPS);
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    const T n = static_cast<T>(__ldcg(o + i) * r);
+    const T weighted = static_cast<T>(static_cast<float>(pw[i]) * static_cast<float>(n));
+    T sum = static_cast<T>(static_cast<float>(h[i]) + static_cast<float>(weighted));
+    if (SCALED) sum = static_cast<T>(static_cast<float>(sum) * static_cast<float>(scale[0]));
+    out[i] = sum;
+  }
+  // Ready for this call site's next step.
+  if (threadIdx.x == 0) *done = 0u;
+"#;
+
+const THREADS: i32 = 256;
+const WARPS: i32 = THREADS / 32;
+/// The staged input must fit a block's static shared memory (48 KB) with room to spare.
+const MAX_STAGED_BYTES: usize = 40 * 1024;
+
+thread_local! {
+    static NORMED: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
+        "normed_products",
+        &["x", "nw", "w0", "w1", "w2"],
+        &["y0", "y1", "y2"],
+        NORMED_SOURCE,
+    ).with_header(HEADER));
+    static GATED: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
+        "gated_product",
+        &["x", "nw", "wg", "wu", "mul"],
+        &["y"],
+        GATED_SOURCE,
+    ).with_header(HEADER));
+    static RESIDUAL: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
+        "product_residual",
+        &["a", "w", "h", "pw", "scale", "counter"],
+        &["out", "o"],
+        RESIDUAL_SOURCE,
+    ).with_header(HEADER));
+}
+
+fn element_bytes(dtype: Dtype) -> Option<usize> {
+    match dtype {
+        Dtype::Float32 => Some(4),
+        Dtype::Bfloat16 | Dtype::Float16 => Some(2),
+        _ => None,
+    }
+}
+
+/// Whether these kernels serve products with `k` inputs per row in `dtype`: rows split into
+/// 16-byte loads, and the input fits a block's shared memory.
+pub fn serves(k: usize, dtype: Dtype) -> bool {
+    match element_bytes(dtype) {
+        Some(e) => k > 0 && (k * e) % 16 == 0 && k * e <= MAX_STAGED_BYTES,
+        None => false,
+    }
+}
+
+/// The counter a [`product_residual`] call site owns: one per site, because the last block
+/// of a call resets it for the site's next call, and calls of one site never overlap (each
+/// step's depends on the previous step's token).
+pub fn new_counter() -> Array {
+    Array::from_slice(&[0u32], &[1])
+}
+
+fn rows_of(w: &Array, k: i32) -> Result<i32> {
+    match w.shape() {
+        [n, kk] if *kk == k => Ok(*n),
+        other => bail!("a fused product expects a [rows, {k}] weight, got {other:?}"),
+    }
+}
+
+fn blocks_for(rows: i32) -> i32 {
+    (rows + WARPS - 1) / WARPS
+}
+
+/// `W_i · rms_norm(x, norm)` for up to three weights `[N_i, K]` sharing the input `x`
+/// (`[1, K]`); without `norm`, `W_i · x`. Returns `[1, N_i]` per weight. Check [`serves`].
+pub fn normed_products(
+    x: &Array,
+    norm: Option<&Array>,
+    eps: f32,
+    weights: &[&Array],
+) -> Result<Vec<Array>> {
+    if weights.is_empty() || weights.len() > 3 {
+        bail!("normed_products takes one to three weights");
+    }
+    let k = x.shape()[x.ndim() - 1];
+    let rows: Vec<i32> = weights
+        .iter()
+        .map(|w| rows_of(w, k))
+        .collect::<Result<_>>()?;
+    let n = |i: usize| rows.get(i).copied().unwrap_or(0);
+    let dtype = x.dtype();
+    // Absent weights: the first stands in (never read: its rows are past N0 + N1 + N2).
+    let w = |i: usize| weights.get(i).copied().unwrap_or(weights[0]);
+    let shapes: Vec<[i32; 2]> = (0..3).map(|i| [1, n(i).max(1)]).collect();
+    NORMED.with(|cell| {
+        let mut kernels = cell.borrow_mut();
+        let kernel = kernels.get(eps)?;
+        let mut out = kernel.apply(
+            &[x, norm.unwrap_or(x), w(0), w(1), w(2)],
+            &[
+                (&shapes[0], dtype),
+                (&shapes[1], dtype),
+                (&shapes[2], dtype),
+            ],
+            (blocks_for(n(0) + n(1) + n(2)) * THREADS, 1, 1),
+            (THREADS, 1, 1),
+            &[
+                ("T", TemplateArg::Dtype(dtype)),
+                ("K", TemplateArg::Int(k)),
+                ("N0", TemplateArg::Int(n(0))),
+                ("N1", TemplateArg::Int(n(1))),
+                ("N2", TemplateArg::Int(n(2))),
+                ("NORM", TemplateArg::Bool(norm.is_some())),
+            ],
+        )?;
+        out.truncate(weights.len());
+        Ok(out)
+    })
+}
+
+/// What multiplies the GELU of the gate product in [`gated_product`].
+pub enum GateUp<'a> {
+    /// A second product with the same input (the feed-forward's up projection, `[N, K]`).
+    Product(&'a Array),
+    /// `values[offset .. offset + N]` of a contiguous array (the per-layer input of one layer).
+    Slice { values: &'a Array, offset: i32 },
+}
+
+/// `gelu_tanh(W_g · x') * up`, `x'` = `rms_norm(x, norm)` or `x` (`[1, K]`), `W_g`: `[N, K]`.
+/// Returns `[1, N]`. Check [`serves`].
+pub fn gated_product(
+    x: &Array,
+    norm: Option<&Array>,
+    eps: f32,
+    gate: &Array,
+    up: GateUp,
+) -> Result<Array> {
+    let k = x.shape()[x.ndim() - 1];
+    let n = rows_of(gate, k)?;
+    let dtype = x.dtype();
+    let (up_weight, mul, offset, by_vector) = match up {
+        GateUp::Product(w) => {
+            if rows_of(w, k)? != n {
+                bail!("gate and up products differ in rows");
+            }
+            (w, x, 0, false)
+        }
+        GateUp::Slice { values, offset } => {
+            if offset < 0 || (offset + n) as usize > values.size() {
+                bail!("the gate's vector slice lies outside its array");
+            }
+            (gate, values, offset, true)
+        }
+    };
+    GATED.with(|cell| {
+        let mut kernels = cell.borrow_mut();
+        let kernel = kernels.get(eps)?;
+        let mut out = kernel.apply(
+            &[x, norm.unwrap_or(x), gate, up_weight, mul],
+            &[(&[1, n], dtype)],
+            (blocks_for(n) * THREADS, 1, 1),
+            (THREADS, 1, 1),
+            &[
+                ("T", TemplateArg::Dtype(dtype)),
+                ("K", TemplateArg::Int(k)),
+                ("N", TemplateArg::Int(n)),
+                ("NORM", TemplateArg::Bool(norm.is_some())),
+                ("BY_VECTOR", TemplateArg::Bool(by_vector)),
+                ("MUL_OFFSET", TemplateArg::Int(offset)),
+            ],
+        )?;
+        Ok(out.remove(0))
+    })
+}
+
+/// `h + rms_norm(W · a, post_norm)`, times `scale` (a one-element array) when given: `a` is
+/// `[1, K]`, `W` `[N, K]`, `h` `[1, N]`. `counter` comes from [`new_counter`], one per call
+/// site. Check [`serves`].
+pub fn product_residual(
+    a: &Array,
+    w: &Array,
+    h: &Array,
+    post_norm: &Array,
+    eps: f32,
+    scale: Option<&Array>,
+    counter: &Array,
+) -> Result<Array> {
+    let k = a.shape()[a.ndim() - 1];
+    let n = rows_of(w, k)?;
+    let dtype = a.dtype();
+    RESIDUAL.with(|cell| {
+        let mut kernels = cell.borrow_mut();
+        let kernel = kernels.get(eps)?;
+        let mut out = kernel.apply(
+            &[a, w, h, post_norm, scale.unwrap_or(post_norm), counter],
+            &[(&[1, n], dtype), (&[n], Dtype::Float32)],
+            (blocks_for(n) * THREADS, 1, 1),
+            (THREADS, 1, 1),
+            &[
+                ("T", TemplateArg::Dtype(dtype)),
+                ("K", TemplateArg::Int(k)),
+                ("N", TemplateArg::Int(n)),
+                ("SCALED", TemplateArg::Bool(scale.is_some())),
+            ],
+        )?;
+        Ok(out.remove(0))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serves_rows_of_whole_16_byte_loads_that_fit_shared_memory() {
+        assert!(serves(2560, Dtype::Bfloat16));
+        assert!(serves(10240, Dtype::Float32));
+        assert!(serves(15360, Dtype::Bfloat16));
+        assert!(serves(8, Dtype::Bfloat16));
+        assert!(!serves(4, Dtype::Bfloat16), "half a 16-byte load");
+        assert!(!serves(15360, Dtype::Float32), "60 KB of input");
+        assert!(!serves(0, Dtype::Float32));
+        assert!(!serves(256, Dtype::Int32));
+    }
+
+    #[test]
+    fn a_weight_of_the_wrong_width_is_refused_before_any_kernel() {
+        let x = Array::zeros::<f32>(&[1, 8]).unwrap();
+        let w = Array::zeros::<f32>(&[4, 16]).unwrap();
+        let err = normed_products(&x, None, 1e-6, &[&w]).unwrap_err();
+        assert!(err.to_string().contains("[rows, 8]"), "{err}");
+        let err = normed_products(&x, None, 1e-6, &[]).unwrap_err();
+        assert!(err.to_string().contains("one to three"), "{err}");
+    }
+
+    #[test]
+    fn a_counter_starts_at_zero() {
+        assert_eq!(new_counter().as_slice::<u32>(), &[0]);
+    }
+}
