@@ -25,6 +25,7 @@
 use std::cell::RefCell;
 
 use anyhow::{bail, Result};
+use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
 use super::{PerEpsilon, TemplateArg};
@@ -123,7 +124,7 @@ const GATED_SOURCE: &str = r#"
   if (BY_VECTOR) {
     const T* wrow = wg + (size_t)row * K;
     rows_dot<T, K, 1>(&wrow, xs, &g);
-    u = mul[MUL_OFFSET + row];
+    u = mul[mul_offset[0] + row];
   } else {
     const T* rows[2] = {wg + (size_t)row * K, wu + (size_t)row * K};
     float d[2];
@@ -165,11 +166,12 @@ const RESIDUAL_SOURCE: &str = r#"
     ss += v * v;
   }
   const float r = rsqrtf(block_sum(ss, red) / N + EPS);
+  const float s = SCALED ? static_cast<float>(scale[0]) : 1.f;
   for (int i = threadIdx.x; i < N; i += blockDim.x) {
     const T n = static_cast<T>(__ldcg(o + i) * r);
     const T weighted = static_cast<T>(static_cast<float>(pw[i]) * static_cast<float>(n));
     T sum = static_cast<T>(static_cast<float>(h[i]) + static_cast<float>(weighted));
-    if (SCALED) sum = static_cast<T>(static_cast<float>(sum) * static_cast<float>(scale[0]));
+    if (SCALED) sum = static_cast<T>(static_cast<float>(sum) * s);
     out[i] = sum;
   }
   // Ready for this call site's next step.
@@ -190,7 +192,7 @@ thread_local! {
     ).with_header(HEADER));
     static GATED: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
         "gated_product",
-        &["x", "nw", "wg", "wu", "mul"],
+        &["x", "nw", "wg", "wu", "mul", "mul_offset"],
         &["y"],
         GATED_SOURCE,
     ).with_header(HEADER));
@@ -219,11 +221,28 @@ pub fn serves(k: usize, dtype: Dtype) -> bool {
     }
 }
 
-/// The counter a [`product_residual`] call site owns: one per site, because the last block
-/// of a call resets it for the site's next call, and calls of one site never overlap (each
-/// step's depends on the previous step's token).
-pub fn new_counter() -> Array {
-    Array::from_slice(&[0u32], &[1])
+/// `values` (a few elements) followed by zeros, `len` elements in all, made by an operation
+/// on the default device and evaluated: on CUDA it then lives in device memory. MLX keeps
+/// arrays made from host data, and any array of 8 bytes or less, in host-visible memory
+/// that a kernel reads (and updates atomically) across the bus, about a microsecond per
+/// access: measured on an H200, a counter kept there made the fused products ~8x slower
+/// than MLX's own operations.
+pub fn device_array(values: &Array, len: i32) -> Result<Array> {
+    let values = values.flatten(None, None)?;
+    let pad = len - values.size() as i32;
+    if pad < 0 {
+        bail!("device_array: {} values do not fit {len}", values.size());
+    }
+    let padded = concatenate(&[values.clone(), zeros_dtype(&[pad], values.dtype())?], 0)?;
+    padded.eval()?;
+    Ok(padded)
+}
+
+/// The counter a [`product_residual`] call site owns, in device memory: one per site,
+/// because the last block of a call resets it for the site's next call, and calls of one
+/// site never overlap (each step's depends on the previous step's token).
+pub fn new_counter() -> Result<Array> {
+    device_array(&Array::from_slice(&[0u32], &[1]), 16)
 }
 
 fn rows_of(w: &Array, k: i32) -> Result<i32> {
@@ -288,8 +307,13 @@ pub fn normed_products(
 pub enum GateUp<'a> {
     /// A second product with the same input (the feed-forward's up projection, `[N, K]`).
     Product(&'a Array),
-    /// `values[offset .. offset + N]` of a contiguous array (the per-layer input of one layer).
-    Slice { values: &'a Array, offset: i32 },
+    /// `values[offset .. offset + N]` of a contiguous array (the per-layer input of one
+    /// layer), `offset` held by an int32 array from [`device_array`] (a template constant
+    /// would compile one kernel per layer).
+    Slice {
+        values: &'a Array,
+        offset: &'a Array,
+    },
 }
 
 /// `gelu_tanh(W_g · x') * up`, `x'` = `rms_norm(x, norm)` or `x` (`[1, K]`), `W_g`: `[N, K]`.
@@ -309,11 +333,11 @@ pub fn gated_product(
             if rows_of(w, k)? != n {
                 bail!("gate and up products differ in rows");
             }
-            (w, x, 0, false)
+            (w, x, x, false)
         }
         GateUp::Slice { values, offset } => {
-            if offset < 0 || (offset + n) as usize > values.size() {
-                bail!("the gate's vector slice lies outside its array");
+            if offset.dtype() != Dtype::Int32 {
+                bail!("the gate's slice offset must be int32");
             }
             (gate, values, offset, true)
         }
@@ -322,7 +346,7 @@ pub fn gated_product(
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
         let mut out = kernel.apply(
-            &[x, norm.unwrap_or(x), gate, up_weight, mul],
+            &[x, norm.unwrap_or(x), gate, up_weight, mul, offset],
             &[(&[1, n], dtype)],
             (blocks_for(n) * THREADS, 1, 1),
             (THREADS, 1, 1),
@@ -332,7 +356,6 @@ pub fn gated_product(
                 ("N", TemplateArg::Int(n)),
                 ("NORM", TemplateArg::Bool(norm.is_some())),
                 ("BY_VECTOR", TemplateArg::Bool(by_vector)),
-                ("MUL_OFFSET", TemplateArg::Int(offset)),
             ],
         )?;
         Ok(out.remove(0))
@@ -401,6 +424,15 @@ mod tests {
 
     #[test]
     fn a_counter_starts_at_zero() {
-        assert_eq!(new_counter().as_slice::<u32>(), &[0]);
+        let counter = new_counter().unwrap();
+        assert_eq!(counter.as_slice::<u32>(), &[0; 16]);
+    }
+
+    #[test]
+    fn a_device_array_keeps_its_values_then_zeros() {
+        let a = device_array(&Array::from_slice(&[7i32, 9], &[2]), 4).unwrap();
+        assert_eq!(a.as_slice::<i32>(), &[7, 9, 0, 0]);
+        assert_eq!(a.dtype(), Dtype::Int32);
+        assert!(device_array(&Array::from_slice(&[1i32; 5], &[5]), 4).is_err());
     }
 }

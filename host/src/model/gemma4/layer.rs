@@ -15,7 +15,7 @@ use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
 use crate::kernels::products::{
-    gated_product, new_counter, product_residual, serves as serves_products, GateUp,
+    device_array, gated_product, new_counter, product_residual, serves as serves_products, GateUp,
 };
 use crate::kernels::Fused;
 
@@ -32,6 +32,9 @@ struct PleGate {
     input_gate: Linear,
     projection: Linear,
     post_norm: Array,
+    /// Where this layer's inputs start in the `[1, layers, width]` per-layer inputs (int32,
+    /// in device memory), for the fused gate.
+    offset: Array,
 }
 
 pub struct DecoderLayer {
@@ -48,8 +51,8 @@ pub struct DecoderLayer {
     /// The learned scalar, stored broadcast to `[1, H]` (a view, evaluated once) so a
     /// single-token step multiplies equal shapes and MLX adds no broadcast node per layer.
     layer_scalar: Array,
-    /// The same scalar as stored (`[1]`), for the fused kernel.
-    layer_scalar_one: Array,
+    /// The same scalar first in a small array in device memory, for the fused kernel.
+    layer_scalar_device: Array,
     /// One counter per fused closing product (attention, feed-forward, per-layer input): see
     /// [`crate::kernels::products::new_counter`].
     counters: [Array; 3],
@@ -75,12 +78,14 @@ impl DecoderLayer {
                 input_gate: w.linear(&format!("{p}per_layer_input_gate"), pw, h)?,
                 projection: w.linear(&format!("{p}per_layer_projection"), h, pw)?,
                 post_norm: norm("post_per_layer_input_norm")?,
+                offset: device_array(&Array::from_slice(&[(index * pw) as i32], &[1]), 4)?,
             })
         } else {
             None
         };
         let layer_scalar_one = w.tensor(&format!("{p}layer_scalar"), &[1])?;
         layer_scalar_one.eval()?;
+        let layer_scalar_device = device_array(&layer_scalar_one, 8)?;
         Ok(DecoderLayer {
             eps: cfg.rms_norm_eps,
             window: cfg.sliding_window,
@@ -97,8 +102,8 @@ impl DecoderLayer {
                 s.eval()?;
                 s
             },
-            layer_scalar_one,
-            counters: [new_counter(), new_counter(), new_counter()],
+            layer_scalar_device,
+            counters: [new_counter()?, new_counter()?, new_counter()?],
         })
     }
 
@@ -140,7 +145,7 @@ impl DecoderLayer {
         let width = a.shape()[a.ndim() - 1] as usize;
         if fused.products && a.shape()[0] == 1 && serves_products(width, a.dtype()) {
             if let Some(weight) = proj.dense_weight() {
-                let scale = last.then_some(&self.layer_scalar_one);
+                let scale = last.then_some(&self.layer_scalar_device);
                 return product_residual(a, weight, x, w, self.eps, scale, counter);
             }
         }
@@ -160,10 +165,9 @@ impl DecoderLayer {
         if fused.products && x.shape()[0] == 1 && serves_products(hidden, x.dtype()) {
             if let Some(weight) = gate.input_gate.dense_weight() {
                 // `per_layer` is `[1, layers, width]`: this layer's inputs are one run of it.
-                let width = per_layer.shape()[2];
                 let up = GateUp::Slice {
                     values: per_layer,
-                    offset: index as i32 * width,
+                    offset: &gate.offset,
                 };
                 return gated_product(x, None, self.eps, weight, up);
             }
