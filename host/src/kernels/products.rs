@@ -184,6 +184,7 @@ const WARPS: i32 = THREADS / 32;
 const MAX_STAGED_BYTES: usize = 40 * 1024;
 
 thread_local! {
+    static NO_OFFSET: Array = Array::from_slice(&[0i32], &[1]);
     static NORMED: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
         "normed_products",
         &["x", "nw", "w0", "w1", "w2"],
@@ -333,20 +334,21 @@ pub fn gated_product(
             if rows_of(w, k)? != n {
                 bail!("gate and up products differ in rows");
             }
-            (w, x, x, false)
+            // The offset is not read; it must still be int32 for the kernel's signature.
+            (w, x, NO_OFFSET.with(Array::clone), false)
         }
         GateUp::Slice { values, offset } => {
             if offset.dtype() != Dtype::Int32 {
                 bail!("the gate's slice offset must be int32");
             }
-            (gate, values, offset, true)
+            (gate, values, offset.clone(), true)
         }
     };
     GATED.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
         let mut out = kernel.apply(
-            &[x, norm.unwrap_or(x), gate, up_weight, mul, offset],
+            &[x, norm.unwrap_or(x), gate, up_weight, mul, &offset],
             &[(&[1, n], dtype)],
             (blocks_for(n) * THREADS, 1, 1),
             (THREADS, 1, 1),
