@@ -15,6 +15,7 @@
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
+#   opcost     host time per operation: MLX's add, RMSNorm and product vs our fused kernels
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
@@ -150,6 +151,14 @@ if want graph; then
     line="$(timeout 240 "$BIN" bench --device gpu --random-weights --dtype bf16 --model "$ROOT/configs/gemma-4-e4b.json" \
         --prompt-tokens 512 --gen-tokens 8 --repeats 1 --dump-step-graph "$RES/e4b-step.dot" 2>"$RES/graph.err" | tail -n 1)"
     row "E4B bf16, graph of one decode step | ${line:-failed: $(tail -n 1 "$RES/graph.err")}"
+fi
+if want opcost; then
+    # Also with one CUDA graph per chain, so async_eval never waits for the device.
+    for env in "" "MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"; do
+        echo "## bench --op-cost ${env:-(default graph sizes)}"
+        env $env timeout 240 "$BIN" bench --device gpu --op-cost --repeats 3 2>"$RES/opcost.err" | tee -a "$RES/opcost.md"
+        row "host µs per operation${env:+ ($env)} | printed above, kept in opcost.md"
+    done
 fi
 if want knobs; then
     for knob in "MLX_MAX_OPS_PER_BUFFER=20" "MLX_MAX_OPS_PER_BUFFER=60" "MLX_MAX_OPS_PER_BUFFER=120" \

@@ -1,13 +1,24 @@
-//! Graph diagnostics: the lazy graph of one computation as Graphviz DOT, and its operations
-//! counted by kind. A decode step on a GPU costs roughly a fixed host-side time per operation,
-//! so the count says how much a change to the model code can save.
+//! Graph diagnostics: the lazy graph of one computation as Graphviz DOT, its operations
+//! counted by kind, and the host time one operation of each kind costs. A decode step on a GPU
+//! costs roughly a fixed host-side time per operation, so the count says how much a change to
+//! the model code can save, and the cost per kind says which operations to fuse next.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::path::Path;
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use mlx_rs::Array;
+use mlx_rs::fast::rms_norm;
+use mlx_rs::ops::matmul;
+use mlx_rs::random;
+use mlx_rs::transforms::async_eval;
+use mlx_rs::{Array, Dtype};
+
+use crate::kernels::products::{
+    gated_product, new_counter, normed_products, product_residual, GateUp,
+};
+use crate::kernels::Fused;
 
 /// Writes the graph that computes `output` (not yet evaluated) to `path` in DOT format.
 pub fn export_dot(output: &Array, path: &Path) -> Result<()> {
@@ -53,6 +64,100 @@ pub fn count_operations(dot: &str) -> BTreeMap<String, usize> {
     counts
 }
 
+/// What one operation of a kind costs, from a chain of operations each fed by the last.
+#[derive(Debug, Clone)]
+pub struct OperationCost {
+    pub kind: &'static str,
+    /// Host time to add one operation to the lazy graph (our code and MLX's graph building).
+    pub build_us: f64,
+    /// Host time `async_eval` takes per operation (MLX walks the graph and encodes kernels).
+    pub submit_us: f64,
+    /// Wall time per operation from the start of building to the chain's result on the host.
+    pub total_us: f64,
+}
+
+/// The host cost per operation of MLX's addition, RMSNorm and matrix product, and, where the
+/// fused CUDA kernels run (a CUDA default device), of each fused product kernel: chains of
+/// `chain` operations on a `[1, width]` bf16 vector with `[width, width]` weights, small enough
+/// that the device finishes each operation in about its launch time. The median of `rounds`
+/// chains after a warm-up one.
+pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<OperationCost>> {
+    if chain == 0 || width <= 0 || width % 8 != 0 || rounds == 0 {
+        bail!("operation_costs needs a chain, a positive width divisible by 8 and a round");
+    }
+    let dtype = Dtype::Bfloat16;
+    let key = random::key(7)?;
+    let weight = random::normal::<half::bf16>(&[width, width], 0.0, 0.02, &key)?;
+    let weight_t = weight.transpose()?;
+    let norm = Array::ones::<f32>(&[width])?.as_dtype(dtype)?;
+    let start = Array::ones::<f32>(&[1, width])?.as_dtype(dtype)?;
+    let counter = new_counter()?;
+    for a in [&weight, &weight_t, &norm, &start, &counter] {
+        a.eval()?;
+    }
+    type Step<'a> = Box<dyn Fn(&Array) -> Result<Array> + 'a>;
+    let mut kinds: Vec<(&'static str, Step)> = vec![
+        ("add (MLX)", Box::new(|x: &Array| Ok(x.add(&norm)?))),
+        (
+            "rms_norm (MLX)",
+            Box::new(|x: &Array| Ok(rms_norm(x, Some(&norm), 1e-6)?)),
+        ),
+        (
+            "matmul [1, w] x [w, w] (MLX)",
+            Box::new(|x: &Array| Ok(matmul(x, &weight_t)?)),
+        ),
+    ];
+    if Fused::for_next_forward().products {
+        kinds.push((
+            "normed_products (ours)",
+            Box::new(|x: &Array| Ok(normed_products(x, Some(&norm), 1e-6, &[&weight])?.remove(0))),
+        ));
+        kinds.push((
+            "gated_product (ours)",
+            Box::new(|x: &Array| {
+                gated_product(x, Some(&norm), 1e-6, &weight, GateUp::Product(&weight))
+            }),
+        ));
+        kinds.push((
+            "product_residual (ours)",
+            Box::new(|x: &Array| product_residual(x, &weight, x, &norm, 1e-6, None, &counter)),
+        ));
+    }
+    let mut costs = Vec::new();
+    for (kind, step) in &kinds {
+        let mut samples = Vec::new();
+        for round in 0..=rounds {
+            let begin = Instant::now();
+            let mut x = start.clone();
+            for _ in 0..chain {
+                x = step(&x)?;
+            }
+            let built = Instant::now();
+            async_eval([&x])?;
+            let submitted = Instant::now();
+            x.eval()?;
+            let done = Instant::now();
+            if round > 0 {
+                let per_op = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6 / chain as f64;
+                samples.push((
+                    per_op(begin, built),
+                    per_op(built, submitted),
+                    per_op(begin, done),
+                ));
+            }
+        }
+        samples.sort_by(|a, b| a.2.total_cmp(&b.2));
+        let (build_us, submit_us, total_us) = samples[samples.len() / 2];
+        costs.push(OperationCost {
+            kind,
+            build_us,
+            submit_us,
+            total_us,
+        });
+    }
+    Ok(costs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,5 +175,19 @@ mod tests {
         assert_eq!(counts.get("Add"), Some(&1), "{counts:?}");
         assert_eq!(counts.get("Exp"), Some(&1), "{counts:?}");
         assert_eq!(counts.values().sum::<usize>(), 3, "{counts:?}");
+    }
+
+    #[test]
+    fn operation_costs_time_every_mlx_kind_on_the_cpu() {
+        let costs = operation_costs(8, 64, 1).unwrap();
+        let kinds: Vec<&str> = costs.iter().map(|c| c.kind).collect();
+        // No fused kernels off a CUDA device: MLX's three kinds only.
+        assert_eq!(kinds.len(), 3, "{kinds:?}");
+        assert!(kinds[0].starts_with("add"), "{kinds:?}");
+        for c in &costs {
+            assert!(c.build_us > 0.0 && c.total_us >= c.build_us, "{c:?}");
+        }
+        assert!(operation_costs(0, 64, 1).is_err());
+        assert!(operation_costs(8, 60, 1).is_err());
     }
 }
