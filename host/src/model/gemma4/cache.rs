@@ -14,7 +14,7 @@
 //! the new keys; its queries read the whole buffers through a slot mask ([`KvView`]).
 
 use anyhow::Result;
-use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 use std::cell::RefCell;
@@ -99,6 +99,48 @@ fn mask_array(
     })
 }
 
+/// `buffer` (`[1, heads, slots, D]`) with slots `from..to` replaced by `update` (`[1, heads,
+/// to - from, D]`), as one slice-update operation. mlx-rs's `index_mut` drops the update's
+/// leading unit axis and then restores it: two reshapes per write, on every KV-owning layer of
+/// every step, which on a GPU cost host time like any other operation.
+fn write_slots(buffer: &Array, update: &Array, from: i32, to: i32) -> Result<Array> {
+    let s = buffer.shape();
+    let expected = [s[0], s[1], to - from, s[3]];
+    if s.len() != 4 || update.shape() != expected {
+        anyhow::bail!(
+            "KV write of shape {:?} into slots {from}..{to} of a {:?} buffer",
+            update.shape(),
+            s
+        );
+    }
+    let start = [0, 0, from, 0];
+    let stop = [s[0], s[1], to, s[3]];
+    let strides = [1i32; 4];
+    let stream = mlx_rs::Stream::new();
+    // SAFETY: the result handle is created here and either handed to an owning `Array` or
+    // freed; the inputs outlive the call; the index arrays hold four entries each.
+    unsafe {
+        let mut out = mlx_sys::mlx_array_new();
+        let rc = mlx_sys::mlx_slice_update(
+            &mut out,
+            buffer.as_ptr(),
+            update.as_ptr(),
+            start.as_ptr(),
+            4,
+            stop.as_ptr(),
+            4,
+            strides.as_ptr(),
+            4,
+            stream.as_ptr(),
+        );
+        if rc != 0 {
+            mlx_sys::mlx_array_free(out);
+            anyhow::bail!("MLX refused the KV write into slots {from}..{to}");
+        }
+        Ok(Array::from_ptr(out))
+    }
+}
+
 /// K/V of one layer: `[1, kv_heads, capacity, head_dim]`, valid in slots
 /// `[head, head + len)`, slot `head` holding absolute position `start`.
 pub struct LayerKv {
@@ -161,10 +203,10 @@ impl LayerKv {
             (self.head + self.len) as i32,
             (self.head + self.len + t) as i32,
         );
-        let keys = self.keys.as_mut().expect("allocated by grow");
-        keys.try_index_mut((.., .., a..b, ..), k)?;
-        let values = self.values.as_mut().expect("allocated by grow");
-        values.try_index_mut((.., .., a..b, ..), v)?;
+        let keys = self.keys.as_ref().expect("allocated by grow");
+        self.keys = Some(write_slots(keys, k, a, b)?);
+        let values = self.values.as_ref().expect("allocated by grow");
+        self.values = Some(write_slots(values, v, a, b)?);
         self.len += t;
 
         // The earliest new query (at `offset`) sees the earliest key any of them needs.
@@ -335,5 +377,41 @@ impl ModelCache {
         }
         self.offset -= n;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::diagnostics::{count_operations, export_dot};
+
+    #[test]
+    fn a_kv_write_is_one_slice_update_of_the_given_slots() {
+        let buffer = Array::zeros::<f32>(&[1, 2, 4, 2]).unwrap();
+        buffer.eval().unwrap();
+        let update = Array::from_slice(&[1f32, 2.0, 3.0, 4.0], &[1, 2, 1, 2]);
+        let written = write_slots(&buffer, &update, 2, 3).unwrap();
+
+        let path = std::env::temp_dir().join(format!("mlx-spec-kv-{}.dot", std::process::id()));
+        export_dot(&written, &path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).ok();
+        let counts = count_operations(&text);
+        assert_eq!(counts.len(), 1, "{counts:?}");
+        assert_eq!(counts.get("SliceUpdate"), Some(&1), "{counts:?}");
+
+        // Head h, slot s, element e sits at (h * 4 + s) * 2 + e.
+        let mut expected = vec![0f32; 16];
+        expected[2 * 2..2 * 2 + 2].copy_from_slice(&[1.0, 2.0]);
+        expected[(4 + 2) * 2..(4 + 2) * 2 + 2].copy_from_slice(&[3.0, 4.0]);
+        assert_eq!(written.as_slice::<f32>(), &expected[..]);
+    }
+
+    #[test]
+    fn a_kv_write_of_the_wrong_shape_is_refused() {
+        let buffer = Array::zeros::<f32>(&[1, 2, 4, 2]).unwrap();
+        let update = Array::zeros::<f32>(&[1, 2, 1, 2]).unwrap();
+        let err = write_slots(&buffer, &update, 1, 3).unwrap_err();
+        assert!(err.to_string().contains("slots 1..3"), "{err}");
     }
 }
