@@ -401,7 +401,7 @@ mod tests {
         assert_eq!(counts.get("SliceUpdate"), Some(&1), "{counts:?}");
 
         // Head h, slot s, element e sits at (h * 4 + s) * 2 + e.
-        let mut expected = vec![0f32; 16];
+        let mut expected = [0f32; 16];
         expected[2 * 2..2 * 2 + 2].copy_from_slice(&[1.0, 2.0]);
         expected[(4 + 2) * 2..(4 + 2) * 2 + 2].copy_from_slice(&[3.0, 4.0]);
         assert_eq!(written.as_slice::<f32>(), &expected[..]);
