@@ -16,6 +16,8 @@
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
 #   opcost     host time per operation: MLX's add, RMSNorm and product vs our fused kernels
+#   quick      E4B bf16 decode with each set of fused kernels, alternated in one process
+#              (the in-process comparison of `mlx` alone, ~1.5 minutes)
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
@@ -107,6 +109,10 @@ if want mlx; then
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+fi
+
+if want quick; then
+    bench "mlx-spec E4B bf16 (quick)" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused
 fi
 
 if want host; then
