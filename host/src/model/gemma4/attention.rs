@@ -2,7 +2,9 @@
 //! KV sharing (sharer layers project only Q and read a donor layer's K/V).
 
 use anyhow::Result;
-use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+
+use super::norm::rms_norm;
 use mlx_rs::ops::{arange, logical_and, matmul, softmax_axis};
 use mlx_rs::Array;
 

@@ -1,8 +1,8 @@
 //! One Gemma 4 decoder layer: sandwich-normed attention and feed-forward blocks, the optional
 //! MoE branch, the optional per-layer-embedding gate, and the learned `layer_scalar`.
 
+use super::norm::rms_norm;
 use anyhow::Result;
-use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::broadcast_to;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;

@@ -1,7 +1,7 @@
 //! The gated feed-forward block: `down(gelu_tanh(gate(x)) * up(x))`.
 
+use super::norm::rms_norm;
 use anyhow::Result;
-use mlx_rs::fast::rms_norm;
 use mlx_rs::Array;
 
 use super::activation::gated_gelu;

@@ -13,6 +13,7 @@ pub mod layer;
 pub mod linear;
 pub mod mlp;
 pub mod moe;
+pub mod norm;
 pub mod ple;
 pub mod random_weights;
 pub mod rope;
@@ -20,10 +21,10 @@ pub mod rope;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::tanh;
 use mlx_rs::{Array, Dtype};
+use norm::rms_norm;
 
 use crate::weights::{TensorSource, WeightStore};
 pub use cache::{KvView, ModelCache, TrimError};

@@ -5,8 +5,8 @@
 //! `experts.down_proj` `[E, H, I]`, or as mlx-community's `experts.switch_glu.{gate,up,down}_proj`
 //! (optionally quantized). Both become three stacked `[E, out, in]` matrices.
 
+use super::norm::rms_norm;
 use anyhow::Result;
-use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::ops::{argpartition_axis, gather_mm, gather_qmm, softmax_axis};
 use mlx_rs::{Array, Dtype};

@@ -1,8 +1,8 @@
 //! Per-layer embeddings (E2B/E4B): a second token embedding, mixed with a projection of the
 //! main embedding, gives every layer its own small input vector.
 
+use super::norm::rms_norm;
 use anyhow::Result;
-use mlx_rs::fast::rms_norm;
 use mlx_rs::Array;
 
 use super::linear::{Embedding, Linear, Loader};
