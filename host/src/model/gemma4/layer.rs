@@ -115,7 +115,7 @@ impl DecoderLayer {
     }
 
     fn norm(&self, x: &Array, w: &Array) -> Result<Array> {
-        Ok(rms_norm(x, Some(w), self.eps)?)
+        rms_norm(x, Some(w), self.eps)
     }
 
     /// `x + rms_norm(y, w)`, then times the layer scalar when `last` (the layer's output).
