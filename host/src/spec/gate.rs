@@ -55,6 +55,11 @@ impl DraftGate {
     }
 
     /// How many tokens to ask for this round, at most `k_max`.
+    /// Rounds that will not draft, from now: the rest of the current pause.
+    pub fn paused_remaining(&self) -> u32 {
+        self.paused_for
+    }
+
     pub fn draft_len(&self, k_max: usize) -> usize {
         if !self.enabled || self.observed < WARMUP_ROUNDS || self.rounds <= 0.0 {
             return k_max;

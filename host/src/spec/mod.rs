@@ -32,7 +32,7 @@ use mlx_spec_plugin_api::abi::{
 };
 use serde::Serialize;
 
-use crate::generate::{pick_token, prefill, GenerateRequest, GenerateStats};
+use crate::generate::{pick_token, prefill, queue_greedy_step, GenerateRequest, GenerateStats};
 use crate::model::gemma4::cache::DEFAULT_ROLLBACK_RESERVE;
 use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
 use crate::sampler::{draw, uniform, SamplingParams, Stream};
@@ -352,6 +352,57 @@ pub fn generate_speculative(
 
     while stop_token.is_none() && tokens.len() < req.max_tokens {
         let remaining = req.max_tokens - tokens.len();
+        // Rounds known not to draft (no drafter, or a pause) run as plain greedy decoding
+        // does, each step queued before the previous token is read: a round that synchronises
+        // costs a plain step its overlap of host and device, which is most of a CPU step.
+        let plain_rounds = match &source {
+            None => remaining,
+            Some(_) => (gate.paused_remaining() as usize).min(remaining),
+        };
+        // (After the first token, so that the prefill time stays that of the first forward.)
+        if sampling.is_greedy() && plain_rounds >= 2 && prefill_seconds.is_some() {
+            for _ in 0..plain_rounds {
+                gate.should_draft(); // counts the paused round
+            }
+            let stop_ids: &[u32] = if req.ignore_eos { &[] } else { &req.stop_ids };
+            let burst = plain_burst(model, &mut cache, pending, plain_rounds, stop_ids)?;
+            stats.target_forwards += burst.forwards;
+            for &t in &burst.emitted {
+                on_token(t)?;
+            }
+            stop_token = burst.stop_token;
+            tokens.extend_from_slice(&burst.emitted);
+            history.extend_from_slice(&burst.emitted);
+            if stop_token.is_some() || tokens.len() >= req.max_tokens {
+                break;
+            }
+            pending = *burst
+                .emitted
+                .last()
+                .expect("a burst that does not stop emits");
+            if let Some(s) = source.as_mut() {
+                let began = Instant::now();
+                // One plain round per token, as the drafter would have seen them.
+                let mut committed = ROk(());
+                for t in &burst.emitted {
+                    committed = s
+                        .source
+                        .commit(0, 0, RSlice::from_slice(std::slice::from_ref(t)));
+                    if committed.is_err() {
+                        break;
+                    }
+                }
+                stats.drafter_seconds += began.elapsed().as_secs_f64();
+                if let Err(e) = ffi(committed) {
+                    tracing::warn!(
+                        "drafter failed in commit, finishing this request with plain decoding: {e}"
+                    );
+                    stats.drafter_error = Some(e);
+                    source = None;
+                }
+            }
+            continue;
+        }
         // A round emits up to drafts + 1 tokens; never ask for more than the budget allows.
         let n = gate.draft_len(k_max).min(remaining - 1);
         let mut proposal = Proposal {
@@ -494,4 +545,53 @@ pub fn generate_speculative(
         stop_token,
     );
     Ok((tokens, generate_stats, stats))
+}
+
+/// What a run of plain greedy rounds produced.
+struct PlainBurst {
+    emitted: Vec<u32>,
+    stop_token: Option<u32>,
+    forwards: u64,
+}
+
+/// Up to `rounds` plain greedy rounds from `pending` (not yet in the cache), each forward
+/// queued before the previous token is read. On return the cache holds `pending` and every
+/// emitted token but the last, which is the next pending one (or the stop token).
+fn plain_burst(
+    model: &Gemma4Model,
+    cache: &mut ModelCache,
+    pending: u32,
+    rounds: usize,
+    stop_ids: &[u32],
+) -> Result<PlainBurst> {
+    let mut burst = PlainBurst {
+        emitted: Vec::with_capacity(rounds),
+        stop_token: None,
+        forwards: 1,
+    };
+    let mut next = queue_greedy_step(model, cache, &mlx_rs::Array::from_slice(&[pending], &[1]))?;
+    for i in 0..rounds {
+        // The successor's forward goes in before this token is read, except after the last.
+        let queued = if i + 1 < rounds {
+            burst.forwards += 1;
+            Some(queue_greedy_step(model, cache, &next)?)
+        } else {
+            None
+        };
+        let token = next.item_cast::<u32>();
+        if stop_ids.contains(&token) {
+            burst.stop_token = Some(token);
+            if queued.is_some() {
+                // The stop token's own forward was queued: take it back out of the cache.
+                cache.trim(1)?;
+            }
+            break;
+        }
+        burst.emitted.push(token);
+        match queued {
+            Some(q) => next = q,
+            None => break,
+        }
+    }
+    Ok(burst)
 }

@@ -111,7 +111,7 @@ impl Rope {
     /// Rotates `x` (`[batch, heads, tokens, head_dim]`) whose first token sits at `offset`.
     pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
         let tokens = x.shape()[x.ndim() - 2];
-        if tokens == 1
+        if tokens <= 16
             && x.dtype() == mlx_rs::Dtype::Float32
             && matches!(Device::default().get_type(), Ok(DeviceType::Cpu))
         {
