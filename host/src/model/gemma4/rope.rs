@@ -2,13 +2,15 @@
 //!
 //! On the CPU MLX has no RoPE kernel and writes each one out as ~15 operations (positions,
 //! angles, cosines and sines, slices, products, a concatenation), each costing host time in a
-//! decode step. There, for a single float32 token, the angles' cosines and sines are computed
-//! on the host (float32, `position * (1 / period)` as transformers computes them), the
-//! rotate-half partner of every element comes from one product with a fixed signed
+//! decode step. There, for float32 windows of up to [`HOST_ANGLE_MAX_TOKENS`] tokens (decode
+//! steps and verify windows, which thus compute the same function), the angles' cosines and
+//! sines are computed on the host (float32, `position * (1 / period)` as transformers computes
+//! them), the rotate-half partner of every element comes from one product with a fixed signed
 //! permutation, and the rest is one compiled element-wise kernel: two operations instead of
-//! fifteen. Longer windows keep MLX's RoPE: its angles round differently in the last bit, and
-//! over a whole prompt that moved one oracle fixture's logits from 9.6e-5 to 1.03e-4 of
-//! transformers', past the 1e-4 the tests allow; a single token stays well within it.
+//! fifteen. Longer windows (prefill chunks) keep MLX's RoPE: the angles round differently in
+//! the last bit, and over a whole 20-token prompt that moved one oracle fixture's logits from
+//! 9.6e-5 to 1.03e-4 of transformers', past the 1e-4 the tests allow; prefill's cost is its
+//! arithmetic anyway.
 
 use std::cell::RefCell;
 
@@ -17,6 +19,9 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::matmul;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, Array, Device, DeviceType};
+
+/// Windows up to this many tokens take the two-operation CPU path.
+const HOST_ANGLE_MAX_TOKENS: i32 = 16;
 
 type Rotate = Box<dyn for<'a> FnMut(&'a [Array]) -> Result<Vec<Array>, Exception>>;
 
@@ -111,7 +116,7 @@ impl Rope {
     /// Rotates `x` (`[batch, heads, tokens, head_dim]`) whose first token sits at `offset`.
     pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
         let tokens = x.shape()[x.ndim() - 2];
-        if tokens <= 16
+        if tokens <= HOST_ANGLE_MAX_TOKENS
             && x.dtype() == mlx_rs::Dtype::Float32
             && matches!(Device::default().get_type(), Ok(DeviceType::Cpu))
         {
@@ -163,12 +168,13 @@ impl Rope {
 mod tests {
     use super::*;
 
-    /// transformers' rotate-half RoPE of one token: float32 angles `position * (1 / period)`,
-    /// then the rotation in float64.
-    fn reference(x: &[f32], periods: &[f32], position: usize) -> Vec<f32> {
+    /// transformers' rotate-half RoPE of `[heads, tokens, D]` rows, the first token at
+    /// `position`: float32 angles `position * (1 / period)`, then the rotation in float64.
+    fn reference(x: &[f32], periods: &[f32], position: usize, tokens: usize) -> Vec<f32> {
         let half = periods.len();
         let mut out = vec![0f32; x.len()];
         for (head, row) in x.chunks(2 * half).enumerate() {
+            let position = position + head % tokens;
             for j in 0..half {
                 let angle = (position as f32 * (1.0 / periods[j])) as f64;
                 let (s, c) = angle.sin_cos();
@@ -181,7 +187,7 @@ mod tests {
     }
 
     #[test]
-    fn a_single_cpu_token_rotates_as_transformers_does_at_any_position() {
+    fn short_cpu_windows_rotate_as_transformers_does_at_any_position() {
         let kinds = [
             RopeKind::Default { theta: 10_000.0 },
             RopeKind::Proportional {
@@ -190,21 +196,26 @@ mod tests {
                 factor: 1.0,
             },
         ];
-        let data: Vec<f32> = (0..3 * 16).map(|i| (i as f32 * 0.61).cos()).collect();
-        let x = Array::from_slice(&data, &[1, 3, 1, 16]);
-        for kind in &kinds {
-            let rope = Rope::new(kind, 16);
-            for position in [0usize, 1, 37, 5000, 120_000] {
-                let got = rope.apply(&x, position).unwrap();
-                assert_eq!(got.shape(), x.shape());
-                let want = reference(&data, rope.periods().as_slice::<f32>(), position);
-                let diff = got
-                    .as_slice::<f32>()
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
-                assert!(diff < 1e-6, "position {position}: differs by {diff}");
+        // A decode token (three heads) and a verify window (two heads of five tokens).
+        for (heads, tokens) in [(3usize, 1usize), (2, 5)] {
+            let data: Vec<f32> = (0..heads * tokens * 16)
+                .map(|i| (i as f32 * 0.61).cos())
+                .collect();
+            let x = Array::from_slice(&data, &[1, heads as i32, tokens as i32, 16]);
+            for kind in &kinds {
+                let rope = Rope::new(kind, 16);
+                for position in [0usize, 1, 37, 5000, 120_000] {
+                    let got = rope.apply(&x, position).unwrap();
+                    assert_eq!(got.shape(), x.shape());
+                    let want = reference(&data, rope.periods().as_slice::<f32>(), position, tokens);
+                    let diff = got
+                        .as_slice::<f32>()
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(diff < 1e-6, "position {position}: differs by {diff}");
+                }
             }
         }
     }
