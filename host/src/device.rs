@@ -16,6 +16,13 @@ pub enum DeviceKind {
     Gpu,
 }
 
+/// Whether MLX's default device, where the next operations will run, is of this type.
+pub fn default_is(kind: DeviceType) -> bool {
+    Device::default()
+        .get_type()
+        .is_ok_and(|t| t as u32 == kind as u32)
+}
+
 /// The version string of the libmlx this process loaded (e.g. `0.32.2`).
 pub fn mlx_version() -> String {
     // SAFETY: mlx_string is created, read and freed here; mlx_version only writes into it.

@@ -49,7 +49,7 @@ impl Fused {
     /// What the next forward may use: the kernels allowed for this process, when this is a
     /// Linux build (MLX's GPU backend there is CUDA) and MLX's default device is the GPU.
     pub fn for_next_forward() -> Fused {
-        if !cfg!(target_os = "linux") || !default_device_is_gpu() {
+        if !cfg!(target_os = "linux") || !crate::device::default_is(mlx_rs::DeviceType::Gpu) {
             return Fused::default();
         }
         Fused {
@@ -63,18 +63,6 @@ impl Fused {
 pub fn set_allowed(allowed: Fused) {
     ATTENTION_ALLOWED.store(allowed.attention, Ordering::Relaxed);
     PRODUCTS_ALLOWED.store(allowed.products, Ordering::Relaxed);
-}
-
-fn default_device_is_gpu() -> bool {
-    let mut kind = mlx_sys::mlx_device_type__MLX_CPU;
-    // SAFETY: the device handle is created, queried and freed here.
-    unsafe {
-        let mut device = mlx_sys::mlx_device_new();
-        let ok = mlx_sys::mlx_get_default_device(&mut device) == 0
-            && mlx_sys::mlx_device_get_type(&mut kind, device) == 0;
-        mlx_sys::mlx_device_free(device);
-        ok && kind == mlx_sys::mlx_device_type__MLX_GPU
-    }
 }
 
 /// A compile-time constant of a kernel's source.

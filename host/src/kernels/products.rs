@@ -28,7 +28,7 @@ use anyhow::{bail, Result};
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
-use super::{PerEpsilon, TemplateArg};
+use super::{Fused, PerEpsilon, TemplateArg};
 
 /// Device helpers of the three kernels (placed after the reduction helpers and `EPS`).
 const HEADER: &str = r#"
@@ -237,6 +237,12 @@ pub fn device_array(values: &Array, len: i32) -> Result<Array> {
     let padded = concatenate(&[values.clone(), zeros_dtype(&[pad], values.dtype())?], 0)?;
     padded.eval()?;
     Ok(padded)
+}
+
+/// Whether a forward with `fused` runs these kernels on `x`: one token (`[1, K]`) whose width
+/// they [`serves`].
+pub fn serves_token(fused: Fused, x: &Array) -> bool {
+    fused.products && x.ndim() == 2 && x.shape()[0] == 1 && serves(x.shape()[1] as usize, x.dtype())
 }
 
 /// The counter a [`product_residual`] call site owns, in device memory: one per site,

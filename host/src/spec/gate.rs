@@ -54,12 +54,20 @@ impl DraftGate {
         true
     }
 
-    /// How many tokens to ask for this round, at most `k_max`.
     /// Rounds that will not draft, from now: the rest of the current pause.
     pub fn paused_remaining(&self) -> u32 {
         self.paused_for
     }
 
+    /// Spends up to `rounds` rounds of the current pause at once (counted as paused rounds),
+    /// as [`DraftGate::should_draft`] would one by one.
+    pub fn spend_pause(&mut self, rounds: usize) {
+        let spent = self.paused_for.min(rounds as u32);
+        self.paused_for -= spent;
+        self.paused_rounds += spent as u64;
+    }
+
+    /// How many tokens to ask for this round, at most `k_max`.
     pub fn draft_len(&self, k_max: usize) -> usize {
         if !self.enabled || self.observed < WARMUP_ROUNDS || self.rounds <= 0.0 {
             return k_max;
@@ -143,6 +151,29 @@ mod tests {
             after_warmup.iter().all(|&n| n <= 2),
             "draft lengths stay long: {asked:?}"
         );
+    }
+
+    #[test]
+    fn spending_a_pause_at_once_counts_as_round_by_round() {
+        let (mut one_by_one, mut at_once) = (DraftGate::new(true), DraftGate::new(true));
+        for gate in [&mut one_by_one, &mut at_once] {
+            for _ in 0..WARMUP_ROUNDS {
+                gate.observe(10, 0);
+            }
+        }
+        let pause = one_by_one.paused_remaining();
+        assert_eq!(pause, FIRST_PAUSE);
+        for _ in 0..5 {
+            assert!(!one_by_one.should_draft());
+        }
+        at_once.spend_pause(5);
+        assert_eq!(at_once.paused_remaining(), one_by_one.paused_remaining());
+        assert_eq!(at_once.paused_rounds, one_by_one.paused_rounds);
+        // Never more than the pause holds.
+        at_once.spend_pause(1000);
+        assert_eq!(at_once.paused_remaining(), 0);
+        assert_eq!(at_once.paused_rounds, u64::from(pause));
+        assert!(at_once.should_draft());
     }
 
     #[test]

@@ -361,9 +361,7 @@ pub fn generate_speculative(
         };
         // (After the first token, so that the prefill time stays that of the first forward.)
         if sampling.is_greedy() && plain_rounds >= 2 && prefill_seconds.is_some() {
-            for _ in 0..plain_rounds {
-                gate.should_draft(); // counts the paused round
-            }
+            gate.spend_pause(plain_rounds);
             let stop_ids: &[u32] = if req.ignore_eos { &[] } else { &req.stop_ids };
             let burst = plain_burst(model, &mut cache, pending, plain_rounds, stop_ids)?;
             stats.target_forwards += burst.forwards;
@@ -380,26 +378,9 @@ pub fn generate_speculative(
                 .emitted
                 .last()
                 .expect("a burst that does not stop emits");
-            if let Some(s) = source.as_mut() {
-                let began = Instant::now();
-                // One plain round per token, as the drafter would have seen them.
-                let mut committed = ROk(());
-                for t in &burst.emitted {
-                    committed = s
-                        .source
-                        .commit(0, 0, RSlice::from_slice(std::slice::from_ref(t)));
-                    if committed.is_err() {
-                        break;
-                    }
-                }
-                stats.drafter_seconds += began.elapsed().as_secs_f64();
-                if let Err(e) = ffi(committed) {
-                    tracing::warn!(
-                        "drafter failed in commit, finishing this request with plain decoding: {e}"
-                    );
-                    stats.drafter_error = Some(e);
-                    source = None;
-                }
+            // One plain round per token, as the drafter would have seen them.
+            for t in &burst.emitted {
+                commit_round(&mut source, &mut stats, 0, 0, std::slice::from_ref(t));
             }
             continue;
         }
@@ -510,21 +491,7 @@ pub fn generate_speculative(
         pending = *emitted
             .last()
             .expect("a round that does not stop emits a token");
-        if let Some(s) = source.as_mut() {
-            let began = Instant::now();
-            let committed =
-                ffi(s
-                    .source
-                    .commit(d as u32, accepted as u32, RSlice::from_slice(&emitted)));
-            stats.drafter_seconds += began.elapsed().as_secs_f64();
-            if let Err(e) = committed {
-                tracing::warn!(
-                    "drafter failed in commit, finishing this request with plain decoding: {e}"
-                );
-                stats.drafter_error = Some(e);
-                source = None;
-            }
-        }
+        commit_round(&mut source, &mut stats, d, accepted, &emitted);
     }
 
     stats.paused_rounds = gate.paused_rounds;
@@ -545,6 +512,31 @@ pub fn generate_speculative(
         stop_token,
     );
     Ok((tokens, generate_stats, stats))
+}
+
+/// Tells the drafter (if still active) how a round ended; a drafter that fails here is
+/// dropped for the rest of the request, which finishes with plain decoding.
+fn commit_round(
+    source: &mut Option<ActiveSource>,
+    stats: &mut SpecStats,
+    drafted: usize,
+    accepted: usize,
+    emitted: &[u32],
+) {
+    let Some(s) = source.as_mut() else {
+        return;
+    };
+    let began = Instant::now();
+    let committed =
+        ffi(s
+            .source
+            .commit(drafted as u32, accepted as u32, RSlice::from_slice(emitted)));
+    stats.drafter_seconds += began.elapsed().as_secs_f64();
+    if let Err(e) = committed {
+        tracing::warn!("drafter failed in commit, finishing this request with plain decoding: {e}");
+        stats.drafter_error = Some(e);
+        *source = None;
+    }
 }
 
 /// What a run of plain greedy rounds produced.

@@ -56,11 +56,16 @@ thread_local! {
         RefCell::new(Box::new(compile(gated_gelu_eager, false)));
 }
 
+/// Whether `x` has at most [`PER_SHAPE_MAX_ROWS`] rows (all axes but the last): a decode or
+/// verification sized input, which the compiled functions of this model trace per shape.
+pub(crate) fn is_small(x: &Array) -> bool {
+    let width = x.shape().last().copied().unwrap_or(1).max(1);
+    x.size() as i32 / width <= PER_SHAPE_MAX_ROWS
+}
+
 /// `gelu_tanh(gate) * up`, elementwise, in `up`'s dtype. `gate` and `up` have equal shapes.
 pub fn gated_gelu(gate: &Array, up: &Array) -> Result<Array> {
-    let width = gate.shape().last().copied().unwrap_or(1).max(1);
-    let rows = gate.size() as i32 / width;
-    let compiled = if rows <= PER_SHAPE_MAX_ROWS {
+    let compiled = if is_small(gate) {
         &GATED_GELU_PER_SHAPE
     } else {
         &GATED_GELU_SHAPELESS

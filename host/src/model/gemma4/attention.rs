@@ -14,7 +14,7 @@ use super::linear::{Linear, Loader};
 use super::rope::Rope;
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
 use crate::kernels::decode_attention::{decode_attention, splits_for};
-use crate::kernels::products::{normed_products, serves as serves_products};
+use crate::kernels::products::{normed_products, serves_token};
 use crate::kernels::Fused;
 
 /// K/V projections, present only on KV-owning layers.
@@ -89,8 +89,7 @@ impl Attention {
         fused: Fused,
     ) -> Result<(Array, Option<(Array, Array)>)> {
         let kv = self.kv.as_ref().filter(|_| owning);
-        let hidden = x.shape()[x.ndim() - 1] as usize;
-        if fused.products && x.shape()[0] == 1 && serves_products(hidden, x.dtype()) {
+        if serves_token(fused, x) {
             let mut weights = vec![self.q_proj.dense_weight()];
             if let Some(kv) = kv {
                 weights.push(kv.k_proj.dense_weight());

@@ -15,7 +15,7 @@ use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
 use crate::kernels::products::{
-    device_array, gated_product, new_counter, product_residual, serves as serves_products, GateUp,
+    device_array, gated_product, new_counter, product_residual, serves_token, GateUp,
 };
 use crate::kernels::Fused;
 
@@ -142,8 +142,7 @@ impl DecoderLayer {
         counter: &Array,
         fused: Fused,
     ) -> Result<Array> {
-        let width = a.shape()[a.ndim() - 1] as usize;
-        if fused.products && a.shape()[0] == 1 && serves_products(width, a.dtype()) {
+        if serves_token(fused, a) {
             if let Some(weight) = proj.dense_weight() {
                 let scale = last.then_some(&self.layer_scalar_device);
                 return product_residual(a, weight, x, w, self.eps, scale, counter);
@@ -161,8 +160,7 @@ impl DecoderLayer {
         index: usize,
         fused: Fused,
     ) -> Result<Array> {
-        let hidden = x.shape()[x.ndim() - 1] as usize;
-        if fused.products && x.shape()[0] == 1 && serves_products(hidden, x.dtype()) {
+        if serves_token(fused, x) {
             if let Some(weight) = gate.input_gate.dense_weight() {
                 // `per_layer` is `[1, layers, width]`: this layer's inputs are one run of it.
                 let up = GateUp::Slice {

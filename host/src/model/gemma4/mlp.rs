@@ -6,7 +6,7 @@ use mlx_rs::Array;
 
 use super::activation::gated_gelu;
 use super::linear::{Linear, Loader};
-use crate::kernels::products::{gated_product, serves, GateUp};
+use crate::kernels::products::{gated_product, serves_token, GateUp};
 use crate::kernels::Fused;
 
 pub struct Mlp {
@@ -27,8 +27,7 @@ impl Mlp {
     /// `gelu_tanh(gate(x')) * up(x')` with `x' = rms_norm(x, pre_norm)`: the input of the
     /// down projection. One CUDA kernel for a single token with `fused.products`.
     pub fn activation(&self, x: &Array, pre_norm: &Array, eps: f32, fused: Fused) -> Result<Array> {
-        let width = x.shape()[x.ndim() - 1] as usize;
-        if fused.products && x.shape()[0] == 1 && serves(width, x.dtype()) {
+        if serves_token(fused, x) {
             if let (Some(gate), Some(up)) =
                 (self.gate_proj.dense_weight(), self.up_proj.dense_weight())
             {

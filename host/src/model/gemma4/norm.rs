@@ -15,9 +15,10 @@ use anyhow::Result;
 use mlx_rs::error::Exception;
 use mlx_rs::fast;
 use mlx_rs::transforms::compile::compile;
-use mlx_rs::{Array, Device, DeviceType};
+use mlx_rs::{Array, DeviceType};
 
-use super::activation::PER_SHAPE_MAX_ROWS;
+use super::activation::is_small;
+use crate::device::default_is;
 
 type Weighted = Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> Result<Array, Exception>>;
 type Plain = Box<dyn for<'a> FnMut(&'a Array) -> Result<Array, Exception>>;
@@ -27,15 +28,9 @@ thread_local! {
     static PLAIN: RefCell<HashMap<u32, Plain>> = RefCell::new(HashMap::new());
 }
 
-fn compiled_path(x: &Array) -> bool {
-    let width = x.shape().last().copied().unwrap_or(1).max(1);
-    let rows = x.size() as i32 / width;
-    rows <= PER_SHAPE_MAX_ROWS && matches!(Device::default().get_type(), Ok(DeviceType::Cpu))
-}
-
 /// `x / rms(x) * w` over the last axis (`w` absent: no weight).
 pub fn rms_norm(x: &Array, w: Option<&Array>, eps: f32) -> Result<Array> {
-    if !compiled_path(x) {
+    if !(is_small(x) && default_is(DeviceType::Cpu)) {
         return Ok(fast::rms_norm(x, w, eps)?);
     }
     let key = eps.to_bits();

@@ -18,7 +18,9 @@ use anyhow::Result;
 use mlx_rs::error::Exception;
 use mlx_rs::ops::matmul;
 use mlx_rs::transforms::compile::compile;
-use mlx_rs::{fast, Array, Device, DeviceType};
+use mlx_rs::{fast, Array, DeviceType};
+
+use crate::device::default_is;
 
 /// Windows up to this many tokens take the two-operation CPU path.
 const HOST_ANGLE_MAX_TOKENS: i32 = 16;
@@ -52,6 +54,9 @@ pub struct Rope {
     /// `[head_dim, head_dim]` float32: `x @ partner_map` puts `-x[j + D/2]` at `j` and
     /// `x[j - D/2]` at `j + D/2` (the rotate-half partners), for the CPU path.
     partner_map: Array,
+    /// The CPU path's cosines and sines of the last window it rotated, by (first position,
+    /// tokens): a layer's q and k rotate the same positions, so they are made once per step.
+    angles: RefCell<Option<(usize, usize, Array, Array)>>,
 }
 
 /// The signed permutation of [`Rope::partner_map`].
@@ -77,6 +82,7 @@ impl Rope {
                     base: Some(theta),
                     periods: Array::from_slice(&periods, &[periods.len() as i32]),
                     partner_map: partner_map(head_dim),
+                    angles: RefCell::new(None),
                 }
             }
             RopeKind::Proportional {
@@ -103,6 +109,7 @@ impl Rope {
                     base: None,
                     periods: Array::from_slice(&periods, &[half as i32]),
                     partner_map: partner_map(head_dim),
+                    angles: RefCell::new(None),
                 }
             }
         }
@@ -118,7 +125,7 @@ impl Rope {
         let tokens = x.shape()[x.ndim() - 2];
         if tokens <= HOST_ANGLE_MAX_TOKENS
             && x.dtype() == mlx_rs::Dtype::Float32
-            && matches!(Device::default().get_type(), Ok(DeviceType::Cpu))
+            && default_is(DeviceType::Cpu)
         {
             return self.apply_on_cpu(x, offset, tokens as usize);
         }
@@ -138,6 +145,20 @@ impl Rope {
     /// [`Rope::partner_map`], then one compiled element-wise kernel with host-made cosines and
     /// sines (`[tokens, head_dim]`, each half repeated).
     fn apply_on_cpu(&self, x: &Array, offset: usize, tokens: usize) -> Result<Array> {
+        let (cos, sin) = self.angles(offset, tokens);
+        let partner = matmul(x, &self.partner_map)?;
+        let mut out = ROTATE.with(|f| (f.borrow_mut())(&[x.clone(), partner, cos, sin]))?;
+        Ok(out.remove(0))
+    }
+
+    /// Cosines and sines `[tokens, head_dim]` (each half repeated) of positions `offset..`,
+    /// float32 angles `position * (1 / period)`; remembered for the step's next call.
+    fn angles(&self, offset: usize, tokens: usize) -> (Array, Array) {
+        if let Some((o, t, cos, sin)) = self.angles.borrow().as_ref() {
+            if (*o, *t) == (offset, tokens) {
+                return (cos.clone(), sin.clone());
+            }
+        }
         let d = self.head_dim as usize;
         let half = d / 2;
         let periods = self.periods.as_slice::<f32>();
@@ -158,9 +179,8 @@ impl Rope {
             Array::from_slice(&cos, &shape),
             Array::from_slice(&sin, &shape),
         );
-        let partner = matmul(x, &self.partner_map)?;
-        let mut out = ROTATE.with(|f| (f.borrow_mut())(&[x.clone(), partner, cos, sin]))?;
-        Ok(out.remove(0))
+        *self.angles.borrow_mut() = Some((offset, tokens, cos.clone(), sin.clone()));
+        (cos, sin)
     }
 }
 
