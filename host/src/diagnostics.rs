@@ -18,7 +18,13 @@ use mlx_rs::{Array, Dtype};
 use crate::kernels::products::{
     gated_product, new_counter, normed_products, product_residual, GateUp,
 };
-use crate::kernels::Fused;
+use crate::kernels::{CudaKernel, Fused, TemplateArg};
+
+/// Body of the op-cost kernel: one multiply per element.
+const SCALE_SOURCE: &str = "
+    size_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N) { out[i] = static_cast<T>(static_cast<float>(x[i]) * 0.5f); }
+";
 
 /// Writes the graph that computes `output` (not yet evaluated) to `path` in DOT format.
 pub fn export_dot(output: &Array, path: &Path) -> Result<()> {
@@ -107,7 +113,48 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
             Box::new(|x: &Array| Ok(matmul(x, &weight_t)?)),
         ),
     ];
+    // Two copies of one trivial kernel that differ only in the length of their source: MLX
+    // assembles, copies and hashes a custom kernel's whole source at every call, so the
+    // difference is what the source's length costs.
+    let scale_small = CudaKernel::new("op_cost_scale", &["x"], &["out"], SCALE_SOURCE, "");
+    let padding = format!("// {}\n", "padding ".repeat(4096));
+    let scale_large = CudaKernel::new(
+        "op_cost_scale_padded",
+        &["x"],
+        &["out"],
+        SCALE_SOURCE,
+        &padding,
+    );
+    let scale = |kernel: &CudaKernel, x: &Array| -> Result<Array> {
+        let shape = x.shape().to_vec();
+        let n = x.size() as i32;
+        Ok(kernel
+            .apply(
+                &[x],
+                &[(&shape, x.dtype())],
+                (n, 1, 1),
+                (256, 1, 1),
+                &[
+                    ("T", TemplateArg::Dtype(x.dtype())),
+                    ("N", TemplateArg::Int(n)),
+                ],
+            )?
+            .remove(0))
+    };
+    kinds.push((
+        "reshape (MLX)",
+        Box::new(|x: &Array| Ok(x.reshape(&[-1])?.reshape(&[1, -1])?)),
+    ));
     if Fused::for_next_forward().products {
+        let (small, large) = (scale_small?, scale_large?);
+        kinds.push((
+            "scale, 0.1 KB source (ours)",
+            Box::new(move |x: &Array| scale(&small, x)),
+        ));
+        kinds.push((
+            "scale, 33 KB source (ours)",
+            Box::new(move |x: &Array| scale(&large, x)),
+        ));
         kinds.push((
             "normed_products (ours)",
             Box::new(|x: &Array| Ok(normed_products(x, Some(&norm), 1e-6, &[&weight])?.remove(0))),
@@ -181,8 +228,8 @@ mod tests {
     fn operation_costs_time_every_mlx_kind_on_the_cpu() {
         let costs = operation_costs(8, 64, 1).unwrap();
         let kinds: Vec<&str> = costs.iter().map(|c| c.kind).collect();
-        // No fused kernels off a CUDA device: MLX's three kinds only.
-        assert_eq!(kinds.len(), 3, "{kinds:?}");
+        // No fused kernels off a CUDA device: MLX's four kinds only.
+        assert_eq!(kinds.len(), 4, "{kinds:?}");
         assert!(kinds[0].starts_with("add"), "{kinds:?}");
         for c in &costs {
             assert!(c.build_us > 0.0 && c.total_us >= c.build_us, "{c:?}");
