@@ -113,13 +113,21 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
             Box::new(|x: &Array| Ok(matmul(x, &weight_t)?)),
         ),
     ];
-    // Two copies of one trivial kernel that differ only in the length of their source: MLX
-    // assembles, copies and hashes a custom kernel's whole source at every call, so the
-    // difference is what the source's length costs.
-    let scale_small = CudaKernel::new("op_cost_scale", &["x"], &["out"], SCALE_SOURCE, "");
+    // One trivial kernel with a short and a long (padded) source handed to MLX inline, and
+    // the long one through an `#include` (what `CudaKernel::new` does): MLX assembles,
+    // copies and hashes a custom kernel's whole source at every call, so the differences are
+    // what the source's length costs and what the include saves.
+    let scale_small = CudaKernel::new_inline("op_cost_scale", &["x"], &["out"], SCALE_SOURCE, "");
     let padding = format!("// {}\n", "padding ".repeat(4096));
-    let scale_large = CudaKernel::new(
+    let scale_large = CudaKernel::new_inline(
         "op_cost_scale_padded",
+        &["x"],
+        &["out"],
+        SCALE_SOURCE,
+        &padding,
+    );
+    let scale_included = CudaKernel::new(
+        "op_cost_scale_included",
         &["x"],
         &["out"],
         SCALE_SOURCE,
@@ -146,14 +154,18 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
         Box::new(|x: &Array| Ok(x.reshape(&[-1])?.reshape(&[1, -1])?)),
     ));
     if Fused::for_next_forward().products {
-        let (small, large) = (scale_small?, scale_large?);
+        let (small, large, included) = (scale_small?, scale_large?, scale_included?);
         kinds.push((
-            "scale, 0.1 KB source (ours)",
+            "scale, 0.1 KB source inline (ours)",
             Box::new(move |x: &Array| scale(&small, x)),
         ));
         kinds.push((
-            "scale, 33 KB source (ours)",
+            "scale, 33 KB source inline (ours)",
             Box::new(move |x: &Array| scale(&large, x)),
+        ));
+        kinds.push((
+            "scale, 33 KB source by #include (ours)",
+            Box::new(move |x: &Array| scale(&included, x)),
         ));
         kinds.push((
             "normed_products (ours)",

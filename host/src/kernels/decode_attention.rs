@@ -7,18 +7,20 @@
 //! slot with four slots in flight, each lane loading 16 bytes of a key row at a time; slots
 //! the mask hides are not read (an unfilled buffer costs nothing). Softmax over the block's
 //! scores in shared memory. Weighted values: a warp per slot again, each lane summing its
-//! elements, then the warps' sums added. A second, small kernel merges a head's blocks. Scale 1.0 (Gemma 4
-//! normalises q and k). Scores are rounded to the activation dtype as MLX's product rounds
-//! them; the softmax and the weighted sum run in float32.
+//! elements, then the warps' sums added. The last of a head's blocks to finish merges the
+//! head's blocks (one launch: the host cost of a second one outweighed its device time).
+//! Scale 1.0 (Gemma 4 normalises q and k). Scores are rounded to the activation dtype as
+//! MLX's product rounds them; the softmax and the weighted sum run in float32.
 
 use std::cell::RefCell;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
+use super::products::device_array;
 use super::{CudaKernel, TemplateArg, REDUCE_HEADER};
 
-const PARTIAL_SOURCE: &str = r#"
+const SOURCE: &str = r#"
   // A lane loads 16 bytes (VEC elements) at a time; a row of D elements is CH such chunks
   // per lane. UNROLL slots are in flight per warp so loads overlap the reductions.
   constexpr int VEC = 16 / sizeof(T);
@@ -30,7 +32,7 @@ const PARTIAL_SOURCE: &str = r#"
   const int head = blockIdx.x / SPLITS;
   const int split = blockIdx.x % SPLITS;
   const int kv_head = head / GROUP;
-  const int slots = k_shape[2];
+  constexpr int slots = SLOTS;
   const int chunk = (slots + SPLITS - 1) / SPLITS;
   const int lo = split * chunk;
   const int hi = min(slots, lo + chunk);
@@ -151,31 +153,39 @@ const PARTIAL_SOURCE: &str = r#"
     mine[D] = mx;
     mine[D + 1] = total;
   }
-"#;
 
-const COMBINE_SOURCE: &str = r#"
-  const int head = blockIdx.x;
+  // The last of a head's blocks to finish merges the head's shares. Blocks are counted per
+  // head in `counter`, which that block resets for the call site's next step.
+  __shared__ bool is_last;
+  unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = SPLITS == 1 || atomicAdd(done + head, 1u) == SPLITS - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
   const float* ph = partial + (size_t)head * SPLITS * (D + 2);
-  float mx = -INFINITY;
-  for (int b = 0; b < SPLITS; b++) mx = fmaxf(mx, ph[b * (D + 2) + D]);
-  float total = 0.f;
+  float head_max = -INFINITY;
+  for (int b = 0; b < SPLITS; b++) head_max = fmaxf(head_max, __ldcg(ph + b * (D + 2) + D));
+  float head_total = 0.f;
   for (int b = 0; b < SPLITS; b++) {
-    const float m = ph[b * (D + 2) + D];
-    if (m != -INFINITY) total += expf(m - mx) * ph[b * (D + 2) + D + 1];
+    const float m = __ldcg(ph + b * (D + 2) + D);
+    if (m != -INFINITY) head_total += expf(m - head_max) * __ldcg(ph + b * (D + 2) + D + 1);
   }
-  const float inv = 1.f / total;
+  const float inv = 1.f / head_total;
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     float o = 0.f;
     for (int b = 0; b < SPLITS; b++) {
-      const float m = ph[b * (D + 2) + D];
-      if (m != -INFINITY) o += expf(m - mx) * ph[b * (D + 2) + i];
+      const float m = __ldcg(ph + b * (D + 2) + D);
+      if (m != -INFINITY) o += expf(m - head_max) * __ldcg(ph + b * (D + 2) + i);
     }
     out[(size_t)head * D + i] = static_cast<T>(o * inv);
   }
+  if (SPLITS > 1 && threadIdx.x == 0) done[head] = 0u;
 "#;
 
 const WARPS: i32 = 8;
-/// Slots one block of the first kernel scores at most (its shared score buffer).
+/// Slots one block scores at most (its shared score buffer).
 const MAX_CHUNK: usize = 1024;
 /// Slots a block takes when there are enough of them to fill the device.
 const TARGET_CHUNK: usize = 128;
@@ -183,7 +193,7 @@ const TARGET_CHUNK: usize = 128;
 const MAX_SPLITS: usize = 64;
 
 thread_local! {
-    static KERNELS: RefCell<Option<(CudaKernel, CudaKernel)>> = const { RefCell::new(None) };
+    static KERNEL: RefCell<Option<CudaKernel>> = const { RefCell::new(None) };
 }
 
 /// How many blocks split the slots of one head: a power of two (few compiled variants as a
@@ -204,12 +214,20 @@ pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> 
     (slots.div_ceil(splits) <= MAX_CHUNK).then_some(splits)
 }
 
+/// The per-head block counters one call site of [`decode_attention`] owns (a layer), in
+/// device memory, for `heads` query heads.
+pub fn new_counters(heads: usize) -> Result<Array> {
+    device_array(&Array::from_slice(&[0u32], &[1]), heads.max(16) as i32)
+}
+
 /// `q`: `[1, heads, 1, D]`; `keys`, `values`: `[1, kv_heads, slots, D]`; `slot_mask`:
 /// `[1, slots]` (additive). Returns `[1, heads * D]`. `splits` is what [`splits_for`] gave
-/// for the shape (the caller asks it first, to know whether the kernel serves the shape).
+/// for the shape (the caller asks it first, to know whether the kernel serves the shape);
+/// `counters` come from [`new_counters`], one set per call site (calls of one site never
+/// overlap: each step's depends on the previous step's token).
 ///
-/// Two kernels: the first gives every (head, share of the slots) block its own softmax
-/// maximum, sum and weighted sum of values; the second merges a head's shares. The
+/// Every (head, share of the slots) block computes its share's softmax maximum, sum and
+/// weighted sum of values; the last of a head's blocks to finish merges them. The
 /// probabilities therefore stay in float32 until the end, where MLX's softmax rounds them to
 /// the activation dtype before the product with the values: the same function, computed
 /// slightly more precisely in half precision (identical roundings in float32).
@@ -219,62 +237,46 @@ pub fn decode_attention(
     values: &Array,
     slot_mask: &Array,
     splits: usize,
+    counters: &Array,
 ) -> Result<Array> {
     let (heads, d) = (q.shape()[1], q.shape()[3]);
-    let kv_heads = keys.shape()[1];
+    let (kv_heads, slots) = (keys.shape()[1], keys.shape()[2]);
+    if counters.size() < heads as usize || counters.dtype() != Dtype::Uint32 {
+        bail!("decode_attention needs {heads} uint32 counters, got {counters:?}");
+    }
     let splits = splits as i32;
-    KERNELS.with(|cell| {
+    KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
-            let partial = CudaKernel::new(
-                "decode_attention_partial",
-                &["q", "k", "v", "mask"],
-                &["partial"],
-                PARTIAL_SOURCE,
+            *slot = Some(CudaKernel::new(
+                "decode_attention",
+                &["q", "k", "v", "mask", "counter"],
+                &["partial", "out"],
+                SOURCE,
                 REDUCE_HEADER,
-            )?;
-            let combine = CudaKernel::new(
-                "decode_attention_combine",
-                &["partial"],
-                &["out"],
-                COMBINE_SOURCE,
-                "",
-            )?;
-            *slot = Some((partial, combine));
+            )?);
         }
-        let (partial_kernel, combine_kernel) = slot.as_ref().expect("just built");
+        let kernel = slot.as_ref().expect("just built");
         let threads = 32 * WARPS;
-        let partial = partial_kernel
-            .apply(
-                &[q, keys, values, slot_mask],
-                &[(&[heads * splits, d + 2], Dtype::Float32)],
-                (heads * splits * threads, 1, 1),
-                (threads, 1, 1),
-                &[
-                    ("T", TemplateArg::Dtype(q.dtype())),
-                    ("D", TemplateArg::Int(d)),
-                    ("GROUP", TemplateArg::Int(heads / kv_heads)),
-                    ("WARPS", TemplateArg::Int(WARPS)),
-                    ("SPLITS", TemplateArg::Int(splits)),
-                    ("MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
-                ],
-            )?
-            .remove(0);
-        let combine_threads = d.min(512);
-        let out = combine_kernel
-            .apply(
-                &[&partial],
-                &[(&[1, heads * d], q.dtype())],
-                (heads * combine_threads, 1, 1),
-                (combine_threads, 1, 1),
-                &[
-                    ("T", TemplateArg::Dtype(q.dtype())),
-                    ("D", TemplateArg::Int(d)),
-                    ("SPLITS", TemplateArg::Int(splits)),
-                ],
-            )?
-            .remove(0);
-        Ok(out)
+        let mut out = kernel.apply(
+            &[q, keys, values, slot_mask, counters],
+            &[
+                (&[heads * splits, d + 2], Dtype::Float32),
+                (&[1, heads * d], q.dtype()),
+            ],
+            (heads * splits * threads, 1, 1),
+            (threads, 1, 1),
+            &[
+                ("T", TemplateArg::Dtype(q.dtype())),
+                ("D", TemplateArg::Int(d)),
+                ("GROUP", TemplateArg::Int(heads / kv_heads)),
+                ("WARPS", TemplateArg::Int(WARPS)),
+                ("SPLITS", TemplateArg::Int(splits)),
+                ("SLOTS", TemplateArg::Int(slots)),
+                ("MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
+            ],
+        )?;
+        Ok(out.remove(1))
     })
 }
 

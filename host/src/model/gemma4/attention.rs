@@ -13,7 +13,7 @@ use super::config::{AttentionKind, Gemma4Config, LayerPlan};
 use super::linear::{Linear, Loader};
 use super::rope::Rope;
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
-use crate::kernels::decode_attention::{decode_attention, splits_for};
+use crate::kernels::decode_attention::{decode_attention, new_counters, splits_for};
 use crate::kernels::products::{normed_products, serves_token};
 use crate::kernels::Fused;
 
@@ -36,6 +36,8 @@ pub struct Attention {
     o_proj: Linear,
     kv: Option<KvProjections>,
     rope: Rope,
+    /// Block counters of this layer's fused decode attention (device memory).
+    attention_counters: Array,
 }
 
 impl Attention {
@@ -72,6 +74,7 @@ impl Attention {
             o_proj: w.linear(&format!("{p}o_proj"), h, nh * hd)?,
             kv,
             rope: Rope::new(cfg.rope(plan.kind), hd),
+            attention_counters: new_counters(nh)?,
         })
     }
 
@@ -198,7 +201,14 @@ impl Attention {
                 .then(|| splits_for(slots, self.head_dim as usize, q.dtype()))
                 .flatten();
             let out = match splits {
-                Some(splits) => decode_attention(&q, &view.keys, &view.values, slot_mask, splits)?,
+                Some(splits) => decode_attention(
+                    &q,
+                    &view.keys,
+                    &view.values,
+                    slot_mask,
+                    splits,
+                    &self.attention_counters,
+                )?,
                 None => buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?,
             };
             return Ok((out, produced));
