@@ -74,7 +74,7 @@ pub fn serves(head_dim: usize, dtype: Dtype) -> bool {
 }
 
 /// A `[1]` int32 array holding `position`, made once per step and reused by every layer.
-fn position_array(position: usize) -> Array {
+pub(crate) fn position_array(position: usize) -> Array {
     POSITION.with(|cell| {
         let mut memo = cell.borrow_mut();
         match memo.as_ref() {

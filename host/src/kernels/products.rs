@@ -31,7 +31,7 @@ use mlx_rs::{Array, Dtype};
 use super::{Fused, PerEpsilon, TemplateArg};
 
 /// Device helpers of the three kernels (placed after the reduction helpers and `EPS`).
-const HEADER: &str = r#"
+pub(crate) const HEADER: &str = r#"
 // Stages the input row in shared memory as T: RMS-normed with weight `nw` when NORM, rounded
 // as MLX's RMSNorm rounds; every thread of the block takes part.
 template <typename T, int K, bool NORM>
@@ -178,8 +178,8 @@ const RESIDUAL_SOURCE: &str = r#"
   if (threadIdx.x == 0) *done = 0u;
 "#;
 
-const THREADS: i32 = 256;
-const WARPS: i32 = THREADS / 32;
+pub(crate) const THREADS: i32 = 256;
+pub(crate) const WARPS: i32 = THREADS / 32;
 /// The staged input must fit a block's static shared memory (48 KB) with room to spare.
 const MAX_STAGED_BYTES: usize = 40 * 1024;
 

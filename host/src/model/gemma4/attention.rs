@@ -12,9 +12,12 @@ use super::cache::{KvView, LayerKv};
 use super::config::{AttentionKind, Gemma4Config, LayerPlan};
 use super::linear::{Linear, Loader};
 use super::rope::Rope;
+use crate::kernels::attention_heads::{
+    attention_heads, serves as heads_kernel_serves, CacheSlot, HeadShape, HeadWeights,
+};
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
 use crate::kernels::decode_attention::{decode_attention, new_counters, splits_for};
-use crate::kernels::products::{normed_products, serves_token};
+use crate::kernels::products::{new_counter, normed_products, serves_token};
 use crate::kernels::Fused;
 
 /// K/V projections, present only on KV-owning layers.
@@ -36,6 +39,8 @@ pub struct Attention {
     o_proj: Linear,
     kv: Option<KvProjections>,
     rope: Rope,
+    /// Completion counter of this layer's fused heads kernel (device memory).
+    heads_counter: Array,
     /// Block counters of this layer's fused decode attention (device memory).
     attention_counters: Array,
 }
@@ -74,6 +79,7 @@ impl Attention {
             o_proj: w.linear(&format!("{p}o_proj"), h, nh * hd)?,
             kv,
             rope: Rope::new(cfg.rope(plan.kind), hd),
+            heads_counter: new_counter()?,
             attention_counters: new_counters(nh)?,
         })
     }
@@ -147,6 +153,147 @@ impl Attention {
         fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[0];
+        let (q, view, produced) = match self.fused_head_weights(x, cache.is_some(), fused) {
+            Some(weights) => self.fused_heads(x, input_norm, offset, &weights, cache, shared)?,
+            None => self.heads(x, input_norm, offset, cache, shared, fused)?,
+        };
+
+        if let Some(slot_mask) = &view.slot_mask {
+            let slots = view.keys.shape()[2] as usize;
+            let splits = (fused.attention && t == 1)
+                .then(|| splits_for(slots, self.head_dim as usize, q.dtype()))
+                .flatten();
+            let out = match splits {
+                Some(splits) => decode_attention(
+                    &q,
+                    &view.keys,
+                    &view.values,
+                    slot_mask,
+                    splits,
+                    &self.attention_counters,
+                )?,
+                None => buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?,
+            };
+            return Ok((out, produced));
+        }
+        // Long windows (prefill chunks): MLX's attention over the visible keys.
+        let mask = attention_mask(self.kind, offset, t as usize, &view, window)?;
+        let out = match &mask {
+            Some(m) => scaled_dot_product_attention(
+                &q,
+                &view.keys,
+                &view.values,
+                1.0,
+                ScaledDotProductAttentionMask::Array(m),
+                None,
+            )?,
+            None => scaled_dot_product_attention(&q, &view.keys, &view.values, 1.0, None, None)?,
+        };
+        let out = out
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[t, self.num_heads * self.head_dim])?;
+        Ok((out, produced))
+    }
+
+    /// The dense weights [`attention_heads`] needs, when it serves this call: one token,
+    /// both fused kernel sets on, dense weights, a head size it takes.
+    fn fused_head_weights(&self, x: &Array, owning: bool, fused: Fused) -> Option<HeadWeights<'_>> {
+        if !(fused.attention
+            && serves_token(fused, x)
+            && heads_kernel_serves(self.head_dim as usize, x.dtype()))
+        {
+            return None;
+        }
+        let kv = match self.kv.as_ref().filter(|_| owning) {
+            Some(kv) => {
+                let v = match &kv.v_proj {
+                    Some(v_proj) => Some(v_proj.dense_weight()?),
+                    None => None,
+                };
+                Some((kv.k_proj.dense_weight()?, v, &kv.k_norm))
+            }
+            None => None,
+        };
+        Some(HeadWeights {
+            q: self.q_proj.dense_weight()?,
+            kv,
+            q_norm: &self.q_norm,
+            periods: self.rope.periods(),
+        })
+    }
+
+    /// Queries, and the view they attend over, from [`attention_heads`]: one kernel from the
+    /// hidden state to normed, rotated heads, writing a KV-owning layer's key and value into
+    /// its cache.
+    fn fused_heads(
+        &self,
+        x: &Array,
+        input_norm: &Array,
+        offset: usize,
+        weights: &HeadWeights,
+        cache: Option<&mut LayerKv>,
+        shared: Option<&KvView>,
+    ) -> Result<(Array, KvView, Option<KvView>)> {
+        let shape = HeadShape {
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+        };
+        let dtype = x.dtype();
+        match cache {
+            Some(cache) if weights.kv.is_some() => {
+                let kv_shape = [1, self.num_kv_heads, 1, self.head_dim];
+                let (keys, values, slot) = cache.slot_for_next(&kv_shape, dtype)?;
+                let target = CacheSlot {
+                    keys: &keys,
+                    values: &values,
+                    slot,
+                };
+                let q = attention_heads(
+                    x,
+                    input_norm,
+                    self.eps,
+                    weights,
+                    &shape,
+                    offset,
+                    Some(target),
+                    &self.heads_counter,
+                )?;
+                let view = cache.count_written(1, dtype)?;
+                Ok((q, view.clone(), Some(view)))
+            }
+            _ => {
+                let view = shared.cloned().ok_or_else(|| {
+                    anyhow::anyhow!("KV-sharing layer called without its donor's keys")
+                })?;
+                let q = attention_heads(
+                    x,
+                    input_norm,
+                    self.eps,
+                    weights,
+                    &shape,
+                    offset,
+                    None,
+                    &self.heads_counter,
+                )?;
+                Ok((q, view, None))
+            }
+        }
+    }
+
+    /// Queries, and the view they attend over, from the projections, the head norms and RoPE
+    /// as separate operations (or the attention-inputs kernel for one token), appending a
+    /// KV-owning layer's keys and values to its cache.
+    fn heads(
+        &self,
+        x: &Array,
+        input_norm: &Array,
+        offset: usize,
+        cache: Option<&mut LayerKv>,
+        shared: Option<&KvView>,
+        fused: Fused,
+    ) -> Result<(Array, KvView, Option<KvView>)> {
+        let t = x.shape()[0];
         let (q_raw, kv_raw) = self.projections(x, input_norm, cache.is_some(), fused)?;
         let kv_raw = match (&self.kv, kv_raw) {
             (Some(kv), Some((k, v))) => Some((k, v, &kv.k_norm)),
@@ -195,41 +342,7 @@ impl Attention {
             }
         };
 
-        if let Some(slot_mask) = &view.slot_mask {
-            let slots = view.keys.shape()[2] as usize;
-            let splits = (fused.attention && t == 1)
-                .then(|| splits_for(slots, self.head_dim as usize, q.dtype()))
-                .flatten();
-            let out = match splits {
-                Some(splits) => decode_attention(
-                    &q,
-                    &view.keys,
-                    &view.values,
-                    slot_mask,
-                    splits,
-                    &self.attention_counters,
-                )?,
-                None => buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?,
-            };
-            return Ok((out, produced));
-        }
-        // Long windows (prefill chunks): MLX's attention over the visible keys.
-        let mask = attention_mask(self.kind, offset, t as usize, &view, window)?;
-        let out = match &mask {
-            Some(m) => scaled_dot_product_attention(
-                &q,
-                &view.keys,
-                &view.values,
-                1.0,
-                ScaledDotProductAttentionMask::Array(m),
-                None,
-            )?,
-            None => scaled_dot_product_attention(&q, &view.keys, &view.values, 1.0, None, None)?,
-        };
-        let out = out
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[t, self.num_heads * self.head_dim])?;
-        Ok((out, produced))
+        Ok((q, view, produced))
     }
 }
 

@@ -185,6 +185,28 @@ impl LayerKv {
     /// tokens the whole buffers and a slot mask, for longer ones the visible keys.
     pub fn append(&mut self, k: &Array, v: &Array) -> Result<KvView> {
         let t = k.shape()[2] as usize;
+        let slot = self.make_room(t, k.shape(), k.dtype())?;
+        let (a, b) = (slot as i32, (slot + t) as i32);
+        let keys = self.keys.as_ref().expect("allocated by make_room");
+        self.keys = Some(write_slots(keys, k, a, b)?);
+        let values = self.values.as_ref().expect("allocated by make_room");
+        self.values = Some(write_slots(values, v, a, b)?);
+        self.count_written(t, k.dtype())
+    }
+
+    /// For a kernel that writes one token's key and value into the buffers itself: makes
+    /// room for it (`shape`: `[1, kv_heads, 1, head_dim]`) and returns the buffers and the
+    /// slot to write. Follow with [`LayerKv::count_written`] once the write is in the graph.
+    pub fn slot_for_next(&mut self, shape: &[i32], dtype: Dtype) -> Result<(Array, Array, usize)> {
+        let slot = self.make_room(1, shape, dtype)?;
+        let keys = self.keys.clone().expect("allocated by make_room");
+        let values = self.values.clone().expect("allocated by make_room");
+        Ok((keys, values, slot))
+    }
+
+    /// Forgets what no query can reach any more and grows the buffers if `t` more keys
+    /// (each `shape` with `t` positions) do not fit; returns the first slot to write.
+    fn make_room(&mut self, t: usize, shape: &[i32], dtype: Dtype) -> Result<usize> {
         let offset = self.end_position();
         if self.kind == AttentionKind::Sliding {
             // Forget keys no future query (nor a rollback within the reserve) can reach.
@@ -197,29 +219,30 @@ impl LayerKv {
             }
         }
         if self.head + self.len + t > self.capacity() {
-            self.compact_and_grow(k, v, self.len + t)?;
+            self.compact_and_grow(shape, dtype, self.len + t)?;
         }
-        let (a, b) = (
-            (self.head + self.len) as i32,
-            (self.head + self.len + t) as i32,
-        );
-        let keys = self.keys.as_ref().expect("allocated by grow");
-        self.keys = Some(write_slots(keys, k, a, b)?);
-        let values = self.values.as_ref().expect("allocated by grow");
-        self.values = Some(write_slots(values, v, a, b)?);
-        self.len += t;
+        Ok(self.head + self.len)
+    }
 
+    /// Counts the `t` keys just written after the valid ones and returns the view the new
+    /// queries attend over.
+    pub fn count_written(&mut self, t: usize, dtype: Dtype) -> Result<KvView> {
+        self.len += t;
+        let offset = self.end_position() - t;
         // The earliest new query (at `offset`) sees the earliest key any of them needs.
         let first_position = self.first_visible(offset);
         let from = self.head + first_position - self.start;
         let to = self.head + self.len;
-        let (keys, values) = (self.keys.as_ref().unwrap(), self.values.as_ref().unwrap());
+        let (keys, values) = match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => (k, v),
+            _ => anyhow::bail!("KV cache: keys counted before any buffer exists"),
+        };
         if t <= MAX_MASKED_WINDOW {
             return Ok(KvView {
                 keys: keys.clone(),
                 values: values.clone(),
                 first_position,
-                slot_mask: Some(self.slot_mask(t, k.dtype())?),
+                slot_mask: Some(self.slot_mask(t, dtype)?),
             });
         }
         let (from, to) = (from as i32, to as i32);
@@ -268,14 +291,11 @@ impl LayerKv {
 
     /// Moves the valid slots to the front of a fresh buffer with room for `needed` slots plus
     /// at least one growth step (so a sliding buffer compacts once per step, not per token).
-    fn compact_and_grow(&mut self, k: &Array, v: &Array, needed: usize) -> Result<()> {
+    fn compact_and_grow(&mut self, shape: &[i32], dtype: Dtype, needed: usize) -> Result<()> {
         let capacity = (needed + GROWTH_STEP).div_ceil(GROWTH_STEP) * GROWTH_STEP;
-        let shape = |a: &Array| {
-            let s = a.shape();
-            [s[0], s[1], (capacity - self.len) as i32, s[3]]
-        };
-        let fresh_k = zeros_dtype(&shape(k), k.dtype())?;
-        let fresh_v = zeros_dtype(&shape(v), v.dtype())?;
+        let fresh_shape = [shape[0], shape[1], (capacity - self.len) as i32, shape[3]];
+        let fresh_k = zeros_dtype(&fresh_shape, dtype)?;
+        let fresh_v = zeros_dtype(&fresh_shape, dtype)?;
         let (from, to) = (self.head as i32, (self.head + self.len) as i32);
         self.keys = Some(match &self.keys {
             Some(old) => concatenate(&[old.index((.., .., from..to, ..)), fresh_k], 2)?,

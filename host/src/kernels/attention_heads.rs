@@ -1,0 +1,356 @@
+//! Everything between a decode token's hidden state and its attention, as one kernel: the
+//! layer's input RMSNorm, the q/k/v products, the per-head q/k RMSNorm (with weights) and
+//! RoPE, the weightless v RMSNorm, and the write of the new key and value into the layer's
+//! cache buffers.
+//!
+//! Why one kernel: on CUDA a decode step costs what its operations cost on the host
+//! (BENCHMARKS.md); this replaces four per KV-owning layer (the products, the head norms and
+//! RoPE, two cache writes) and two per KV-sharing one.
+//!
+//! Products: as [`super::products::normed_products`], a warp per output row over the staged,
+//! normed input; each row's result is rounded to the activation dtype (as MLX's product
+//! rounds it) into a scratch output. The last block to finish (counted by the call site's
+//! counter, which it resets) then takes the heads, a warp each: lane `l` holds the rotate-half
+//! pairs `(p, p + D/2)` for `p = l, l + 32, ...`, so norm and rotation need no shared memory.
+//! Roundings follow MLX's operations as in [`super::attention_inputs`].
+//!
+//! The cache write goes into the buffers given as inputs, in place: MLX sees the buffers only
+//! as inputs, so the kernel's output `q`, which every later reader of the buffers depends on,
+//! orders the write before them. This needs buffers MLX will not copy on the way in
+//! (row-contiguous, as the cache allocates them), checked before the call.
+
+use std::cell::RefCell;
+
+use anyhow::{bail, Result};
+use mlx_rs::{Array, Dtype};
+
+use super::products::{HEADER as PRODUCTS_HEADER, THREADS, WARPS};
+use super::{PerEpsilon, TemplateArg};
+
+const SOURCE: &str = r#"
+  constexpr int WARPS = 8;
+  __shared__ __align__(16) T xs[K];
+  __shared__ float red[32];
+  __shared__ bool is_last;
+  constexpr int NQ = NH * D;
+  constexpr int NK = NKV * D;
+  constexpr int NV = K_EQ_V ? 0 : NK;
+  stage_input<T, K, true>(x, nw, xs, red);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * WARPS + warp;
+  if (row < NQ + NK + NV) {
+    const T* wrow = row < NQ ? wq + (size_t)row * K
+        : row < NQ + NK ? wk + (size_t)(row - NQ) * K
+        : wv + (size_t)(row - NQ - NK) * K;
+    float d;
+    rows_dot<T, K, 1>(&wrow, xs, &d);
+    if (lane == 0) raw[row] = static_cast<T>(d);
+  }
+
+  // Publish this block's rows, then count it; the last block to arrive sees all rows.
+  unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+
+  constexpr int HALF = D / 2;
+  constexpr int PAIRS = HALF / 32;
+  const float pos = static_cast<float>(position[0]);
+  const int slot = cache_slot[0];
+  const int capacity = cache_slot[1];
+  for (int h = warp; h < NH + 2 * NKV; h += WARPS) {
+    // Kind of head: 0 query, 1 key, 2 value (K = V: the value is the raw key, normed
+    // without weight).
+    const int kind = h < NH ? 0 : h < NH + NKV ? 1 : 2;
+    const T* src = kind == 0 ? raw + (size_t)h * D
+        : kind == 1 ? raw + NQ + (size_t)(h - NH) * D
+        : raw + NQ + (K_EQ_V ? 0 : NK) + (size_t)(h - NH - NKV) * D;
+    const T* w = kind == 0 ? q_w : k_w;
+    T* dst = kind == 0 ? q + (size_t)h * D
+        : kind == 1 ? const_cast<T*>(k_cache) + ((size_t)(h - NH) * capacity + slot) * D
+        : const_cast<T*>(v_cache) + ((size_t)(h - NH - NKV) * capacity + slot) * D;
+    float a[PAIRS], c[PAIRS];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < PAIRS; j++) {
+      a[j] = static_cast<float>(__ldcg(src + lane + 32 * j));
+      c[j] = static_cast<float>(__ldcg(src + lane + 32 * j + HALF));
+      ss += a[j] * a[j] + c[j] * c[j];
+    }
+    const float r = rsqrtf(warp_sum(ss) / D + EPS);
+#pragma unroll
+    for (int j = 0; j < PAIRS; j++) {
+      const int p = lane + 32 * j;
+      T n1 = static_cast<T>(a[j] * r);
+      T n2 = static_cast<T>(c[j] * r);
+      if (kind == 2) {
+        dst[p] = n1;
+        dst[p + HALF] = n2;
+        continue;
+      }
+      n1 = static_cast<T>(static_cast<float>(w[p]) * static_cast<float>(n1));
+      n2 = static_cast<T>(static_cast<float>(w[p + HALF]) * static_cast<float>(n2));
+      const float inv_freq = 1.0 / periods[p];
+      const float theta = pos * inv_freq;
+      const float cs = cos(theta);
+      const float sn = sin(theta);
+      const float x1 = static_cast<float>(n1);
+      const float x2 = static_cast<float>(n2);
+      dst[p] = static_cast<T>(x1 * cs - x2 * sn);
+      dst[p + HALF] = static_cast<T>(x1 * sn + x2 * cs);
+    }
+  }
+  // Ready for this call site's next step.
+  if (threadIdx.x == 0) *done = 0u;
+"#;
+
+thread_local! {
+    static KERNELS: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
+        "attention_heads",
+        &[
+            "x", "nw", "wq", "wk", "wv", "q_w", "k_w", "periods", "position", "cache_slot",
+            "counter", "k_cache", "v_cache",
+        ],
+        &["q", "raw"],
+        SOURCE,
+    ).with_header(PRODUCTS_HEADER));
+    // The [slot, capacity] arrays of the current step (one per kind of layer).
+    static SLOTS: RefCell<Vec<([i32; 2], Array)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
+/// rotate-half pairs per lane.
+pub fn serves(head_dim: usize, dtype: Dtype) -> bool {
+    head_dim >= 64
+        && head_dim % 64 == 0
+        && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+}
+
+/// A `[2]` int32 array `[slot, capacity]`, made once per step and kind of layer.
+fn slot_array(slot: usize, capacity: usize) -> Array {
+    let key = [slot as i32, capacity as i32];
+    SLOTS.with(|cell| {
+        let mut memo = cell.borrow_mut();
+        if let Some((_, a)) = memo.iter().find(|(k, _)| *k == key) {
+            return a.clone();
+        }
+        let a = Array::from_slice(&key, &[2]);
+        if memo.len() >= 4 {
+            memo.remove(0);
+        }
+        memo.push((key, a.clone()));
+        a
+    })
+}
+
+/// A layer's projection weights (`[rows, hidden]`, dense) and head norms.
+pub struct HeadWeights<'a> {
+    pub q: &'a Array,
+    /// Key and value projections with the key norm, on a KV-owning layer; `v` is `None` when
+    /// the value is the key projection (K = V layers).
+    pub kv: Option<(&'a Array, Option<&'a Array>, &'a Array)>,
+    pub q_norm: &'a Array,
+    /// RoPE periods `[D / 2]` (float32; infinite for pairs that are not rotated).
+    pub periods: &'a Array,
+}
+
+/// Where a KV-owning layer's new key and value go: its buffers
+/// `[1, kv_heads, capacity, D]` and the slot.
+pub struct CacheSlot<'a> {
+    pub keys: &'a Array,
+    pub values: &'a Array,
+    pub slot: usize,
+}
+
+/// Shapes of one call.
+pub struct HeadShape {
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+}
+
+/// The query heads `[1, heads, 1, D]` of the token `x` (`[1, hidden]`) at `position`, its
+/// key and value written into `cache` on a KV-owning layer. `counter` comes from
+/// [`super::products::new_counter`], one per call site. Check [`serves`] and
+/// [`super::products::serves_token`] first.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_heads(
+    x: &Array,
+    input_norm: &Array,
+    eps: f32,
+    weights: &HeadWeights,
+    shape: &HeadShape,
+    position: usize,
+    cache: Option<CacheSlot>,
+    counter: &Array,
+) -> Result<Array> {
+    let dtype = x.dtype();
+    let k = x.shape()[x.ndim() - 1];
+    let d = shape.head_dim;
+    let nkv = match (&weights.kv, &cache) {
+        (Some(_), Some(_)) => shape.kv_heads,
+        (None, None) => 0,
+        _ => bail!("attention_heads: a KV-owning layer needs both its weights and its cache"),
+    };
+    let expect = |w: &Array, rows: i32, what: &str| -> Result<()> {
+        if w.shape() != [rows, k] || w.dtype() != dtype {
+            bail!(
+                "attention_heads: {what} weight is {:?} {:?}, expected [{rows}, {k}] {dtype:?}",
+                w.shape(),
+                w.dtype()
+            );
+        }
+        Ok(())
+    };
+    expect(weights.q, shape.heads * d, "q")?;
+    let (wk, wv, k_norm, k_eq_v) = match weights.kv {
+        Some((wk, wv, k_norm)) => {
+            expect(wk, nkv * d, "k")?;
+            if let Some(wv) = wv {
+                expect(wv, nkv * d, "v")?;
+            }
+            (wk, wv.unwrap_or(wk), k_norm, wv.is_none())
+        }
+        None => (weights.q, weights.q, weights.q_norm, false),
+    };
+    let (k_cache, v_cache, slot) = match &cache {
+        Some(c) => {
+            let capacity = c.keys.shape()[2];
+            for buffer in [c.keys, c.values] {
+                // MLX would copy a buffer that is not row-contiguous before the kernel, and
+                // the write would land in the copy.
+                if buffer.shape() != [1, nkv, capacity, d]
+                    || buffer.dtype() != dtype
+                    || !is_row_contiguous(buffer)
+                {
+                    bail!(
+                        "attention_heads: cache buffer {:?} {:?} cannot take the write in place",
+                        buffer.shape(),
+                        buffer.dtype()
+                    );
+                }
+            }
+            if c.slot >= capacity as usize {
+                bail!(
+                    "attention_heads: slot {} past the buffer's {capacity}",
+                    c.slot
+                );
+            }
+            (c.keys, c.values, slot_array(c.slot, capacity as usize))
+        }
+        // A sharing layer writes nothing: the query's arrays stand in for the unused inputs.
+        None => (x, x, slot_array(0, 0)),
+    };
+    let rows = shape.heads * d + nkv * d * if k_eq_v { 1 } else { 2 };
+    let position = super::attention_inputs::position_array(position);
+    KERNELS.with(|cell| {
+        let mut kernels = cell.borrow_mut();
+        let kernel = kernels.get(eps)?;
+        let mut out = kernel.apply(
+            &[
+                x,
+                input_norm,
+                weights.q,
+                wk,
+                wv,
+                weights.q_norm,
+                k_norm,
+                weights.periods,
+                &position,
+                &slot,
+                counter,
+                k_cache,
+                v_cache,
+            ],
+            &[(&[1, shape.heads, 1, d], dtype), (&[rows.max(1)], dtype)],
+            ((rows + WARPS - 1) / WARPS * THREADS, 1, 1),
+            (THREADS, 1, 1),
+            &[
+                ("T", TemplateArg::Dtype(dtype)),
+                ("K", TemplateArg::Int(k)),
+                ("D", TemplateArg::Int(d)),
+                ("NH", TemplateArg::Int(shape.heads)),
+                ("NKV", TemplateArg::Int(nkv)),
+                ("K_EQ_V", TemplateArg::Bool(k_eq_v)),
+            ],
+        )?;
+        Ok(out.swap_remove(0))
+    })
+}
+
+/// Whether MLX holds `a` as one row-major block (its kernels then take it without a copy).
+fn is_row_contiguous(a: &Array) -> bool {
+    // SAFETY: reads the strides of a live array; the pointer is valid for ndim entries.
+    let strides = unsafe {
+        let ptr = mlx_sys::mlx_array_strides(a.as_ptr());
+        std::slice::from_raw_parts(ptr, a.ndim())
+    };
+    let mut expected = 1usize;
+    for (dim, stride) in a.shape().iter().zip(strides).rev() {
+        if *dim != 1 && *stride != expected {
+            return false;
+        }
+        expected *= *dim as usize;
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serves_gemma_head_sizes_in_float_dtypes_only() {
+        assert!(serves(256, Dtype::Bfloat16));
+        assert!(serves(512, Dtype::Float32));
+        assert!(!serves(96, Dtype::Float32), "pairs do not fill whole warps");
+        assert!(!serves(256, Dtype::Int32));
+    }
+
+    #[test]
+    fn row_contiguity_follows_the_strides() {
+        let a = Array::zeros::<f32>(&[1, 2, 8, 4]).unwrap();
+        a.eval().unwrap();
+        assert!(is_row_contiguous(&a));
+        let t = a.transpose_axes(&[0, 2, 1, 3]).unwrap();
+        t.eval().unwrap();
+        assert!(!is_row_contiguous(&t));
+    }
+
+    #[test]
+    fn one_slot_array_per_slot_and_capacity() {
+        let a = slot_array(5, 256);
+        assert_eq!(a.as_slice::<i32>(), &[5, 256]);
+        let b = slot_array(5, 256);
+        assert_eq!(a.as_slice::<i32>().as_ptr(), b.as_slice::<i32>().as_ptr());
+        assert_eq!(slot_array(6, 256).as_slice::<i32>(), &[6, 256]);
+    }
+
+    #[test]
+    fn a_kv_owning_layer_without_its_cache_is_refused() {
+        let x = Array::zeros::<f32>(&[1, 64]).unwrap();
+        let wq = Array::zeros::<f32>(&[128, 64]).unwrap();
+        let wk = Array::zeros::<f32>(&[64, 64]).unwrap();
+        let norm = Array::ones::<f32>(&[64]).unwrap();
+        let periods = Array::ones::<f32>(&[32]).unwrap();
+        let weights = HeadWeights {
+            q: &wq,
+            kv: Some((&wk, None, &norm)),
+            q_norm: &norm,
+            periods: &periods,
+        };
+        let shape = HeadShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 64,
+        };
+        let counter = Array::zeros::<u32>(&[16]).unwrap();
+        let err =
+            attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, None, &counter).unwrap_err();
+        assert!(err.to_string().contains("needs both"), "{err}");
+    }
+}
