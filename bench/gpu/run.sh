@@ -9,7 +9,9 @@
 #   fixtures   greedy tokens of every test fixture on the GPU == transformers' (f32, TF32 off)
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
-#   peer       transformers' Gemma4ForCausalLM decode on the E4B config
+#   peer       transformers' Gemma4ForCausalLM decode on the E4B config (dynamic cache, then
+#              static cache + torch.compile; `peer-static`: the second alone). PEER_TIMEOUT
+#              bounds each in seconds (default 400).
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
 #   host       where a pipelined E4B decode step's time goes, with and without our fused kernels
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
@@ -49,7 +51,9 @@ echo "CUDA_HOME=${CUDA_HOME:-unset}"
 ldd "$BIN" | grep -E "mlx|not found"
 
 ROWS=()
-row() { ROWS+=("$*"); }
+# Each row is printed as it is measured too, so a call cut short by its time limit still
+# reports what it measured.
+row() { ROWS+=("$*"); echo "row: $*"; }
 
 # 1. The GPU computes the same function: greedy tokens on every fixture (f32, TF32 off)
 #    equal the transformers continuation in the fixture's golden file, which the CPU build
@@ -146,7 +150,7 @@ fi
 peer() {
     local label="$1"; shift
     local line
-    if line="$(timeout 400 python3 "$ROOT/bench/gpu/transformers_peer.py" "$@" 2>"$RES/peer.err" | tail -n 1)"; then
+    if line="$(timeout "${PEER_TIMEOUT:-400}" python3 "$ROOT/bench/gpu/transformers_peer.py" "$@" 2>"$RES/peer.err" | tail -n 1)"; then
         row "$label | $line"
     else
         row "$label | failed: $(tail -n 1 "$RES/peer.err")"
@@ -176,6 +180,8 @@ fi
 
 if want peer; then
     peer "transformers E4B bf16, dynamic cache" "$ROOT/configs/gemma-4-e4b.json" 512 64 dynamic
+fi
+if want peer || want peer-static; then
     peer "transformers E4B bf16, static cache + torch.compile" "$ROOT/configs/gemma-4-e4b.json" 512 64 static
 fi
 

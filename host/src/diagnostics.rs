@@ -143,8 +143,8 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
                 (n, 1, 1),
                 (256, 1, 1),
                 &[
-                    ("T", TemplateArg::Dtype(x.dtype())),
-                    ("N", TemplateArg::Int(n)),
+                    (c"T", TemplateArg::Dtype(x.dtype())),
+                    (c"N", TemplateArg::Int(n)),
                 ],
             )?
             .remove(0))

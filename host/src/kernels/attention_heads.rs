@@ -270,12 +270,12 @@ pub fn attention_heads(
             ((rows + WARPS - 1) / WARPS * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
-                ("T", TemplateArg::Dtype(dtype)),
-                ("K", TemplateArg::Int(k)),
-                ("D", TemplateArg::Int(d)),
-                ("NH", TemplateArg::Int(shape.heads)),
-                ("NKV", TemplateArg::Int(nkv)),
-                ("K_EQ_V", TemplateArg::Bool(k_eq_v)),
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"K", TemplateArg::Int(k)),
+                (c"D", TemplateArg::Int(d)),
+                (c"NH", TemplateArg::Int(shape.heads)),
+                (c"NKV", TemplateArg::Int(nkv)),
+                (c"K_EQ_V", TemplateArg::Bool(k_eq_v)),
             ],
         )?;
         Ok(out.swap_remove(0))

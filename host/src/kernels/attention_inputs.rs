@@ -140,10 +140,10 @@ pub fn attention_inputs(
             ((heads + 2 * nkv) * threads, 1, 1),
             (threads, 1, 1),
             &[
-                ("T", TemplateArg::Dtype(dtype)),
-                ("D", TemplateArg::Int(head_dim)),
-                ("NH", TemplateArg::Int(heads)),
-                ("NKV", TemplateArg::Int(nkv)),
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"D", TemplateArg::Int(head_dim)),
+                (c"NH", TemplateArg::Int(heads)),
+                (c"NKV", TemplateArg::Int(nkv)),
             ],
         )?;
         let (Some(v), Some(k), Some(q)) = (out.pop(), out.pop(), out.pop()) else {

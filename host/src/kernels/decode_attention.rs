@@ -1,5 +1,6 @@
 //! Attention of one query token over a layer's whole K/V buffers, with the additive slot mask
-//! of the cache (0 where visible, -inf elsewhere): the single-token case of
+//! of the cache (0 where visible, -inf elsewhere), given as the range of visible slots: the
+//! single-token case of
 //! `model::gemma4::attention`'s buffer attention, as one kernel.
 //!
 //! The slots of each query head are split over several blocks of eight warps (a decode step
@@ -38,6 +39,16 @@ const SOURCE: &str = r#"
   const int hi = min(slots, lo + chunk);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
+  // The slots this query sees, [first, last + 1): read once per block (the array lives in
+  // host-visible memory, a bus crossing per read).
+  __shared__ int seen[2];
+  if (threadIdx.x == 0) {
+    seen[0] = visible[0];
+    seen[1] = visible[1];
+  }
+  __syncthreads();
+  const int seen_lo = seen[0];
+  const int seen_hi = seen[1];
   const T* kb = k + (size_t)kv_head * slots * D;
   const T* vb = v + (size_t)kv_head * slots * D;
 
@@ -60,7 +71,7 @@ const SOURCE: &str = r#"
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
       const int s = base + u;
-      mv[u] = s < hi ? static_cast<float>(mask[s]) : -INFINITY;
+      mv[u] = s < hi && s >= seen_lo && s < seen_hi ? 0.f : -INFINITY;
       const uint4* r4 = reinterpret_cast<const uint4*>(kb + (size_t)s * D);
 #pragma unroll
       for (int j = 0; j < CH; j++) {
@@ -88,11 +99,8 @@ const SOURCE: &str = r#"
       for (int u = 0; u < UNROLL; u++) {
         const int s = base + u;
         if (s < hi) {
-          // Rounded as MLX rounds the product, then the mask added in the same dtype.
-          const float rounded = static_cast<float>(static_cast<T>(dot[u]));
-          scores[s - lo] = mv[u] == -INFINITY
-              ? -INFINITY
-              : static_cast<float>(static_cast<T>(rounded + mv[u]));
+          // Rounded as MLX rounds the product (adding the mask's 0 changes nothing).
+          scores[s - lo] = mv[u] == -INFINITY ? -INFINITY : static_cast<float>(static_cast<T>(dot[u]));
         }
       }
     }
@@ -194,6 +202,25 @@ const MAX_SPLITS: usize = 64;
 
 thread_local! {
     static KERNEL: RefCell<Option<CudaKernel>> = const { RefCell::new(None) };
+    // The visible-slot arrays of the current step (one per kind of layer).
+    static RANGES: RefCell<Vec<([i32; 2], Array)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A `[2]` int32 array `[start, end]`, made once per step and kind of layer.
+fn range_array(range: std::ops::Range<usize>) -> Array {
+    let key = [range.start as i32, range.end as i32];
+    RANGES.with(|cell| {
+        let mut memo = cell.borrow_mut();
+        if let Some((_, a)) = memo.iter().find(|(k, _)| *k == key) {
+            return a.clone();
+        }
+        let a = Array::from_slice(&key, &[2]);
+        if memo.len() >= 4 {
+            memo.remove(0);
+        }
+        memo.push((key, a.clone()));
+        a
+    })
 }
 
 /// How many blocks split the slots of one head: a power of two (few compiled variants as a
@@ -220,8 +247,8 @@ pub fn new_counters(heads: usize) -> Result<Array> {
     device_array(&Array::from_slice(&[0u32], &[1]), heads.max(16) as i32)
 }
 
-/// `q`: `[1, heads, 1, D]`; `keys`, `values`: `[1, kv_heads, slots, D]`; `slot_mask`:
-/// `[1, slots]` (additive). Returns `[1, heads * D]`. `splits` is what [`splits_for`] gave
+/// `q`: `[1, heads, 1, D]`; `keys`, `values`: `[1, kv_heads, slots, D]`; `visible`: the
+/// slots the query attends to (what the cache's slot mask leaves visible). Returns `[1, heads * D]`. `splits` is what [`splits_for`] gave
 /// for the shape (the caller asks it first, to know whether the kernel serves the shape);
 /// `counters` come from [`new_counters`], one set per call site (calls of one site never
 /// overlap: each step's depends on the previous step's token).
@@ -235,7 +262,7 @@ pub fn decode_attention(
     q: &Array,
     keys: &Array,
     values: &Array,
-    slot_mask: &Array,
+    visible: std::ops::Range<usize>,
     splits: usize,
     counters: &Array,
 ) -> Result<Array> {
@@ -244,13 +271,17 @@ pub fn decode_attention(
     if counters.size() < heads as usize || counters.dtype() != Dtype::Uint32 {
         bail!("decode_attention needs {heads} uint32 counters, got {counters:?}");
     }
+    if visible.end > slots as usize || visible.start > visible.end {
+        bail!("decode_attention: slots {visible:?} outside a buffer of {slots}");
+    }
+    let visible = range_array(visible);
     let splits = splits as i32;
     KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
             *slot = Some(CudaKernel::new(
                 "decode_attention",
-                &["q", "k", "v", "mask", "counter"],
+                &["q", "k", "v", "visible", "counter"],
                 &["partial", "out"],
                 SOURCE,
                 REDUCE_HEADER,
@@ -259,7 +290,7 @@ pub fn decode_attention(
         let kernel = slot.as_ref().expect("just built");
         let threads = 32 * WARPS;
         let mut out = kernel.apply(
-            &[q, keys, values, slot_mask, counters],
+            &[q, keys, values, &visible, counters],
             &[
                 (&[heads * splits, d + 2], Dtype::Float32),
                 (&[1, heads * d], q.dtype()),
@@ -267,13 +298,13 @@ pub fn decode_attention(
             (heads * splits * threads, 1, 1),
             (threads, 1, 1),
             &[
-                ("T", TemplateArg::Dtype(q.dtype())),
-                ("D", TemplateArg::Int(d)),
-                ("GROUP", TemplateArg::Int(heads / kv_heads)),
-                ("WARPS", TemplateArg::Int(WARPS)),
-                ("SPLITS", TemplateArg::Int(splits)),
-                ("SLOTS", TemplateArg::Int(slots)),
-                ("MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
+                (c"T", TemplateArg::Dtype(q.dtype())),
+                (c"D", TemplateArg::Int(d)),
+                (c"GROUP", TemplateArg::Int(heads / kv_heads)),
+                (c"WARPS", TemplateArg::Int(WARPS)),
+                (c"SPLITS", TemplateArg::Int(splits)),
+                (c"SLOTS", TemplateArg::Int(slots)),
+                (c"MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
             ],
         )?;
         Ok(out.remove(1))

@@ -29,7 +29,7 @@ mod source_files;
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Result};
@@ -152,12 +152,8 @@ impl CudaKernel {
         outputs: &[(&[i32], Dtype)],
         grid: (i32, i32, i32),
         block: (i32, i32, i32),
-        template: &[(&str, TemplateArg)],
+        template: &[(&CStr, TemplateArg)],
     ) -> Result<Vec<Array>> {
-        let template_names: Vec<CString> = template
-            .iter()
-            .map(|(n, _)| CString::new(*n))
-            .collect::<Result<_, _>>()?;
         // SAFETY: every handle is created and freed here; the input arrays outlive the call,
         // and the outputs are taken over as new owned arrays before the vector is freed.
         unsafe {
@@ -174,7 +170,7 @@ impl CudaKernel {
             mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(
                 config, block.0, block.1, block.2,
             );
-            for ((_, arg), name) in template.iter().zip(&template_names) {
+            for (name, arg) in template {
                 match arg {
                     TemplateArg::Dtype(d) => {
                         mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(

@@ -297,12 +297,12 @@ pub fn normed_products(
             (blocks_for(n(0) + n(1) + n(2)) * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
-                ("T", TemplateArg::Dtype(dtype)),
-                ("K", TemplateArg::Int(k)),
-                ("N0", TemplateArg::Int(n(0))),
-                ("N1", TemplateArg::Int(n(1))),
-                ("N2", TemplateArg::Int(n(2))),
-                ("NORM", TemplateArg::Bool(norm.is_some())),
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"K", TemplateArg::Int(k)),
+                (c"N0", TemplateArg::Int(n(0))),
+                (c"N1", TemplateArg::Int(n(1))),
+                (c"N2", TemplateArg::Int(n(2))),
+                (c"NORM", TemplateArg::Bool(norm.is_some())),
             ],
         )?;
         out.truncate(weights.len());
@@ -359,11 +359,11 @@ pub fn gated_product(
             (blocks_for(n) * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
-                ("T", TemplateArg::Dtype(dtype)),
-                ("K", TemplateArg::Int(k)),
-                ("N", TemplateArg::Int(n)),
-                ("NORM", TemplateArg::Bool(norm.is_some())),
-                ("BY_VECTOR", TemplateArg::Bool(by_vector)),
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"K", TemplateArg::Int(k)),
+                (c"N", TemplateArg::Int(n)),
+                (c"NORM", TemplateArg::Bool(norm.is_some())),
+                (c"BY_VECTOR", TemplateArg::Bool(by_vector)),
             ],
         )?;
         Ok(out.remove(0))
@@ -394,10 +394,10 @@ pub fn product_residual(
             (blocks_for(n) * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
-                ("T", TemplateArg::Dtype(dtype)),
-                ("K", TemplateArg::Int(k)),
-                ("N", TemplateArg::Int(n)),
-                ("SCALED", TemplateArg::Bool(scale.is_some())),
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"K", TemplateArg::Int(k)),
+                (c"N", TemplateArg::Int(n)),
+                (c"SCALED", TemplateArg::Bool(scale.is_some())),
             ],
         )?;
         Ok(out.remove(0))

@@ -168,7 +168,7 @@ impl Attention {
                     &q,
                     &view.keys,
                     &view.values,
-                    slot_mask,
+                    view.first_query_slots.clone(),
                     splits,
                     &self.attention_counters,
                 )?,
@@ -218,7 +218,7 @@ impl Attention {
             q: self.q_proj.dense_weight()?,
             kv,
             q_norm: &self.q_norm,
-            periods: self.rope.periods(),
+            periods: self.rope.device_periods(),
         })
     }
 
@@ -305,7 +305,7 @@ impl Attention {
                 q: &q_raw,
                 q_norm: &self.q_norm,
                 kv: kv_raw.as_ref().map(|(k, v, norm)| (k, v, *norm)),
-                periods: self.rope.periods(),
+                periods: self.rope.device_periods(),
             };
             attention_inputs(&raw, nh, nkv, hd, self.eps, offset)?
         } else {

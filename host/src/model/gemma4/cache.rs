@@ -54,6 +54,9 @@ pub struct KvView {
     /// a view that grows by one key per token needs new plans at every step, which costs more
     /// host time than the whole step's arithmetic.
     pub slot_mask: Option<Array>,
+    /// The slots the first new query sees (its window's kept keys up to its own): with one
+    /// query, what `slot_mask` leaves visible.
+    pub first_query_slots: std::ops::Range<usize>,
 }
 
 /// Query windows up to this many tokens attend over whole buffers with a slot mask.
@@ -233,6 +236,7 @@ impl LayerKv {
         let first_position = self.first_visible(offset);
         let from = self.head + first_position - self.start;
         let to = self.head + self.len;
+        let first_query_slots = from..self.head + offset - self.start + 1;
         let (keys, values) = match (&self.keys, &self.values) {
             (Some(k), Some(v)) => (k, v),
             _ => anyhow::bail!("KV cache: keys counted before any buffer exists"),
@@ -243,6 +247,7 @@ impl LayerKv {
                 values: values.clone(),
                 first_position,
                 slot_mask: Some(self.slot_mask(t, dtype)?),
+                first_query_slots,
             });
         }
         let (from, to) = (from as i32, to as i32);
@@ -251,6 +256,7 @@ impl LayerKv {
             values: values.index((.., .., from..to, ..)),
             first_position,
             slot_mask: None,
+            first_query_slots,
         })
     }
 
@@ -433,5 +439,67 @@ mod tests {
         let update = Array::zeros::<f32>(&[1, 2, 1, 2]).unwrap();
         let err = write_slots(&buffer, &update, 1, 3).unwrap_err();
         assert!(err.to_string().contains("slots 1..3"), "{err}");
+    }
+
+    /// The positions the mask of a one-token view leaves visible (entries equal to 0).
+    fn visible_in_mask(view: &KvView) -> Vec<usize> {
+        let mask = view
+            .slot_mask
+            .as_ref()
+            .unwrap()
+            .as_dtype(Dtype::Float32)
+            .unwrap();
+        mask.as_slice::<f32>()
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| **v == 0.0)
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    #[test]
+    fn a_single_query_sees_exactly_its_first_query_slots() {
+        for kind in [AttentionKind::Sliding, AttentionKind::Full] {
+            let mut layer = LayerKv::new(kind, 4, 2, MaskMemo::default());
+            // A prompt of three, then single tokens past a compaction of the sliding buffer.
+            let prompt = Array::zeros::<f32>(&[1, 1, 3, 2]).unwrap();
+            layer.append(&prompt, &prompt).unwrap();
+            for step in 0..300 {
+                let token =
+                    Array::full::<f32>(&[1, 1, 1, 2], Array::from_f32(step as f32)).unwrap();
+                let view = layer.append(&token, &token).unwrap();
+                let seen: Vec<usize> = view.first_query_slots.clone().collect();
+                assert_eq!(seen, visible_in_mask(&view), "{kind:?}, step {step}");
+                if kind == AttentionKind::Sliding {
+                    assert_eq!(seen.len(), 4, "a window of four, step {step}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_kernel_write_takes_the_slot_append_would_write() {
+        let mut by_append = LayerKv::new(AttentionKind::Sliding, 4, 2, MaskMemo::default());
+        let mut by_kernel = LayerKv::new(AttentionKind::Sliding, 4, 2, MaskMemo::default());
+        let token = Array::zeros::<f32>(&[1, 1, 1, 2]).unwrap();
+        for step in 0..300 {
+            let appended = by_append.append(&token, &token).unwrap();
+            let (keys, _, slot) = by_kernel
+                .slot_for_next(&[1, 1, 1, 2], Dtype::Float32)
+                .unwrap();
+            assert_eq!(keys.shape(), appended.keys.shape(), "step {step}");
+            let counted = by_kernel.count_written(1, Dtype::Float32).unwrap();
+            // The slot written is the last valid one, as after the append.
+            assert_eq!(slot, by_kernel.head + by_kernel.len - 1, "step {step}");
+            assert_eq!(
+                (by_kernel.head, by_kernel.len, by_kernel.start),
+                (by_append.head, by_append.len, by_append.start),
+                "step {step}"
+            );
+            assert_eq!(
+                counted.first_query_slots, appended.first_query_slots,
+                "step {step}"
+            );
+        }
     }
 }
