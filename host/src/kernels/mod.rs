@@ -1,19 +1,22 @@
 //! Fused CUDA kernels for the decode path, run through MLX's custom-kernel API.
 //!
 //! Why they exist: on CUDA, MLX spends host time on every operation of a step (walking the
-//! graph, allocating, encoding a graph node), and a Gemma 4 decode step is ~2 000 small
-//! operations. Measured on an H200 (`mlx-spec bench`, BENCHMARKS.md), the device finishes a
-//! step's kernels in about the time the floor allows while the host spends 10–12 ms handing
-//! them to MLX, so a step costs what its operation count costs. Each kernel here replaces a
-//! chain of MLX operations with one:
-//! * [`products`]: a decode token's matrix-vector products with the norms, gates and
-//!   residual updates around them (norm + q/k/v, norm + gate/up + GELU, product + post-norm +
-//!   residual), three to four launches per layer instead of ~17 operations; runs with
-//!   `products`;
-//! * [`attention_inputs`]: q/k RMSNorm + RoPE and the v RMSNorm of one token, one kernel
-//!   instead of eight operations (three on a KV-sharing layer); runs with `attention`;
-//! * [`decode_attention`]: one query token over a layer's whole K/V buffers with the slot
-//!   mask (scores, mask, softmax, weighted sum), instead of seven operations.
+//! graph, allocating, encoding a graph node), and a Gemma 4 decode step was ~2 000 small
+//! operations whose host cost, not the weights, bounded the step (BENCHMARKS.md). Each kernel
+//! here replaces a chain of MLX operations with one:
+//! * [`attention_heads`]: a decode token's input RMSNorm, q/k/v products, head norms and RoPE,
+//!   and the write of its key and value into the cache, in one launch (with both kernel sets);
+//! * [`products`]: the other matrix-vector products with the norms, gates and residual updates
+//!   around them (norm + gate/up + GELU, product + post-norm + residual, the per-layer-input
+//!   gate); runs with `products`;
+//! * [`attention_inputs`]: q/k RMSNorm + RoPE and the v RMSNorm of one token, where the
+//!   products are MLX's (`attention` alone, or quantized weights);
+//! * [`decode_attention`]: one query token over a layer's whole K/V buffers and its visible
+//!   slots (scores, mask, softmax, weighted sum, the merge of the blocks' shares).
+//!
+//! An E4B decode step is 326 operations with all of them. Their source text reaches MLX as
+//! `#include` lines of files ([`source_files`]), because MLX handles a custom kernel's whole
+//! source at every call.
 //!
 //! They compute what the MLX operations compute, with the same roundings to the activation
 //! dtype at the same places, so a CUDA step matches the CPU one (checked by `bench/gpu/run.sh`:
@@ -25,7 +28,7 @@ pub mod attention_heads;
 pub mod attention_inputs;
 pub mod decode_attention;
 pub mod products;
-mod source_files;
+pub mod source_files;
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;

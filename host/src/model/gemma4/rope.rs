@@ -2,7 +2,7 @@
 //!
 //! On the CPU MLX has no RoPE kernel and writes each one out as ~15 operations (positions,
 //! angles, cosines and sines, slices, products, a concatenation), each costing host time in a
-//! decode step. There, for float32 windows of up to [`HOST_ANGLE_MAX_TOKENS`] tokens (decode
+//! decode step. There, for float32 windows of up to `HOST_ANGLE_MAX_TOKENS` (16) tokens (decode
 //! steps and verify windows, which thus compute the same function), the angles' cosines and
 //! sines are computed on the host (float32, `position * (1 / period)` as transformers computes
 //! them), the rotate-half partner of every element comes from one product with a fixed signed
