@@ -18,6 +18,7 @@
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
 #   opcost     host time per operation: MLX's add, RMSNorm and product vs our fused kernels
+#   q4check    E4B 4-bit decode with each --fused-kernels set, pipelined vs step by step
 #   quick      E4B bf16 decode with each set of fused kernels, alternated in one process
 #              (the in-process comparison of `mlx` alone, ~1.5 minutes)
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
@@ -113,6 +114,15 @@ if want mlx; then
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+fi
+
+if want q4check; then
+    # Which kernel set makes pipelined and step-by-step greedy decoding of the 4-bit E4B shape
+    # disagree (the bench refuses to report a speed when they do).
+    for fused in none attention products attention,products; do
+        bench "mlx-spec E4B 4-bit g64, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+            --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --fused-kernels "$fused"
+    done
 fi
 
 if want quick; then
