@@ -25,7 +25,7 @@ use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::products::{HEADER as PRODUCTS_HEADER, THREADS, WARPS};
-use super::{PerEpsilon, TemplateArg};
+use super::{step_ints, PerEpsilon, TemplateArg};
 
 const SOURCE: &str = r#"
   constexpr int WARPS = 8;
@@ -118,8 +118,6 @@ thread_local! {
         &["q", "raw"],
         SOURCE,
     ).with_header(PRODUCTS_HEADER));
-    // The [slot, capacity] arrays of the current step (one per kind of layer).
-    static SLOTS: RefCell<Vec<([i32; 2], Array)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
@@ -128,23 +126,6 @@ pub fn serves(head_dim: usize, dtype: Dtype) -> bool {
     head_dim >= 64
         && head_dim % 64 == 0
         && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
-}
-
-/// A `[2]` int32 array `[slot, capacity]`, made once per step and kind of layer.
-fn slot_array(slot: usize, capacity: usize) -> Array {
-    let key = [slot as i32, capacity as i32];
-    SLOTS.with(|cell| {
-        let mut memo = cell.borrow_mut();
-        if let Some((_, a)) = memo.iter().find(|(k, _)| *k == key) {
-            return a.clone();
-        }
-        let a = Array::from_slice(&key, &[2]);
-        if memo.len() >= 4 {
-            memo.remove(0);
-        }
-        memo.push((key, a.clone()));
-        a
-    })
 }
 
 /// A layer's projection weights (`[rows, hidden]`, dense) and head norms.
@@ -240,13 +221,13 @@ pub fn attention_heads(
                     c.slot
                 );
             }
-            (c.keys, c.values, slot_array(c.slot, capacity as usize))
+            (c.keys, c.values, step_ints(&[c.slot as i32, capacity]))
         }
         // A sharing layer writes nothing: the query's arrays stand in for the unused inputs.
-        None => (x, x, slot_array(0, 0)),
+        None => (x, x, step_ints(&[0, 0])),
     };
     let rows = shape.heads * d + nkv * d * if k_eq_v { 1 } else { 2 };
-    let position = super::attention_inputs::position_array(position);
+    let position = step_ints(&[position as i32]);
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
@@ -319,15 +300,6 @@ mod tests {
         let t = a.transpose_axes(&[0, 2, 1, 3]).unwrap();
         t.eval().unwrap();
         assert!(!is_row_contiguous(&t));
-    }
-
-    #[test]
-    fn one_slot_array_per_slot_and_capacity() {
-        let a = slot_array(5, 256);
-        assert_eq!(a.as_slice::<i32>(), &[5, 256]);
-        let b = slot_array(5, 256);
-        assert_eq!(a.as_slice::<i32>().as_ptr(), b.as_slice::<i32>().as_ptr());
-        assert_eq!(slot_array(6, 256).as_slice::<i32>(), &[6, 256]);
     }
 
     #[test]

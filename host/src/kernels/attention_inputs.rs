@@ -15,7 +15,7 @@ use std::cell::RefCell;
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
-use super::{PerEpsilon, TemplateArg};
+use super::{step_ints, PerEpsilon, TemplateArg};
 
 const SOURCE: &str = r#"
   __shared__ float red[32];
@@ -61,8 +61,6 @@ thread_local! {
         &["q", "k", "v"],
         SOURCE,
     ));
-    // The position array of the current step, shared by every layer of a forward.
-    static POSITION: RefCell<Option<(usize, Array)>> = const { RefCell::new(None) };
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a block holds half a head.
@@ -71,21 +69,6 @@ pub fn serves(head_dim: usize, dtype: Dtype) -> bool {
         && head_dim % 64 == 0
         && head_dim / 2 <= 1024
         && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
-}
-
-/// A `[1]` int32 array holding `position`, made once per step and reused by every layer.
-pub(crate) fn position_array(position: usize) -> Array {
-    POSITION.with(|cell| {
-        let mut memo = cell.borrow_mut();
-        match memo.as_ref() {
-            Some((p, a)) if *p == position => a.clone(),
-            _ => {
-                let a = Array::from_slice(&[position as i32], &[1]);
-                *memo = Some((position, a.clone()));
-                a
-            }
-        }
-    })
 }
 
 /// The raw projections of one token and the weights of its attention.
@@ -111,7 +94,7 @@ pub fn attention_inputs(
     position: usize,
 ) -> Result<(Array, Option<(Array, Array)>)> {
     let dtype = raw.q.dtype();
-    let position = position_array(position);
+    let position = step_ints(&[position as i32]);
     let nkv = if raw.kv.is_some() { kv_heads } else { 0 };
     // A sharing layer has no k/v: the query's arrays stand in for the unused inputs.
     let (k_raw, v_raw, k_norm) = raw.kv.unwrap_or((raw.q, raw.q, raw.q_norm));
@@ -170,19 +153,5 @@ mod tests {
         assert!(!serves(96, Dtype::Float32));
         assert!(!serves(4096, Dtype::Bfloat16));
         assert!(!serves(256, Dtype::Int32));
-    }
-
-    #[test]
-    fn one_position_array_serves_every_layer_of_a_step() {
-        let a = position_array(17);
-        let b = position_array(17);
-        assert_eq!(a.as_slice::<i32>(), &[17]);
-        assert_eq!(
-            a.as_slice::<i32>().as_ptr(),
-            b.as_slice::<i32>().as_ptr(),
-            "the second layer made a new array"
-        );
-        let c = position_array(18);
-        assert_eq!(c.as_slice::<i32>(), &[18]);
     }
 }

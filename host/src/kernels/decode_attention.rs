@@ -19,7 +19,7 @@ use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::products::device_array;
-use super::{CudaKernel, TemplateArg, REDUCE_HEADER};
+use super::{step_ints, CudaKernel, TemplateArg, REDUCE_HEADER};
 
 const SOURCE: &str = r#"
   // A lane loads 16 bytes (VEC elements) at a time; a row of D elements is CH such chunks
@@ -202,25 +202,6 @@ const MAX_SPLITS: usize = 64;
 
 thread_local! {
     static KERNEL: RefCell<Option<CudaKernel>> = const { RefCell::new(None) };
-    // The visible-slot arrays of the current step (one per kind of layer).
-    static RANGES: RefCell<Vec<([i32; 2], Array)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// A `[2]` int32 array `[start, end]`, made once per step and kind of layer.
-fn range_array(range: std::ops::Range<usize>) -> Array {
-    let key = [range.start as i32, range.end as i32];
-    RANGES.with(|cell| {
-        let mut memo = cell.borrow_mut();
-        if let Some((_, a)) = memo.iter().find(|(k, _)| *k == key) {
-            return a.clone();
-        }
-        let a = Array::from_slice(&key, &[2]);
-        if memo.len() >= 4 {
-            memo.remove(0);
-        }
-        memo.push((key, a.clone()));
-        a
-    })
 }
 
 /// How many blocks split the slots of one head: a power of two (few compiled variants as a
@@ -274,7 +255,7 @@ pub fn decode_attention(
     if visible.end > slots as usize || visible.start > visible.end {
         bail!("decode_attention: slots {visible:?} outside a buffer of {slots}");
     }
-    let visible = range_array(visible);
+    let visible = step_ints(&[visible.start as i32, visible.end as i32]);
     let splits = splits as i32;
     KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();

@@ -30,6 +30,7 @@ pub mod decode_attention;
 pub mod products;
 pub mod source_files;
 
+use std::cell::RefCell;
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -62,6 +63,34 @@ impl Fused {
             products: PRODUCTS_ALLOWED.load(Ordering::Relaxed),
         }
     }
+}
+
+thread_local! {
+    // The small integer arrays of the current step (see `step_ints`), newest last.
+    static STEP_INTS: RefCell<Vec<(Vec<i32>, Array)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// How many distinct [`step_ints`] arrays are kept: a step asks for about five (its position,
+/// and a cache slot and a visible range per kind of layer).
+const STEP_INTS_KEPT: usize = 8;
+
+/// An int32 array holding `values` (a step's position, a cache slot, a slot range), made once
+/// and shared by every layer of the step that asks for the same values: one array per step
+/// instead of one per layer. Made from host data, so MLX keeps it in host-visible memory:
+/// kernels read such arrays once per block at most.
+pub(crate) fn step_ints(values: &[i32]) -> Array {
+    STEP_INTS.with(|cell| {
+        let mut memo = cell.borrow_mut();
+        if let Some((_, a)) = memo.iter().find(|(k, _)| k.as_slice() == values) {
+            return a.clone();
+        }
+        let a = Array::from_slice(values, &[values.len() as i32]);
+        if memo.len() >= STEP_INTS_KEPT {
+            memo.remove(0);
+        }
+        memo.push((values.to_vec(), a.clone()));
+        a
+    })
 }
 
 /// Allows or forbids each fused kernel for the rest of the process (`--fused-kernels`).
@@ -323,3 +352,27 @@ __device__ inline float block_max(float v, float* red) {
   return warp_max(v);
 }
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_array_per_distinct_step_values() {
+        let a = step_ints(&[17]);
+        let b = step_ints(&[17]);
+        assert_eq!(a.as_slice::<i32>(), &[17]);
+        assert_eq!(
+            a.as_slice::<i32>().as_ptr(),
+            b.as_slice::<i32>().as_ptr(),
+            "the second layer made a new array"
+        );
+        assert_eq!(step_ints(&[18]).as_slice::<i32>(), &[18]);
+        assert_eq!(step_ints(&[5, 256]).as_slice::<i32>(), &[5, 256]);
+        // Older values give way to newer ones, and come back as new arrays with the same data.
+        for v in 0..2 * STEP_INTS_KEPT as i32 {
+            step_ints(&[1000 + v]);
+        }
+        assert_eq!(step_ints(&[17]).as_slice::<i32>(), &[17]);
+    }
+}

@@ -240,44 +240,31 @@ impl Attention {
             head_dim: self.head_dim,
         };
         let dtype = x.dtype();
+        let heads = |target: Option<CacheSlot>| {
+            attention_heads(
+                x,
+                input_norm,
+                self.eps,
+                weights,
+                &shape,
+                offset,
+                target,
+                &self.heads_counter,
+            )
+        };
         match cache {
             Some(cache) if weights.kv.is_some() => {
                 let kv_shape = [1, self.num_kv_heads, 1, self.head_dim];
                 let (keys, values, slot) = cache.slot_for_next(&kv_shape, dtype)?;
-                let target = CacheSlot {
+                let q = heads(Some(CacheSlot {
                     keys: &keys,
                     values: &values,
                     slot,
-                };
-                let q = attention_heads(
-                    x,
-                    input_norm,
-                    self.eps,
-                    weights,
-                    &shape,
-                    offset,
-                    Some(target),
-                    &self.heads_counter,
-                )?;
+                }))?;
                 let view = cache.count_written(1, dtype)?;
                 Ok((q, view.clone(), Some(view)))
             }
-            _ => {
-                let view = shared.cloned().ok_or_else(|| {
-                    anyhow::anyhow!("KV-sharing layer called without its donor's keys")
-                })?;
-                let q = attention_heads(
-                    x,
-                    input_norm,
-                    self.eps,
-                    weights,
-                    &shape,
-                    offset,
-                    None,
-                    &self.heads_counter,
-                )?;
-                Ok((q, view, None))
-            }
+            _ => Ok((heads(None)?, donor_view(shared)?, None)),
         }
     }
 
@@ -334,16 +321,18 @@ impl Attention {
                 let view = cache.append(&k, &v)?;
                 (view.clone(), Some(view))
             }
-            _ => {
-                let view = shared.cloned().ok_or_else(|| {
-                    anyhow::anyhow!("KV-sharing layer called without its donor's keys")
-                })?;
-                (view, None)
-            }
+            _ => (donor_view(shared)?, None),
         };
 
         Ok((q, view, produced))
     }
+}
+
+/// The donor's view a KV-sharing layer attends over.
+fn donor_view(shared: Option<&KvView>) -> Result<KvView> {
+    shared
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("KV-sharing layer called without its donor's keys"))
 }
 
 /// Attention of a short query window (`q`: `[1, heads, T, head_dim]`) over the whole K/V
