@@ -19,6 +19,7 @@
 #   graph      operations in one E4B decode step, by kind
 #   opcost     host time per operation: MLX's add, RMSNorm and product vs our fused kernels
 #   q4check    E4B 4-bit decode with each --fused-kernels set, pipelined vs step by step
+#   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
 #   quick      E4B bf16 decode with each set of fused kernels, alternated in one process
 #              (the in-process comparison of `mlx` alone, ~1.5 minutes)
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
@@ -178,6 +179,16 @@ if want opcost; then
         echo "## bench --op-cost ${env:-(default graph sizes)}"
         env $env timeout 240 "$BIN" bench --device gpu --op-cost --repeats 3 2>"$RES/opcost.err" | tee -a "$RES/opcost.md"
         row "host µs per operation${env:+ ($env)} | printed above, kept in opcost.md"
+    done
+fi
+if want ffspeed; then
+    # Weight streaming rate of the feed-forward block (85 % of E4B's bytes), MLX's operations vs
+    # the fused products at 1, 2 and 4 rows per warp; E4B and 12B shapes.
+    for m in gemma-4-e4b gemma-4-12b; do
+        echo "## bench --feed-forward-speed ($m)"
+        timeout 240 "$BIN" bench --device gpu --feed-forward-speed --model "$ROOT/configs/$m.json" --repeats 3 \
+            2>"$RES/ffspeed.err" | tee -a "$RES/ffspeed.md"
+        row "feed-forward GB/s ($m) | printed above, kept in ffspeed.md"
     done
 fi
 if want knobs; then

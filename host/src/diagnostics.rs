@@ -16,9 +16,11 @@ use mlx_rs::transforms::async_eval;
 use mlx_rs::{Array, Dtype};
 
 use crate::kernels::products::{
-    gated_product, new_counter, normed_products, product_residual, GateUp,
+    gated_product, gated_product_rows, new_counter, normed_products, product_residual,
+    product_residual_rows, GateUp, ROWS_PER_WARP_CHOICES,
 };
 use crate::kernels::{CudaKernel, Fused, TemplateArg};
+use crate::model::gemma4::activation::gated_gelu;
 
 /// Body of the op-cost kernel: one multiply per element.
 const SCALE_SOURCE: &str = "
@@ -217,6 +219,128 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
     Ok(costs)
 }
 
+/// How fast one way of computing a decode token's feed-forward block streams its weights.
+#[derive(Debug, Clone)]
+pub struct FeedForwardSpeed {
+    pub kind: String,
+    /// Host time to build one block's operations.
+    pub build_us: f64,
+    /// Host time `async_eval` takes per block.
+    pub submit_us: f64,
+    /// Wall time per block, from the start of building to the result on the host.
+    pub total_us: f64,
+    /// Weight bytes per block over `total_us`: the device's streaming rate when the device,
+    /// not the host, bounds the chain (then `total_us` is well above build + submit).
+    pub gb_per_s: f64,
+}
+
+/// The feed-forward block of a decode token (`h + rms_norm(down(gelu(gate(n)) * up(n)))`,
+/// `n = rms_norm(h)`) over `layers` distinct bf16 weight sets of `hidden` x `intermediate`,
+/// chained as in a model, timed with MLX's operations and, where the fused CUDA kernels run,
+/// with [`gated_product`] and [`product_residual`] at each row count per warp. The weights of
+/// the chain should exceed the device's cache (E4B: 157 MB a layer) for the rate to be the
+/// memory's. The median of `rounds` chains after a warm-up one.
+pub fn feed_forward_speed(
+    hidden: i32,
+    intermediate: i32,
+    layers: usize,
+    rounds: usize,
+) -> Result<Vec<FeedForwardSpeed>> {
+    if hidden <= 0 || intermediate <= 0 || layers == 0 || rounds == 0 {
+        bail!("feed_forward_speed needs positive sizes, a layer and a round");
+    }
+    let dtype = Dtype::Bfloat16;
+    let eps = 1e-6;
+    let mut weights = Vec::with_capacity(layers);
+    for layer in 0..layers {
+        let normal = |rows: i32, cols: i32, seed: usize| -> Result<Array> {
+            let key = random::key((100 + 3 * layer + seed) as u64)?;
+            Ok(random::normal::<half::bf16>(
+                &[rows, cols],
+                0.0,
+                0.02,
+                &key,
+            )?)
+        };
+        let gate = normal(intermediate, hidden, 0)?;
+        let up = normal(intermediate, hidden, 1)?;
+        let down = normal(hidden, intermediate, 2)?;
+        for w in [&gate, &up, &down] {
+            w.eval()?;
+        }
+        weights.push((gate, up, down, new_counter()?));
+    }
+    let norm = Array::ones::<f32>(&[hidden])?.as_dtype(dtype)?;
+    let start = random::normal::<half::bf16>(&[1, hidden], 0.0, 1.0, &random::key(99)?)?;
+    norm.eval()?;
+    start.eval()?;
+    let bytes_per_layer = 3.0 * hidden as f64 * intermediate as f64 * 2.0;
+    let (weights, norm) = (&weights, &norm);
+
+    type Block<'a> = Box<dyn Fn(&Array, usize) -> Result<Array> + 'a>;
+    let mut kinds: Vec<(String, Block)> = vec![(
+        "MLX operations".to_string(),
+        Box::new(|h: &Array, l: usize| {
+            let (gate, up, down, _) = &weights[l];
+            let n = rms_norm(h, Some(norm), eps)?;
+            let act = gated_gelu(
+                &matmul(&n, gate.transpose()?)?,
+                &matmul(&n, up.transpose()?)?,
+            )?;
+            let d = matmul(&act, down.transpose()?)?;
+            Ok(h.add(rms_norm(&d, Some(norm), eps)?)?)
+        }),
+    )];
+    if Fused::for_next_forward().products {
+        for rows in ROWS_PER_WARP_CHOICES {
+            kinds.push((
+                format!("fused products, {rows} row(s) per warp"),
+                Box::new(move |h: &Array, l: usize| {
+                    let (gate, up, down, counter) = &weights[l];
+                    let act =
+                        gated_product_rows(h, Some(norm), eps, gate, GateUp::Product(up), rows)?;
+                    product_residual_rows(&act, down, h, norm, eps, None, counter, rows)
+                }),
+            ));
+        }
+    }
+    let mut speeds = Vec::new();
+    for (kind, block) in &kinds {
+        let mut samples = Vec::new();
+        for round in 0..=rounds {
+            let begin = Instant::now();
+            let mut h = start.clone();
+            for l in 0..layers {
+                h = block(&h, l)?;
+            }
+            let built = Instant::now();
+            async_eval([&h])?;
+            let submitted = Instant::now();
+            h.eval()?;
+            let done = Instant::now();
+            if round > 0 {
+                let per_layer =
+                    |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6 / layers as f64;
+                samples.push((
+                    per_layer(begin, built),
+                    per_layer(built, submitted),
+                    per_layer(begin, done),
+                ));
+            }
+        }
+        samples.sort_by(|a, b| a.2.total_cmp(&b.2));
+        let (build_us, submit_us, total_us) = samples[samples.len() / 2];
+        speeds.push(FeedForwardSpeed {
+            kind: kind.clone(),
+            build_us,
+            submit_us,
+            total_us,
+            gb_per_s: bytes_per_layer / (total_us * 1e3),
+        });
+    }
+    Ok(speeds)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,6 +358,17 @@ mod tests {
         assert_eq!(counts.get("Add"), Some(&1), "{counts:?}");
         assert_eq!(counts.get("Exp"), Some(&1), "{counts:?}");
         assert_eq!(counts.values().sum::<usize>(), 3, "{counts:?}");
+    }
+
+    #[test]
+    fn feed_forward_speed_times_mlx_operations_on_the_cpu() {
+        let speeds = feed_forward_speed(64, 128, 2, 1).unwrap();
+        // No fused kernels off a CUDA device.
+        assert_eq!(speeds.len(), 1, "{speeds:?}");
+        assert_eq!(speeds[0].kind, "MLX operations");
+        let s = &speeds[0];
+        assert!(s.total_us >= s.build_us && s.gb_per_s > 0.0, "{s:?}");
+        assert!(feed_forward_speed(64, 128, 0, 1).is_err());
     }
 
     #[test]

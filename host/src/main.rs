@@ -272,6 +272,11 @@ struct BenchArgs {
     /// of 400 operations on a 1024-wide bf16 vector. Says which operations to fuse next.
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph"])]
     op_cost: bool,
+    /// Instead of decoding: how fast a decode token's feed-forward block streams its weights
+    /// (GB/s), with MLX's operations and, on a CUDA GPU, with the fused product kernels at
+    /// each row count per warp; shapes from the --model config, 16 layers of bf16 weights.
+    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost"])]
+    feed_forward_speed: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -299,26 +304,33 @@ struct Loaded {
     load_seconds: f64,
 }
 
+/// The config of `path` (a config.json file, or a folder holding one): the folder, the
+/// file and the parsed config.
+fn read_config(path: &Path) -> Result<(PathBuf, PathBuf, Gemma4Config)> {
+    let (dir, config_path) = if path.is_file() {
+        (
+            path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+            path.to_path_buf(),
+        )
+    } else {
+        (path.to_path_buf(), path.join("config.json"))
+    };
+    let text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("cannot read {}", config_path.display()))?;
+    let raw: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", config_path.display()))?;
+    let config = Gemma4Config::from_json(&raw)
+        .with_context(|| format!("invalid config {}", config_path.display()))?;
+    Ok((dir, config_path, config))
+}
+
 fn load_model(args: &ModelArgs) -> Result<Loaded> {
     device::select(args.device)?;
     mlx_spec::kernels::set_allowed(args.fused());
     let start = Instant::now();
     let path = &args.model;
     if args.random_weights {
-        let (dir, config_path) = if path.is_file() {
-            (
-                path.parent().unwrap_or(Path::new(".")).to_path_buf(),
-                path.clone(),
-            )
-        } else {
-            (path.clone(), path.join("config.json"))
-        };
-        let text = std::fs::read_to_string(&config_path)
-            .with_context(|| format!("cannot read {}", config_path.display()))?;
-        let raw: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not valid JSON", config_path.display()))?;
-        let config = Gemma4Config::from_json(&raw)
-            .with_context(|| format!("invalid config {}", config_path.display()))?;
+        let (dir, config_path, config) = read_config(path)?;
         let dtype = match args.dtype.choice() {
             DtypeChoice::Fixed(d) => d,
             DtypeChoice::Auto => Dtype::Bfloat16,
@@ -1085,6 +1097,39 @@ fn run_op_cost(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `bench --feed-forward-speed`: the feed-forward block's weight streaming rate, by method.
+fn run_feed_forward_speed(args: &BenchArgs) -> Result<()> {
+    device::select(args.model.device)?;
+    mlx_spec::kernels::set_allowed(args.model.fused());
+    let (_, _, config) = read_config(&args.model.model)?;
+    let (hidden, intermediate) = (config.hidden_size as i32, config.intermediate_size as i32);
+    let speeds = mlx_spec::diagnostics::feed_forward_speed(hidden, intermediate, 16, args.repeats)?;
+    if args.json {
+        let rows: Vec<_> = speeds
+            .iter()
+            .map(|s| {
+                json!({"kind": s.kind, "build_us": s.build_us, "submit_us": s.submit_us,
+                       "total_us": s.total_us, "gb_per_s": s.gb_per_s})
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({ "feed_forward_speed": rows, "hidden": hidden, "intermediate": intermediate })
+        );
+        return Ok(());
+    }
+    println!("feed-forward block, hidden {hidden}, intermediate {intermediate}, bf16, 16 layers:");
+    println!("| method | build µs/layer | async_eval µs/layer | total µs/layer | GB/s |");
+    println!("|---|---|---|---|---|");
+    for s in &speeds {
+        println!(
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            s.kind, s.build_us, s.submit_us, s.total_us, s.gb_per_s
+        );
+    }
+    Ok(())
+}
+
 fn run_bench(args: BenchArgs) -> Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens == 0 || args.repeats == 0 {
         bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
@@ -1094,6 +1139,9 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     }
     if args.op_cost {
         return run_op_cost(&args);
+    }
+    if args.feed_forward_speed {
+        return run_feed_forward_speed(&args);
     }
     let loaded = load_model(&args.model)?;
     let model = &loaded.model;

@@ -119,24 +119,41 @@ const GATED_SOURCE: &str = r#"
   __shared__ __align__(16) T xs[K];
   __shared__ float red[32];
   stage_input<T, K, NORM>(x, nw, xs, red);
-  const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (row >= N) return;
-  float g;
-  T u;
+  // A warp computes RPW consecutive rows (past the end: the last row again, not written).
+  const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
+  if (first >= N) return;
+  float g[RPW];
+  T u[RPW];
   if (BY_VECTOR) {
-    const T* wrow = wg + (size_t)row * K;
-    rows_dot<T, K, 1>(&wrow, xs, &g);
-    u = mul[mul_offset[0] + row];
+    const T* rows[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) rows[i] = wg + (size_t)min(first + i, N - 1) * K;
+    rows_dot<T, K, RPW>(rows, xs, g);
+#pragma unroll
+    for (int i = 0; i < RPW; i++) u[i] = mul[mul_offset[0] + min(first + i, N - 1)];
   } else {
-    const T* rows[2] = {wg + (size_t)row * K, wu + (size_t)row * K};
-    float d[2];
-    rows_dot<T, K, 2>(rows, xs, d);
-    g = d[0];
-    u = static_cast<T>(d[1]);
+    const T* rows[2 * RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+      rows[i] = wg + (size_t)min(first + i, N - 1) * K;
+      rows[RPW + i] = wu + (size_t)min(first + i, N - 1) * K;
+    }
+    float d[2 * RPW];
+    rows_dot<T, K, 2 * RPW>(rows, xs, d);
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+      g[i] = d[i];
+      u[i] = static_cast<T>(d[RPW + i]);
+    }
   }
   if ((threadIdx.x & 31) == 0) {
-    const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(g))));
-    y[row] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+      if (first + i < N) {
+        const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(g[i]))));
+        y[first + i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[i]));
+      }
+    }
   }
 "#;
 
@@ -147,13 +164,21 @@ const RESIDUAL_SOURCE: &str = r#"
   __shared__ bool is_last;
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
   stage_input<T, K, false>(a, a, xs, red);
-  const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (row < N) {
-    const T* wrow = w + (size_t)row * K;
-    float d;
-    rows_dot<T, K, 1>(&wrow, xs, &d);
+  // A warp computes RPW consecutive rows (past the end: the last row again, not written).
+  const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
+  if (first < N) {
+    const T* rows[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) rows[i] = w + (size_t)min(first + i, N - 1) * K;
+    float d[RPW];
+    rows_dot<T, K, RPW>(rows, xs, d);
     // The product as MLX rounds it, kept in float32 for the last block.
-    if ((threadIdx.x & 31) == 0) o[row] = static_cast<float>(static_cast<T>(d));
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int i = 0; i < RPW; i++) {
+        if (first + i < N) o[first + i] = static_cast<float>(static_cast<T>(d[i]));
+      }
+    }
   }
   // Publish this block's rows, then count it; the last block to arrive sees all rows.
   __threadfence();
@@ -262,7 +287,27 @@ fn rows_of(w: &Array, k: i32) -> Result<i32> {
 }
 
 fn blocks_for(rows: i32) -> i32 {
-    (rows + WARPS - 1) / WARPS
+    blocks_for_rows_per_warp(rows, 1)
+}
+
+fn blocks_for_rows_per_warp(rows: i32, rows_per_warp: i32) -> i32 {
+    let per_block = WARPS * rows_per_warp;
+    (rows + per_block - 1) / per_block
+}
+
+/// Rows one warp computes in [`gated_product`] and [`product_residual`]. `bench
+/// --kernel-bandwidth` measures other values ([`gated_product_rows`],
+/// [`product_residual_rows`]) against this one.
+pub const ROWS_PER_WARP: i32 = 1;
+
+/// Row counts per warp the kernels accept (each is a compiled variant).
+pub const ROWS_PER_WARP_CHOICES: [i32; 3] = [1, 2, 4];
+
+fn check_rows_per_warp(rows_per_warp: i32) -> Result<()> {
+    if !ROWS_PER_WARP_CHOICES.contains(&rows_per_warp) {
+        bail!("rows per warp must be one of {ROWS_PER_WARP_CHOICES:?}, got {rows_per_warp}");
+    }
+    Ok(())
 }
 
 /// `W_i · rms_norm(x, norm)` for up to three weights `[N_i, K]` sharing the input `x`
@@ -334,6 +379,19 @@ pub fn gated_product(
     gate: &Array,
     up: GateUp,
 ) -> Result<Array> {
+    gated_product_rows(x, norm, eps, gate, up, ROWS_PER_WARP)
+}
+
+/// [`gated_product`] with `rows_per_warp` rows per warp (one of [`ROWS_PER_WARP_CHOICES`]).
+pub fn gated_product_rows(
+    x: &Array,
+    norm: Option<&Array>,
+    eps: f32,
+    gate: &Array,
+    up: GateUp,
+    rows_per_warp: i32,
+) -> Result<Array> {
+    check_rows_per_warp(rows_per_warp)?;
     let k = x.shape()[x.ndim() - 1];
     let n = rows_of(gate, k)?;
     let dtype = x.dtype();
@@ -358,7 +416,7 @@ pub fn gated_product(
         let mut out = kernel.apply(
             &[x, norm.unwrap_or(x), gate, up_weight, mul, &offset],
             &[(&[1, n], dtype)],
-            (blocks_for(n) * THREADS, 1, 1),
+            (blocks_for_rows_per_warp(n, rows_per_warp) * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
                 (c"T", TemplateArg::Dtype(dtype)),
@@ -366,6 +424,7 @@ pub fn gated_product(
                 (c"N", TemplateArg::Int(n)),
                 (c"NORM", TemplateArg::Bool(norm.is_some())),
                 (c"BY_VECTOR", TemplateArg::Bool(by_vector)),
+                (c"RPW", TemplateArg::Int(rows_per_warp)),
             ],
         )?;
         Ok(out.remove(0))
@@ -384,6 +443,23 @@ pub fn product_residual(
     scale: Option<&Array>,
     counter: &Array,
 ) -> Result<Array> {
+    product_residual_rows(a, w, h, post_norm, eps, scale, counter, ROWS_PER_WARP)
+}
+
+/// [`product_residual`] with `rows_per_warp` rows per warp (one of
+/// [`ROWS_PER_WARP_CHOICES`]).
+#[allow(clippy::too_many_arguments)]
+pub fn product_residual_rows(
+    a: &Array,
+    w: &Array,
+    h: &Array,
+    post_norm: &Array,
+    eps: f32,
+    scale: Option<&Array>,
+    counter: &Array,
+    rows_per_warp: i32,
+) -> Result<Array> {
+    check_rows_per_warp(rows_per_warp)?;
     let k = a.shape()[a.ndim() - 1];
     let n = rows_of(w, k)?;
     let dtype = a.dtype();
@@ -393,13 +469,14 @@ pub fn product_residual(
         let mut out = kernel.apply(
             &[a, w, h, post_norm, scale.unwrap_or(post_norm), counter],
             &[(&[1, n], dtype), (&[n], Dtype::Float32)],
-            (blocks_for(n) * THREADS, 1, 1),
+            (blocks_for_rows_per_warp(n, rows_per_warp) * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
                 (c"T", TemplateArg::Dtype(dtype)),
                 (c"K", TemplateArg::Int(k)),
                 (c"N", TemplateArg::Int(n)),
                 (c"SCALED", TemplateArg::Bool(scale.is_some())),
+                (c"RPW", TemplateArg::Int(rows_per_warp)),
             ],
         )?;
         Ok(out.remove(0))
