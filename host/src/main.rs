@@ -997,37 +997,29 @@ fn compare_fused(
     prompt: &[u32],
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
+    use mlx_spec::kernels::products::{rows_per_warp, set_rows_per_warp};
     use mlx_spec::kernels::{set_allowed, Fused};
+    let fused = |attention, products| Fused {
+        attention,
+        products,
+    };
+    // (name, kernels, rows per warp of the feed-forward products)
     let sets = [
-        ("none", Fused::default()),
-        (
-            "attention",
-            Fused {
-                attention: true,
-                products: false,
-            },
-        ),
-        (
-            "products",
-            Fused {
-                attention: false,
-                products: true,
-            },
-        ),
-        (
-            "attention,products",
-            Fused {
-                attention: true,
-                products: true,
-            },
-        ),
+        ("none", fused(false, false), 1),
+        ("attention", fused(true, false), 1),
+        ("products", fused(false, true), 1),
+        ("attention,products", fused(true, true), 1),
+        ("attention,products, 2 rows/warp", fused(true, true), 2),
+        ("attention,products, 4 rows/warp", fused(true, true), 4),
     ];
+    let default_rows = rows_per_warp();
     let mut rates = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
     for round in 0..=repeats {
-        for (i, (_, fused)) in sets.iter().enumerate() {
+        for (i, (_, fused, rows)) in sets.iter().enumerate() {
             set_allowed(*fused);
+            set_rows_per_warp(*rows)?;
             let mut cache = model.new_cache();
             let logits = prefill(model, &mut cache, prompt)?;
             let (got, seconds, _) = decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
@@ -1038,11 +1030,22 @@ fn compare_fused(
         }
     }
     set_allowed(args.model.fused());
+    set_rows_per_warp(default_rows)?;
+    // More rows per warp regroups the same arithmetic: the tokens must not change.
+    for (i, (name, _, rows)) in sets.iter().enumerate() {
+        if *rows != 1 && tokens[i] != tokens[3] {
+            bail!(
+                "{name} changed the greedy tokens of attention,products: {:?} vs {:?}; this is a bug",
+                tokens[i],
+                tokens[3]
+            );
+        }
+    }
     Ok(sets
         .iter()
         .zip(rates)
         .zip(&tokens)
-        .map(|(((name, _), r), t)| (name.to_string(), median(r), *t == tokens[0]))
+        .map(|(((name, _, _), r), t)| (name.to_string(), median(r), *t == tokens[0]))
         .collect())
 }
 

@@ -25,6 +25,7 @@
 //! rounded before the gating product.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::ops::{concatenate, zeros_dtype};
@@ -295,13 +296,27 @@ fn blocks_for_rows_per_warp(rows: i32, rows_per_warp: i32) -> i32 {
     (rows + per_block - 1) / per_block
 }
 
-/// Rows one warp computes in [`gated_product`] and [`product_residual`]. `bench
-/// --kernel-bandwidth` measures other values ([`gated_product_rows`],
-/// [`product_residual_rows`]) against this one.
-pub const ROWS_PER_WARP: i32 = 1;
+/// Rows one warp computes in [`gated_product`] and [`product_residual`] (the feed-forward
+/// and closing products) for the rest of the process; see [`set_rows_per_warp`].
+static ROWS_PER_WARP: AtomicI32 = AtomicI32::new(1);
 
 /// Row counts per warp the kernels accept (each is a compiled variant).
 pub const ROWS_PER_WARP_CHOICES: [i32; 3] = [1, 2, 4];
+
+/// Sets the rows one warp computes in [`gated_product`] and [`product_residual`]. The results
+/// are the same whatever the count (each row's arithmetic is unchanged); only the work per
+/// block, and so the device's streaming rate, changes (`bench --feed-forward-speed` and
+/// `bench --compare-fused` measure it).
+pub fn set_rows_per_warp(rows: i32) -> Result<()> {
+    check_rows_per_warp(rows)?;
+    ROWS_PER_WARP.store(rows, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The current row count per warp ([`set_rows_per_warp`]).
+pub fn rows_per_warp() -> i32 {
+    ROWS_PER_WARP.load(Ordering::Relaxed)
+}
 
 fn check_rows_per_warp(rows_per_warp: i32) -> Result<()> {
     if !ROWS_PER_WARP_CHOICES.contains(&rows_per_warp) {
@@ -379,7 +394,7 @@ pub fn gated_product(
     gate: &Array,
     up: GateUp,
 ) -> Result<Array> {
-    gated_product_rows(x, norm, eps, gate, up, ROWS_PER_WARP)
+    gated_product_rows(x, norm, eps, gate, up, rows_per_warp())
 }
 
 /// [`gated_product`] with `rows_per_warp` rows per warp (one of [`ROWS_PER_WARP_CHOICES`]).
@@ -443,7 +458,7 @@ pub fn product_residual(
     scale: Option<&Array>,
     counter: &Array,
 ) -> Result<Array> {
-    product_residual_rows(a, w, h, post_norm, eps, scale, counter, ROWS_PER_WARP)
+    product_residual_rows(a, w, h, post_norm, eps, scale, counter, rows_per_warp())
 }
 
 /// [`product_residual`] with `rows_per_warp` rows per warp (one of
@@ -507,6 +522,17 @@ mod tests {
         assert!(err.to_string().contains("[rows, 8]"), "{err}");
         let err = normed_products(&x, None, 1e-6, &[]).unwrap_err();
         assert!(err.to_string().contains("one to three"), "{err}");
+    }
+
+    #[test]
+    fn rows_per_warp_takes_the_compiled_choices_only() {
+        assert!(set_rows_per_warp(3).is_err());
+        assert!(set_rows_per_warp(0).is_err());
+        assert_eq!(rows_per_warp(), 1, "a refused count changes nothing");
+        let x = Array::zeros::<f32>(&[1, 8]).unwrap();
+        let w = Array::zeros::<f32>(&[4, 8]).unwrap();
+        let err = gated_product_rows(&x, None, 1e-6, &w, GateUp::Product(&w), 8).unwrap_err();
+        assert!(err.to_string().contains("rows per warp"), "{err}");
     }
 
     #[test]
