@@ -13,8 +13,10 @@
 //! operations instead of ~28. (`normed_products` serves layers whose attention heads go
 //! through [`super::attention_inputs`]: `--fused-kernels products` alone.)
 //!
-//! A warp computes one output row (two, gate and up, in [`gated_product`]): its lanes stream
-//! the row in 16-byte loads and dot it with the input, staged once per block in shared memory.
+//! A warp computes one output row (two, gate and up, in [`gated_product`]; [`set_rows_per_warp`]
+//! gives the feed-forward kernels several consecutive rows per warp, streamed together): its
+//! lanes stream the row in 16-byte loads and dot it with the input, staged once per block in
+//! shared memory.
 //! The staging recomputes the input's RMSNorm in every block, which costs a read of the input
 //! from L2 and saves a launch. [`product_residual`] needs the norm of the whole product: the
 //! last block to finish (counted by an atomic counter the caller owns, reset by that block)
