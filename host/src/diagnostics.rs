@@ -186,29 +186,7 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
     }
     let mut costs = Vec::new();
     for (kind, step) in &kinds {
-        let mut samples = Vec::new();
-        for round in 0..=rounds {
-            let begin = Instant::now();
-            let mut x = start.clone();
-            for _ in 0..chain {
-                x = step(&x)?;
-            }
-            let built = Instant::now();
-            async_eval([&x])?;
-            let submitted = Instant::now();
-            x.eval()?;
-            let done = Instant::now();
-            if round > 0 {
-                let per_op = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6 / chain as f64;
-                samples.push((
-                    per_op(begin, built),
-                    per_op(built, submitted),
-                    per_op(begin, done),
-                ));
-            }
-        }
-        samples.sort_by(|a, b| a.2.total_cmp(&b.2));
-        let (build_us, submit_us, total_us) = samples[samples.len() / 2];
+        let (build_us, submit_us, total_us) = time_chain(&start, chain, rounds, |x, _| step(x))?;
         costs.push(OperationCost {
             kind,
             build_us,
@@ -217,6 +195,40 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
         });
     }
     Ok(costs)
+}
+
+/// Times `rounds` chains of `links` calls of `link` (each fed the previous result and its
+/// index) from `start`, after a warm-up chain: the median chain's host time to build, host
+/// time in `async_eval`, and wall time to the result, each in µs per link.
+fn time_chain(
+    start: &Array,
+    links: usize,
+    rounds: usize,
+    link: impl Fn(&Array, usize) -> Result<Array>,
+) -> Result<(f64, f64, f64)> {
+    let mut samples = Vec::new();
+    for round in 0..=rounds {
+        let begin = Instant::now();
+        let mut x = start.clone();
+        for i in 0..links {
+            x = link(&x, i)?;
+        }
+        let built = Instant::now();
+        async_eval([&x])?;
+        let submitted = Instant::now();
+        x.eval()?;
+        let done = Instant::now();
+        if round > 0 {
+            let per_link = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6 / links as f64;
+            samples.push((
+                per_link(begin, built),
+                per_link(built, submitted),
+                per_link(begin, done),
+            ));
+        }
+    }
+    samples.sort_by(|a, b| a.2.total_cmp(&b.2));
+    Ok(samples[samples.len() / 2])
 }
 
 /// How fast one way of computing a decode token's feed-forward block streams its weights.
@@ -306,30 +318,7 @@ pub fn feed_forward_speed(
     }
     let mut speeds = Vec::new();
     for (kind, block) in &kinds {
-        let mut samples = Vec::new();
-        for round in 0..=rounds {
-            let begin = Instant::now();
-            let mut h = start.clone();
-            for l in 0..layers {
-                h = block(&h, l)?;
-            }
-            let built = Instant::now();
-            async_eval([&h])?;
-            let submitted = Instant::now();
-            h.eval()?;
-            let done = Instant::now();
-            if round > 0 {
-                let per_layer =
-                    |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6 / layers as f64;
-                samples.push((
-                    per_layer(begin, built),
-                    per_layer(built, submitted),
-                    per_layer(begin, done),
-                ));
-            }
-        }
-        samples.sort_by(|a, b| a.2.total_cmp(&b.2));
-        let (build_us, submit_us, total_us) = samples[samples.len() / 2];
+        let (build_us, submit_us, total_us) = time_chain(&start, layers, rounds, block)?;
         speeds.push(FeedForwardSpeed {
             kind: kind.clone(),
             build_us,

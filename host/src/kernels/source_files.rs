@@ -29,7 +29,7 @@ pub(crate) fn included(text: &str) -> Cow<'_, str> {
     if text.trim().is_empty() || SIGNATURE_MARKERS.iter().any(|m| text.contains(m)) {
         return Cow::Borrowed(text);
     }
-    match source_folder().and_then(|folder| place(&folder, text)) {
+    match place(&source_folder(), text) {
         Ok(path) => Cow::Owned(format!("#include \"{}\"\n", path.display())),
         Err(err) => {
             if !WARNED.swap(true, Ordering::Relaxed) {
@@ -44,7 +44,7 @@ pub(crate) fn included(text: &str) -> Cow<'_, str> {
 
 /// Where the files go: `$XDG_CACHE_HOME/mlx-spec/cuda-sources`, else `~/.cache/…`, else the
 /// temporary folder.
-fn source_folder() -> Result<PathBuf, String> {
+fn source_folder() -> PathBuf {
     let base = std::env::var_os("XDG_CACHE_HOME")
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
@@ -54,7 +54,7 @@ fn source_folder() -> Result<PathBuf, String> {
                 .map(|h| PathBuf::from(h).join(".cache"))
         })
         .unwrap_or_else(std::env::temp_dir);
-    Ok(base.join("mlx-spec").join("cuda-sources"))
+    base.join("mlx-spec").join("cuda-sources")
 }
 
 /// Writes `text` to `folder/<hash>.cuh` unless that file already holds exactly `text`, then
