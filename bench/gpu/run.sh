@@ -8,6 +8,8 @@
 # Steps (default: fixtures bandwidth mlx peer cpu-check):
 #   fixtures   greedy tokens of every test fixture on the GPU == transformers' (f32, TF32 off)
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
+#   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
+#              product can reach with no host in the way
 #   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
 #   peer       transformers' Gemma4ForCausalLM decode on the E4B config (dynamic cache, then
 #              static cache + torch.compile; `peer-static`: the second alone). PEER_TIMEOUT
@@ -19,7 +21,10 @@
 #   graph      operations in one E4B decode step, by kind
 #   opcost     host time per operation: MLX's add, RMSNorm and product vs our fused kernels
 #   q4check    E4B 4-bit decode with each --fused-kernels set, pipelined vs step by step
+#   repeat     E4B decode repeated from fresh caches (4-bit and bf16): bitwise-equal logits?
 #   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
+#   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
+#              fused kernels and without
 #   quick      E4B bf16 decode with each set of fused kernels, alternated in one process
 #              (the in-process comparison of `mlx` alone, ~1.5 minutes)
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
@@ -86,6 +91,11 @@ if want bandwidth; then
     row "device copy bandwidth (read + write) | $(cat "$RES/bandwidth.txt") TB/s"
 fi
 BW="$(cat "$RES/bandwidth.txt" 2>/dev/null)"
+if want gemv; then
+    # What cuBLAS reaches on one token's products, back to back in a CUDA graph (no host).
+    python3 "$ROOT/bench/gpu/gemv_bandwidth.py" | tee "$RES/gemv.md"
+    row "one-token products through cuBLAS (PyTorch, CUDA graph) | printed above, kept in gemv.md"
+fi
 
 # 3. Plain decode speed of real Gemma 4 shapes with random weights, and the verify cost curve.
 bench() {
@@ -124,6 +134,35 @@ if want q4check; then
         bench "mlx-spec E4B 4-bit g64, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --fused-kernels "$fused"
     done
+fi
+
+if want repeat; then
+    # Is each decode bitwise repeatable on the device? Logits of step-by-step runs fed the
+    # same tokens, and the tokens of pipelined runs, each against a first step-by-step run.
+    for spec in "4-bit none" "4-bit attention,products" "bf16 none" "bf16 attention,products"; do
+        read -r kind fused <<<"$spec"
+        quant=(); [[ "$kind" == 4-bit ]] && quant=(--random-bits 4)
+        echo "## repeatability: E4B $kind, --fused-kernels $fused"
+        timeout 240 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+            "${quant[@]}" --prompt-tokens 512 --gen-tokens 48 --repeatability 3 --fused-kernels "$fused" 2>"$RES/repeat.err" \
+            | tee -a "$RES/repeat.txt" | grep -v "reference tokens" || tail -n 2 "$RES/repeat.err"
+    done
+    row "repeatability of E4B decode | printed above, kept in repeat.txt"
+fi
+
+if want profile; then
+    # Device time of one E4B decode step, kernel by kernel (Nsight Compute, clocks unlocked so
+    # durations are those of a normal run): what the device does when no host is in the way.
+    NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+    for fused in attention,products none; do
+        timeout 240 "$NCU" --csv --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+            "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+            --prompt-ids 2,3,4,5,6,7,8,9 --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" \
+            >"$RES/profile-$fused.csv" 2>"$RES/profile-$fused.err"
+        python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-$fused.csv" "E4B bf16, --fused-kernels $fused" \
+            | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-$fused.err"
+    done
+    row "device time of one E4B decode step (Nsight Compute) | printed above, kept in profile.md"
 fi
 
 if want quick; then

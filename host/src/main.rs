@@ -277,6 +277,12 @@ struct BenchArgs {
     /// each row count per warp; shapes from the --model config, 16 layers of bf16 weights.
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost"])]
     feed_forward_speed: bool,
+    /// Also decode greedily this many times from fresh caches and report whether the logits
+    /// repeat bit for bit: the prefill's last logits, each step-by-step step fed the first
+    /// run's tokens, and the tokens of pipelined runs. Tells a non-deterministic operation
+    /// from a pipelining fault when pipelined and step-by-step decoding disagree.
+    #[arg(long, value_name = "RUNS", conflicts_with = "drafter")]
+    repeatability: Option<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -914,6 +920,92 @@ fn check_against_cpu(
     })
 }
 
+/// Greedy tokens and the float32 logits behind each (`logits[0]`: the prefill's last), one
+/// synchronised step at a time from a fresh cache. With `forced`, step `i` is fed `forced[i]`
+/// instead of its own pick, so the logits of two runs stay comparable after a pick differs.
+fn stepwise_logits(
+    model: &Gemma4Model,
+    prompt: &[u32],
+    n: usize,
+    forced: Option<&[u32]>,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let to_host = |logits: &mlx_rs::Array| -> Result<Vec<f32>> {
+        let logits = logits.as_dtype(Dtype::Float32)?;
+        logits.eval()?;
+        Ok(logits.as_slice::<f32>().to_vec())
+    };
+    let mut cache = model.new_cache();
+    let mut logits = prefill(model, &mut cache, prompt)?;
+    let mut tokens = Vec::with_capacity(n + 1);
+    let mut all = Vec::with_capacity(n + 1);
+    for step in 0..=n {
+        tokens.push(greedy_token(&logits)?);
+        all.push(to_host(&logits)?);
+        if step == n {
+            break;
+        }
+        let fed = forced.map_or(tokens[step], |f| f[step]);
+        logits = model.forward(&[fed], &mut cache, LogitsFor::Last, false)?.logits;
+    }
+    Ok((tokens, all))
+}
+
+/// Gap between the best and the second-best of `logits`.
+fn top2_margin(logits: &[f32]) -> f32 {
+    let (mut best, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in logits {
+        if v > best {
+            (best, second) = (v, best);
+        } else if v > second {
+            second = v;
+        }
+    }
+    best - second
+}
+
+/// `bench --repeatability RUNS`: decodes `n` greedy tokens `runs` times from fresh caches and
+/// prints, for each run after the first, where its logits first differ from the first run's
+/// (every run fed the first run's tokens) and, for as many pipelined runs, where their tokens
+/// first differ. A bitwise-repeatable device gives identical logits everywhere; then a
+/// pipelined run that departs points at the pipelining, not at an operation.
+fn report_repeatability(model: &Gemma4Model, prompt: &[u32], runs: usize, n: usize) -> Result<()> {
+    let (reference, reference_logits) = stepwise_logits(model, prompt, n, None)?;
+    println!("repeatability: reference tokens {reference:?}");
+    for run in 1..runs.max(2) {
+        let (picks, logits) = stepwise_logits(model, prompt, n, Some(&reference))?;
+        let diffs: Vec<f32> = logits
+            .iter()
+            .zip(&reference_logits)
+            .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max))
+            .collect();
+        let first_diff = diffs.iter().position(|d| *d > 0.0);
+        let first_pick = picks.iter().zip(&reference).position(|(a, b)| a != b);
+        let worst = diffs.iter().copied().fold(0.0, f32::max);
+        match first_diff {
+            None => println!("repeatability: step-by-step run {run}: logits identical at all {} steps", diffs.len()),
+            Some(step) => println!(
+                "repeatability: step-by-step run {run}: logits first differ at step {step} (0 = prefill) by {:.3e}, at most {worst:.3e}; picks first differ at {first_pick:?} (reference top-2 margin there {:.3e})",
+                diffs[step],
+                first_pick.map_or(f32::NAN, |i| top2_margin(&reference_logits[i])),
+            ),
+        }
+    }
+    for run in 0..runs.max(2) {
+        let mut cache = model.new_cache();
+        let logits = prefill(model, &mut cache, prompt)?;
+        let (tokens, _, _) = decode_pipelined(model, &mut cache, &logits, n)?;
+        let first = tokens.iter().zip(&reference).position(|(a, b)| a != b);
+        match first {
+            None => println!("repeatability: pipelined run {run}: tokens identical"),
+            Some(i) => println!(
+                "repeatability: pipelined run {run}: tokens first differ at {i} (reference top-2 margin there {:.3e}): {tokens:?}",
+                top2_margin(&reference_logits[i])
+            ),
+        }
+    }
+    Ok(())
+}
+
 /// Milliseconds of one forward over `k` new tokens after `prompt`, for k = 1, 2, 4, … 32
 /// (median over `repeats`, the cache rolled back after each).
 fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<Vec<(usize, f64)>> {
@@ -1156,6 +1248,9 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     let model = &loaded.model;
     let weight_bytes = mlx_rs::memory::active_memory().unwrap_or(0);
     let prompt = synthetic_prompt(model.config.vocab_size, args.prompt_tokens);
+    if let Some(runs) = args.repeatability {
+        return report_repeatability(model, &prompt, runs, args.gen_tokens);
+    }
 
     let mut prefill_rates = Vec::new();
     let mut decode_rates = Vec::new();
