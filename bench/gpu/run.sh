@@ -158,9 +158,9 @@ if want profile; then
         timeout 240 "$NCU" --csv --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
             "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --prompt-ids 2,3,4,5,6,7,8,9 --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" \
-            >"$RES/profile-$fused.csv" 2>"$RES/profile-$fused.err"
-        python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-$fused.csv" "E4B bf16, --fused-kernels $fused" \
-            | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-$fused.err"
+            >"$RES/profile-${fused//,/+}.csv" 2>"$RES/profile-${fused//,/+}.err"
+        python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-${fused//,/+}.csv" "E4B bf16, --fused-kernels $fused" \
+            | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/+}.err"
     done
     row "device time of one E4B decode step (Nsight Compute) | printed above, kept in profile.md"
 fi

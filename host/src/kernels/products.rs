@@ -37,23 +37,80 @@ use super::{Fused, PerEpsilon, TemplateArg};
 
 /// Device helpers of the three kernels (placed after the reduction helpers and `EPS`).
 pub(crate) const HEADER: &str = r#"
+// Threads of every block of these kernels (`THREADS` on the host side).
+constexpr int BLOCK_THREADS = 256;
+
 // Stages the input row in shared memory as T: RMS-normed with weight `nw` when NORM, rounded
-// as MLX's RMSNorm rounds; every thread of the block takes part.
+// as MLX's RMSNorm rounds; every thread of the block takes part. Each thread issues all its
+// 16-byte loads before using any, so the block waits for one memory round trip, not one per
+// element (inputs that are not 16-byte aligned take the element-wise path).
 template <typename T, int K, bool NORM>
 __device__ inline void stage_input(const T* x, const T* nw, T* xs, float* red) {
-  if (NORM) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNKS = K / VEC;
+  constexpr int ITEMS = (CHUNKS + BLOCK_THREADS - 1) / BLOCK_THREADS;
+  const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(nw)) & 15) == 0;
+  if (!aligned) {
     float ss = 0.f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      const float a = static_cast<float>(x[i]);
-      ss += a * a;
+    if (NORM) {
+      for (int i = threadIdx.x; i < K; i += BLOCK_THREADS) {
+        const float a = static_cast<float>(x[i]);
+        ss += a * a;
+      }
+    }
+    const float r = NORM ? rsqrtf(block_sum(ss, red) / K + EPS) : 1.f;
+    for (int i = threadIdx.x; i < K; i += BLOCK_THREADS) {
+      if (NORM) {
+        const T n = static_cast<T>(static_cast<float>(x[i]) * r);
+        xs[i] = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(n));
+      } else {
+        xs[i] = x[i];
+      }
+    }
+    __syncthreads();
+    return;
+  }
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  uint4* xs4 = reinterpret_cast<uint4*>(xs);
+  uint4 v[ITEMS];
+#pragma unroll
+  for (int j = 0; j < ITEMS; j++) {
+    const int c = threadIdx.x + j * BLOCK_THREADS;
+    if (c < CHUNKS) v[j] = x4[c];
+  }
+  if (NORM) {
+    const uint4* w4 = reinterpret_cast<const uint4*>(nw);
+    uint4 w[ITEMS];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < ITEMS; j++) {
+      const int c = threadIdx.x + j * BLOCK_THREADS;
+      if (c < CHUNKS) {
+        w[j] = w4[c];
+        const T* e = reinterpret_cast<const T*>(&v[j]);
+#pragma unroll
+        for (int q = 0; q < VEC; q++) ss += static_cast<float>(e[q]) * static_cast<float>(e[q]);
+      }
     }
     const float r = rsqrtf(block_sum(ss, red) / K + EPS);
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      const T n = static_cast<T>(static_cast<float>(x[i]) * r);
-      xs[i] = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(n));
+#pragma unroll
+    for (int j = 0; j < ITEMS; j++) {
+      const int c = threadIdx.x + j * BLOCK_THREADS;
+      if (c < CHUNKS) {
+        T* e = reinterpret_cast<T*>(&v[j]);
+        const T* we = reinterpret_cast<const T*>(&w[j]);
+#pragma unroll
+        for (int q = 0; q < VEC; q++) {
+          const T n = static_cast<T>(static_cast<float>(e[q]) * r);
+          e[q] = static_cast<T>(static_cast<float>(we[q]) * static_cast<float>(n));
+        }
+      }
     }
-  } else {
-    for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = x[i];
+  }
+#pragma unroll
+  for (int j = 0; j < ITEMS; j++) {
+    const int c = threadIdx.x + j * BLOCK_THREADS;
+    if (c < CHUNKS) xs4[c] = v[j];
   }
   __syncthreads();
 }
@@ -66,10 +123,12 @@ __device__ inline void rows_dot(const T* const* rows, const T* xs, float* out) {
   constexpr int CHUNKS = K / VEC;
   const int lane = threadIdx.x & 31;
   const uint4* x4 = reinterpret_cast<const uint4*>(xs);
+  // Up to eight rows' 16-byte loads in flight per lane.
+  constexpr int UNROLL = R >= 8 ? 1 : 8 / R;
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; r++) acc[r] = 0.f;
-#pragma unroll 4
+#pragma unroll UNROLL
   for (int c = lane; c < CHUNKS; c += 32) {
     uint4 wc[R];
 #pragma unroll
@@ -190,24 +249,40 @@ const RESIDUAL_SOURCE: &str = r#"
   __syncthreads();
   if (!is_last) return;
   __threadfence();
+  // Every load of the product, the norm weight and the residual is issued before any is
+  // used: the last block waits for one memory round trip per pass, not one per element.
+  constexpr int PER = (N + BLOCK_THREADS - 1) / BLOCK_THREADS;
+  float v[PER];
+  T pv[PER], hv[PER];
   float ss = 0.f;
-  for (int i = threadIdx.x; i < N; i += blockDim.x) {
-    const float v = __ldcg(o + i);
-    ss += v * v;
+#pragma unroll
+  for (int j = 0; j < PER; j++) {
+    const int i = threadIdx.x + j * BLOCK_THREADS;
+    v[j] = i < N ? __ldcg(o + i) : 0.f;
+    pv[j] = i < N ? pw[i] : static_cast<T>(0.f);
+    hv[j] = i < N ? h[i] : static_cast<T>(0.f);
   }
+#pragma unroll
+  for (int j = 0; j < PER; j++) ss += v[j] * v[j];
   const float r = rsqrtf(block_sum(ss, red) / N + EPS);
   const float s = SCALED ? static_cast<float>(scale[0]) : 1.f;
-  for (int i = threadIdx.x; i < N; i += blockDim.x) {
-    const T n = static_cast<T>(__ldcg(o + i) * r);
-    const T weighted = static_cast<T>(static_cast<float>(pw[i]) * static_cast<float>(n));
-    T sum = static_cast<T>(static_cast<float>(h[i]) + static_cast<float>(weighted));
-    if (SCALED) sum = static_cast<T>(static_cast<float>(sum) * s);
-    out[i] = sum;
+#pragma unroll
+  for (int j = 0; j < PER; j++) {
+    const int i = threadIdx.x + j * BLOCK_THREADS;
+    if (i < N) {
+      const T n = static_cast<T>(v[j] * r);
+      const T weighted = static_cast<T>(static_cast<float>(pv[j]) * static_cast<float>(n));
+      T sum = static_cast<T>(static_cast<float>(hv[j]) + static_cast<float>(weighted));
+      if (SCALED) sum = static_cast<T>(static_cast<float>(sum) * s);
+      out[i] = sum;
+    }
   }
   // Ready for this call site's next step.
   if (threadIdx.x == 0) *done = 0u;
 "#;
 
+/// Threads per block of these kernels; the device code's `BLOCK_THREADS` (in [`HEADER`]) says
+/// the same.
 pub(crate) const THREADS: i32 = 256;
 pub(crate) const WARPS: i32 = THREADS / 32;
 /// The staged input must fit a block's static shared memory (48 KB) with room to spare.
@@ -535,6 +610,11 @@ mod tests {
         let w = Array::zeros::<f32>(&[4, 8]).unwrap();
         let err = gated_product_rows(&x, None, 1e-6, &w, GateUp::Product(&w), 8).unwrap_err();
         assert!(err.to_string().contains("rows per warp"), "{err}");
+    }
+
+    #[test]
+    fn the_device_code_knows_the_block_size() {
+        assert!(HEADER.contains(&format!("constexpr int BLOCK_THREADS = {THREADS};")));
     }
 
     #[test]
