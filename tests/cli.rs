@@ -277,3 +277,28 @@ fn without_model_flag_the_default_code_model_writes_python() {
     let text = json_of(&out)["text"].as_str().unwrap().to_owned();
     assert!(text.contains("import "), "not Python-like: {text:?}");
 }
+
+#[test]
+fn repeatability_finds_the_cpu_decode_bitwise_repeatable() {
+    let out = mlx_spec(&[
+        "bench",
+        "--prompt-tokens",
+        "24",
+        "--gen-tokens",
+        "12",
+        "--repeatability",
+        "2",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("step-by-step run 1: logits identical at all 13 steps"),
+        "{stdout}"
+    );
+    for run in 0..2 {
+        assert!(
+            stdout.contains(&format!("pipelined run {run}: tokens identical")),
+            "{stdout}"
+        );
+    }
+}

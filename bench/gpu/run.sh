@@ -200,10 +200,15 @@ fi
 peer() {
     local label="$1"; shift
     local line
-    if line="$(timeout "${PEER_TIMEOUT:-400}" python3 "$ROOT/bench/gpu/transformers_peer.py" "$@" 2>"$RES/peer.err" | tail -n 1)"; then
+    local status
+    line="$(timeout "${PEER_TIMEOUT:-400}" python3 "$ROOT/bench/gpu/transformers_peer.py" "$@" 2>"$RES/peer.err" | tail -n 1)"
+    status="${PIPESTATUS[0]}"
+    if [[ "$status" == 0 && -n "$line" ]]; then
         row "$label | $line"
+    elif [[ "$status" == 124 ]]; then
+        row "$label | failed: not done within PEER_TIMEOUT=${PEER_TIMEOUT:-400} s (torch.compile on a cold machine takes minutes)"
     else
-        row "$label | failed: $(tail -n 1 "$RES/peer.err")"
+        row "$label | failed (exit $status): $(grep -v -i warn "$RES/peer.err" | tail -n 1)"
     fi
 }
 # 6. Where a decode step's time goes: its operations, and MLX's CUDA graph batching.

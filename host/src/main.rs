@@ -945,7 +945,9 @@ fn stepwise_logits(
             break;
         }
         let fed = forced.map_or(tokens[step], |f| f[step]);
-        logits = model.forward(&[fed], &mut cache, LogitsFor::Last, false)?.logits;
+        logits = model
+            .forward(&[fed], &mut cache, LogitsFor::Last, false)?
+            .logits;
     }
     Ok((tokens, all))
 }
@@ -976,7 +978,12 @@ fn report_repeatability(model: &Gemma4Model, prompt: &[u32], runs: usize, n: usi
         let diffs: Vec<f32> = logits
             .iter()
             .zip(&reference_logits)
-            .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max))
+            .map(|(a, b)| {
+                a.iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f32::max)
+            })
             .collect();
         let first_diff = diffs.iter().position(|d| *d > 0.0);
         let first_pick = picks.iter().zip(&reference).position(|(a, b)| a != b);
