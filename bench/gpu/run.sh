@@ -155,9 +155,12 @@ if want profile; then
     # durations are those of a normal run): what the device does when no host is in the way.
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
     for fused in attention,products none; do
-        timeout 240 "$NCU" --csv --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+        # MLX_SPEC_PROFILE_DECODE: mlx-spec starts the capture after the prefill, so the
+        # thousands of kernels of the weight generation and the prefill are not profiled.
+        MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum \
             "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
-            --prompt-ids 2,3,4,5,6,7,8,9 --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" \
+            --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" \
             >"$RES/profile-${fused//,/+}.csv" 2>"$RES/profile-${fused//,/+}.err"
         python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-${fused//,/+}.csv" "E4B bf16, --fused-kernels $fused" \
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/+}.err"

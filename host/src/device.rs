@@ -76,3 +76,46 @@ pub fn select(kind: DeviceKind) -> Result<()> {
     Device::set_default(&device);
     Ok(())
 }
+
+/// Environment variable: when set, [`start_profiler_capture_if_asked`] starts the CUDA
+/// profiler's capture once the prompt is prefilled.
+pub const PROFILE_DECODE_VAR: &str = "MLX_SPEC_PROFILE_DECODE";
+
+/// With [`PROFILE_DECODE_VAR`] set, calls `cudaProfilerStart` of the CUDA runtime the CUDA
+/// libmlx loaded, so a profiler launched with `--profile-from-start off` (Nsight Compute or
+/// Nsight Systems) records the decode steps only, not the weight load and the prefill, which
+/// are thousands of kernels more. A no-op without the variable; a warning where there is no
+/// CUDA runtime to call.
+pub fn start_profiler_capture_if_asked() {
+    if std::env::var_os(PROFILE_DECODE_VAR).is_none() {
+        return;
+    }
+    match cuda_profiler_start() {
+        Ok(library) => tracing::info!("profiler capture started through {library}"),
+        Err(e) => tracing::warn!("{PROFILE_DECODE_VAR} is set but no capture started: {e:#}"),
+    }
+}
+
+fn cuda_profiler_start() -> Result<&'static str> {
+    use abi_stable::library::RawLibrary;
+    let names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"];
+    let (name, library) = names
+        .iter()
+        .find_map(|name| {
+            RawLibrary::load_at(std::path::Path::new(name))
+                .ok()
+                .map(|l| (*name, l))
+        })
+        .ok_or_else(|| anyhow::anyhow!("no CUDA runtime library ({}) loads", names.join(", ")))?;
+    // SAFETY: cudaProfilerStart takes no arguments and returns a cudaError_t (an int).
+    let code = unsafe {
+        let start = library
+            .get::<unsafe extern "C" fn() -> i32>(b"cudaProfilerStart\0")
+            .map_err(|e| anyhow::anyhow!("{name} has no cudaProfilerStart: {e}"))?;
+        start()
+    };
+    if code != 0 {
+        bail!("cudaProfilerStart returned CUDA error {code}");
+    }
+    Ok(name)
+}

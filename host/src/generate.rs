@@ -143,6 +143,7 @@ pub fn generate(
 
     let start = Instant::now();
     let mut logits = prefill(model, &mut cache, &req.prompt_ids)?;
+    crate::device::start_profiler_capture_if_asked();
     let mut prefill_seconds = 0.0;
     let mut decode_start = start;
     // Greedy decoding keeps the next token on the device and queues the forward that
