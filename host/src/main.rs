@@ -254,7 +254,9 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
     /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
-    /// products, both), alternating between them round by round in this process.
+    /// products, both) and variants of the default (2 and 4 rows per warp in the feed-forward
+    /// products, the step's small integer arrays in device memory), alternating between them
+    /// round by round in this process; fails if a variant changes the greedy tokens.
     #[arg(long)]
     compare_fused: bool,
     /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
@@ -1097,28 +1099,58 @@ fn compare_fused(
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
     use mlx_spec::kernels::products::{rows_per_warp, set_rows_per_warp};
-    use mlx_spec::kernels::{set_allowed, Fused};
+    use mlx_spec::kernels::{set_allowed, set_step_ints_on_device, step_ints_on_device, Fused};
     let fused = |attention, products| Fused {
         attention,
         products,
     };
-    // (name, kernels, rows per warp of the feed-forward products)
+    /// One configuration: kernels, rows per warp of the feed-forward products, and whether
+    /// the step's small integer arrays are copied to device memory.
+    struct Set {
+        name: &'static str,
+        kernels: Fused,
+        rows: i32,
+        ints_on_device: bool,
+    }
+    let set = |name, kernels, rows, ints_on_device| Set {
+        name,
+        kernels,
+        rows,
+        ints_on_device,
+    };
     let sets = [
-        ("none", fused(false, false), 1),
-        ("attention", fused(true, false), 1),
-        ("products", fused(false, true), 1),
-        ("attention,products", fused(true, true), 1),
-        ("attention,products, 2 rows/warp", fused(true, true), 2),
-        ("attention,products, 4 rows/warp", fused(true, true), 4),
+        set("none", fused(false, false), 1, false),
+        set("attention", fused(true, false), 1, false),
+        set("products", fused(false, true), 1, false),
+        set("attention,products", fused(true, true), 1, false),
+        set(
+            "attention,products, 2 rows/warp",
+            fused(true, true),
+            2,
+            false,
+        ),
+        set(
+            "attention,products, 4 rows/warp",
+            fused(true, true),
+            4,
+            false,
+        ),
+        set(
+            "attention,products, step ints on device",
+            fused(true, true),
+            1,
+            true,
+        ),
     ];
-    let default_rows = rows_per_warp();
+    let (default_rows, default_ints) = (rows_per_warp(), step_ints_on_device());
     let mut rates = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
     for round in 0..=repeats {
-        for (i, (_, fused, rows)) in sets.iter().enumerate() {
-            set_allowed(*fused);
-            set_rows_per_warp(*rows)?;
+        for (i, s) in sets.iter().enumerate() {
+            set_allowed(s.kernels);
+            set_rows_per_warp(s.rows)?;
+            set_step_ints_on_device(s.ints_on_device);
             let mut cache = model.new_cache();
             let logits = prefill(model, &mut cache, prompt)?;
             let (got, seconds, _) = decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
@@ -1130,19 +1162,22 @@ fn compare_fused(
     }
     set_allowed(args.model.fused());
     set_rows_per_warp(default_rows)?;
-    // More rows per warp regroups the same arithmetic: the tokens must equal those of the
-    // same kernels at one row per warp.
-    for (i, (name, kernels, rows)) in sets.iter().enumerate() {
-        let one_row = sets
+    set_step_ints_on_device(default_ints);
+    // More rows per warp regroup the same arithmetic, and where the integers live changes no
+    // value: a variant's tokens must equal those of its plain twin (same kernels, one row per
+    // warp, integers in host memory).
+    for (i, s) in sets.iter().enumerate() {
+        let twin = sets
             .iter()
-            .position(|(_, k, r)| k == kernels && *r == 1)
-            .expect("every kernel set is listed at one row per warp");
-        if *rows != 1 && tokens[i] != tokens[one_row] {
+            .position(|t| t.kernels == s.kernels && t.rows == 1 && !t.ints_on_device)
+            .expect("every kernel set is listed plain");
+        if i != twin && tokens[i] != tokens[twin] {
             bail!(
-                "{name} changed the greedy tokens of {}: {:?} vs {:?}; this is a bug",
-                sets[one_row].0,
+                "{} changed the greedy tokens of {}: {:?} vs {:?}; this is a bug",
+                s.name,
+                sets[twin].name,
                 tokens[i],
-                tokens[one_row]
+                tokens[twin]
             );
         }
     }
@@ -1150,7 +1185,7 @@ fn compare_fused(
         .iter()
         .zip(rates)
         .zip(&tokens)
-        .map(|(((name, _, _), r), t)| (name.to_string(), median(r), *t == tokens[0]))
+        .map(|((s, r), t)| (s.name.to_string(), median(r), *t == tokens[0]))
         .collect())
 }
 

@@ -74,6 +74,9 @@ pub struct Gemma4Model {
     layers: Vec<DecoderLayer>,
     final_norm: Array,
     head: Option<Linear>,
+    /// `final_logit_softcapping` as a float32 scalar, made once: a scalar made from host data
+    /// at every step would be one more host-written array the device reads.
+    softcap: Option<Array>,
 }
 
 /// Tensor name prefixes of the decoder in the layouts we know, most specific first.
@@ -192,8 +195,10 @@ impl Gemma4Model {
             };
             Some(hw.linear("lm_head", c.vocab_size, h)?)
         };
+        let softcap = config.final_logit_softcapping.map(Array::from_f32);
         Ok(Gemma4Model {
             embed_scale: scalar((h as f32).sqrt(), dtype)?,
+            softcap,
             config,
             dtype,
             embed,
@@ -345,9 +350,8 @@ impl Gemma4Model {
         };
         let v = self.config.vocab_size as i32;
         let mut logits = logits.reshape(&[-1, v])?.as_dtype(Dtype::Float32)?;
-        if let Some(cap) = self.config.final_logit_softcapping {
-            let cap_arr = Array::from_f32(cap);
-            logits = tanh(logits.divide(&cap_arr)?)?.multiply(&cap_arr)?;
+        if let Some(cap) = &self.softcap {
+            logits = tanh(logits.divide(cap)?)?.multiply(cap)?;
         }
         Ok(logits)
     }
