@@ -137,8 +137,9 @@ if want q4check; then
 fi
 
 if want repeat; then
-    # Is each decode bitwise repeatable on the device? Logits of step-by-step runs fed the
-    # same tokens, and the tokens of pipelined runs, each against a first step-by-step run.
+    # Is each decode bitwise repeatable on the device? Pipelined runs first in the process
+    # (where the one 4-bit disagreement was seen), then step-by-step runs fed the same tokens;
+    # each compared with the first step-by-step run.
     for spec in "4-bit none" "4-bit attention,products" "bf16 none" "bf16 attention,products"; do
         read -r kind fused <<<"$spec"
         quant=(); [[ "$kind" == 4-bit ]] && quant=(--random-bits 4)

@@ -967,15 +967,24 @@ fn top2_margin(logits: &[f32]) -> f32 {
     best - second
 }
 
-/// `bench --repeatability RUNS`: decodes `n` greedy tokens `runs` times from fresh caches and
-/// prints, for each run after the first, where its logits first differ from the first run's
-/// (every run fed the first run's tokens) and, for as many pipelined runs, where their tokens
-/// first differ. A bitwise-repeatable device gives identical logits everywhere; then a
-/// pipelined run that departs points at the pipelining, not at an operation.
+/// `bench --repeatability RUNS`: decodes `n` greedy tokens `runs` times pipelined, first
+/// thing in the process (the condition of the one 4-bit disagreement seen on CUDA), then
+/// `runs` times step by step from fresh caches. Prints where each pipelined run's tokens first
+/// differ from the first step-by-step run's, and where each later step-by-step run's logits
+/// first differ from the first's (every run fed the first run's tokens). A bitwise-repeatable
+/// device gives identical logits everywhere; then a pipelined run that departs points at the
+/// pipelining, not at an operation.
 fn report_repeatability(model: &Gemma4Model, prompt: &[u32], runs: usize, n: usize) -> Result<()> {
+    let runs = runs.max(2);
+    let mut pipelined = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let mut cache = model.new_cache();
+        let logits = prefill(model, &mut cache, prompt)?;
+        pipelined.push(decode_pipelined(model, &mut cache, &logits, n)?.0);
+    }
     let (reference, reference_logits) = stepwise_logits(model, prompt, n, None)?;
     println!("repeatability: reference tokens {reference:?}");
-    for run in 1..runs.max(2) {
+    for run in 1..runs {
         let (picks, logits) = stepwise_logits(model, prompt, n, Some(&reference))?;
         let diffs: Vec<f32> = logits
             .iter()
@@ -991,7 +1000,10 @@ fn report_repeatability(model: &Gemma4Model, prompt: &[u32], runs: usize, n: usi
         let first_pick = picks.iter().zip(&reference).position(|(a, b)| a != b);
         let worst = diffs.iter().copied().fold(0.0, f32::max);
         match first_diff {
-            None => println!("repeatability: step-by-step run {run}: logits identical at all {} steps", diffs.len()),
+            None => println!(
+                "repeatability: step-by-step run {run}: logits identical at all {} steps",
+                diffs.len()
+            ),
             Some(step) => println!(
                 "repeatability: step-by-step run {run}: logits first differ at step {step} (0 = prefill) by {:.3e}, at most {worst:.3e}; picks first differ at {first_pick:?} (reference top-2 margin there {:.3e})",
                 diffs[step],
@@ -999,12 +1011,8 @@ fn report_repeatability(model: &Gemma4Model, prompt: &[u32], runs: usize, n: usi
             ),
         }
     }
-    for run in 0..runs.max(2) {
-        let mut cache = model.new_cache();
-        let logits = prefill(model, &mut cache, prompt)?;
-        let (tokens, _, _) = decode_pipelined(model, &mut cache, &logits, n)?;
-        let first = tokens.iter().zip(&reference).position(|(a, b)| a != b);
-        match first {
+    for (run, tokens) in pipelined.iter().enumerate() {
+        match tokens.iter().zip(&reference).position(|(a, b)| a != b) {
             None => println!("repeatability: pipelined run {run}: tokens identical"),
             Some(i) => println!(
                 "repeatability: pipelined run {run}: tokens first differ at {i} (reference top-2 margin there {:.3e}): {tokens:?}",
@@ -1314,7 +1322,11 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         let (stepwise, stepwise_s, build_s) =
             decode_step_by_step(model, &mut cache, &logits, args.gen_tokens)?;
         if pipelined != stepwise {
-            bail!("pipelined and step-by-step greedy decoding disagree: {pipelined:?} vs {stepwise:?}");
+            let first = pipelined.iter().zip(&stepwise).position(|(a, b)| a != b);
+            bail!(
+                "pipelined and step-by-step greedy decoding disagree in round {round} ({}), from token {first:?}: {pipelined:?} vs {stepwise:?}",
+                if round == 0 { "the warm-up, the process's first decode" } else { "measured" }
+            );
         }
         if round > 0 {
             prefill_rates.push(args.prompt_tokens as f64 / prefill_s);
