@@ -96,17 +96,23 @@ pub fn start_profiler_capture_if_asked() {
     }
 }
 
-fn cuda_profiler_start() -> Result<&'static str> {
+/// The CUDA runtime library that the CUDA libmlx loaded (opening it again only takes a
+/// reference), with its name.
+fn cuda_runtime() -> Result<(&'static str, abi_stable::library::RawLibrary)> {
     use abi_stable::library::RawLibrary;
     let names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"];
-    let (name, library) = names
+    names
         .iter()
         .find_map(|name| {
             RawLibrary::load_at(std::path::Path::new(name))
                 .ok()
                 .map(|l| (*name, l))
         })
-        .ok_or_else(|| anyhow::anyhow!("no CUDA runtime library ({}) loads", names.join(", ")))?;
+        .ok_or_else(|| anyhow::anyhow!("no CUDA runtime library ({}) loads", names.join(", ")))
+}
+
+fn cuda_profiler_start() -> Result<&'static str> {
+    let (name, library) = cuda_runtime()?;
     // SAFETY: cudaProfilerStart takes no arguments and returns a cudaError_t (an int).
     let code = unsafe {
         let start = library
@@ -118,4 +124,26 @@ fn cuda_profiler_start() -> Result<&'static str> {
         bail!("cudaProfilerStart returned CUDA error {code}");
     }
     Ok(name)
+}
+
+/// Streaming multiprocessors of CUDA device 0, asked once of the CUDA runtime; `None` where
+/// there is none (a CPU libmlx, macOS). Kernels whose blocks must all be resident at once
+/// (grid-wide barriers) size their grid from it.
+pub fn cuda_multiprocessor_count() -> Option<i32> {
+    static COUNT: std::sync::OnceLock<Option<i32>> = std::sync::OnceLock::new();
+    *COUNT.get_or_init(|| {
+        let (_, library) = cuda_runtime().ok()?;
+        // cudaDevAttrMultiProcessorCount
+        const MULTIPROCESSOR_COUNT: i32 = 16;
+        let mut count = 0i32;
+        // SAFETY: cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) writes
+        // one int and returns a cudaError_t.
+        let code = unsafe {
+            let get = library
+                .get::<unsafe extern "C" fn(*mut i32, i32, i32) -> i32>(b"cudaDeviceGetAttribute\0")
+                .ok()?;
+            get(&mut count, MULTIPROCESSOR_COUNT, 0)
+        };
+        (code == 0 && count > 0).then_some(count)
+    })
 }

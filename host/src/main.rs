@@ -141,7 +141,9 @@ struct ModelArgs {
     /// mlx-spec's own CUDA kernels to use on a CUDA GPU (elsewhere MLX's operations run):
     /// `attention` (one decode token's attention and its q/k/v norms and RoPE), `products`
     /// (a decode token's matrix-vector products fused with the norms, gates and residual
-    /// updates around them), or `none` (MLX's operations only). Default: both.
+    /// updates around them), `feed-forward` (experimental: a layer's feed-forward and
+    /// per-layer-input blocks as one kernel, over dense weights), or `none` (MLX's operations
+    /// only). Default: attention,products.
     #[arg(
         long,
         value_enum,
@@ -155,6 +157,8 @@ struct ModelArgs {
 enum FusedKernelArg {
     Attention,
     Products,
+    /// The feed-forward and per-layer-input blocks as one kernel (experimental).
+    FeedForward,
     None,
 }
 
@@ -163,6 +167,7 @@ impl ModelArgs {
         mlx_spec::kernels::Fused {
             attention: self.fused_kernels.contains(&FusedKernelArg::Attention),
             products: self.fused_kernels.contains(&FusedKernelArg::Products),
+            feed_forward: self.fused_kernels.contains(&FusedKernelArg::FeedForward),
         }
     }
 }
@@ -1111,6 +1116,11 @@ fn compare_fused(
     let fused = |attention, products| Fused {
         attention,
         products,
+        feed_forward: false,
+    };
+    let one_feed_forward_kernel = Fused {
+        feed_forward: true,
+        ..fused(true, true)
     };
     /// One configuration: kernels, rows per warp of the feed-forward products, and whether
     /// the step's small integer arrays are copied to device memory.
@@ -1149,6 +1159,12 @@ fn compare_fused(
             1,
             true,
         ),
+        set(
+            "attention,products,feed-forward",
+            one_feed_forward_kernel,
+            1,
+            false,
+        ),
     ];
     let (default_rows, default_ints) = (rows_per_warp(), step_ints_on_device());
     let mut rates = vec![Vec::new(); sets.len()];
@@ -1171,13 +1187,22 @@ fn compare_fused(
     set_allowed(args.model.fused());
     set_rows_per_warp(default_rows)?;
     set_step_ints_on_device(default_ints);
-    // More rows per warp regroup the same arithmetic, and where the integers live changes no
-    // value: a variant's tokens must equal those of its plain twin (same kernels, one row per
-    // warp, integers in host memory).
+    // More rows per warp and the one feed-forward kernel regroup the same arithmetic, and
+    // where the integers live changes no value: a variant's tokens must equal those of its
+    // plain twin (the same attention and product kernels, one row per warp, the feed-forward
+    // block as products, integers in host memory).
     for (i, s) in sets.iter().enumerate() {
         let twin = sets
             .iter()
-            .position(|t| t.kernels == s.kernels && t.rows == 1 && !t.ints_on_device)
+            .position(|t| {
+                t.kernels
+                    == Fused {
+                        feed_forward: false,
+                        ..s.kernels
+                    }
+                    && t.rows == 1
+                    && !t.ints_on_device
+            })
             .expect("every kernel set is listed plain");
         if i != twin && tokens[i] != tokens[twin] {
             bail!(

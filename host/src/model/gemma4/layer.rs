@@ -14,6 +14,7 @@ use super::config::Gemma4Config;
 use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
+use crate::kernels::feed_forward::{self, feed_forward_block, FeedForward, PerLayerInput};
 use crate::kernels::products::{
     device_array, gated_product, new_counter, product_residual, serves_token, GateUp,
 };
@@ -56,6 +57,8 @@ pub struct DecoderLayer {
     /// One counter per fused closing product (attention, feed-forward, per-layer input): see
     /// [`crate::kernels::products::new_counter`].
     counters: [Array; 3],
+    /// The barrier state of the one-kernel feed-forward block ([`feed_forward::new_barrier`]).
+    feed_forward_barrier: Array,
 }
 
 impl DecoderLayer {
@@ -104,6 +107,7 @@ impl DecoderLayer {
             },
             layer_scalar_device,
             counters: [new_counter()?, new_counter()?, new_counter()?],
+            feed_forward_barrier: feed_forward::new_barrier()?,
         })
     }
 
@@ -174,6 +178,62 @@ impl DecoderLayer {
         gated_gelu(&gate.input_gate.forward(x)?, &input)
     }
 
+    /// The layer's output from the hidden state after attention `x` through
+    /// [`feed_forward_block`] (the feed-forward and per-layer-input blocks as one kernel),
+    /// when `fused.feed_forward` asks for it and the kernel serves this layer: one token,
+    /// dense weights, no MoE branch, shapes that fit, a known CUDA device. `None` otherwise.
+    fn one_kernel_feed_forward(
+        &self,
+        x: &Array,
+        per_layer: Option<(&Array, usize)>,
+        fused: Fused,
+    ) -> Result<Option<Array>> {
+        let one_token = x.ndim() == 2 && x.shape()[0] == 1;
+        if !(fused.feed_forward && one_token && self.moe.is_none()) {
+            return Ok(None);
+        }
+        let Some((gate, up, down)) = self.mlp.dense_weights() else {
+            return Ok(None);
+        };
+        let ple = match (&self.ple, per_layer) {
+            (None, None) => None,
+            (Some(g), Some((values, _))) => {
+                match (g.input_gate.dense_weight(), g.projection.dense_weight()) {
+                    (Some(gate), Some(projection)) => Some(PerLayerInput {
+                        gate,
+                        values,
+                        offset: &g.offset,
+                        projection,
+                        post_norm: &g.post_norm,
+                    }),
+                    _ => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        };
+        let (h, n) = (x.shape()[1] as usize, gate.shape()[0] as usize);
+        let p = ple.as_ref().map_or(0, |v| v.gate.shape()[0] as usize);
+        if !feed_forward::serves(h, n, p, x.dtype()) || feed_forward::grid_blocks().is_none() {
+            return Ok(None);
+        }
+        let ff = FeedForward {
+            pre_norm: &self.pre_feedforward_norm,
+            gate,
+            up,
+            down,
+            post_norm: &self.post_feedforward_norm,
+        };
+        let out = feed_forward_block(
+            x,
+            self.eps,
+            &ff,
+            ple.as_ref(),
+            &self.layer_scalar_device,
+            &self.feed_forward_barrier,
+        )?;
+        Ok(Some(out))
+    }
+
     /// Runs the layer on `x` (`[T, H]`). `per_layer` is the per-layer embeddings of every
     /// layer (`[T, layers, P]`) with this layer's index. Returns the new hidden state and, for
     /// KV-owning layers, the K/V view sharers of this layer read. `fused`: which CUDA kernels
@@ -206,6 +266,9 @@ impl DecoderLayer {
             fused,
         )?;
 
+        if let Some(out) = self.one_kernel_feed_forward(&x, per_layer, fused)? {
+            return Ok((out, view));
+        }
         let gated = self.ple.as_ref().zip(per_layer);
         let act = self
             .mlp

@@ -43,4 +43,14 @@ impl Mlp {
     pub fn down_proj(&self) -> &Linear {
         &self.down_proj
     }
+
+    /// The gate, up and down weights when all three are dense (what the fused CUDA
+    /// feed-forward kernel reads).
+    pub fn dense_weights(&self) -> Option<(&Array, &Array, &Array)> {
+        Some((
+            self.gate_proj.dense_weight()?,
+            self.up_proj.dense_weight()?,
+            self.down_proj.dense_weight()?,
+        ))
+    }
 }
