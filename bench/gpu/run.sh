@@ -7,7 +7,7 @@
 #
 # Steps (default: fixtures bandwidth mlx peer cpu-check):
 #   fixtures   greedy tokens of every test fixture on the GPU == transformers' (f32, TF32 off)
-#   fixtures-ff  the same with the experimental one-kernel feed-forward block
+#   fixtures-pa  the same with the experimental one-kernel post-attention path
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
@@ -87,9 +87,9 @@ print(",".join(map(str, g["prompt_ids"].tolist())), ",".join(map(str, g["greedy_
 if want fixtures; then
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off)"
 fi
-if want fixtures-ff; then
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels attention,products,feed-forward" \
-        --fused-kernels attention,products,feed-forward
+if want fixtures-pa; then
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels attention,products,post-attention" \
+        --fused-kernels attention,products,post-attention
 fi
 unset MLX_ENABLE_TF32
 

@@ -141,8 +141,8 @@ struct ModelArgs {
     /// mlx-spec's own CUDA kernels to use on a CUDA GPU (elsewhere MLX's operations run):
     /// `attention` (one decode token's attention and its q/k/v norms and RoPE), `products`
     /// (a decode token's matrix-vector products fused with the norms, gates and residual
-    /// updates around them), `feed-forward` (experimental: a layer's feed-forward and
-    /// per-layer-input blocks as one kernel, over dense weights), or `none` (MLX's operations
+    /// updates around them), `post-attention` (experimental: everything of a layer after its
+    /// attention heads as one kernel, over dense weights), or `none` (MLX's operations
     /// only). Default: attention,products.
     #[arg(
         long,
@@ -157,8 +157,8 @@ struct ModelArgs {
 enum FusedKernelArg {
     Attention,
     Products,
-    /// The feed-forward and per-layer-input blocks as one kernel (experimental).
-    FeedForward,
+    /// Everything of a layer after its attention heads as one kernel (experimental).
+    PostAttention,
     None,
 }
 
@@ -167,7 +167,7 @@ impl ModelArgs {
         mlx_spec::kernels::Fused {
             attention: self.fused_kernels.contains(&FusedKernelArg::Attention),
             products: self.fused_kernels.contains(&FusedKernelArg::Products),
-            feed_forward: self.fused_kernels.contains(&FusedKernelArg::FeedForward),
+            post_attention: self.fused_kernels.contains(&FusedKernelArg::PostAttention),
         }
     }
 }
@@ -1116,10 +1116,10 @@ fn compare_fused(
     let fused = |attention, products| Fused {
         attention,
         products,
-        feed_forward: false,
+        post_attention: false,
     };
-    let one_feed_forward_kernel = Fused {
-        feed_forward: true,
+    let one_post_attention_kernel = Fused {
+        post_attention: true,
         ..fused(true, true)
     };
     /// One configuration: kernels, rows per warp of the feed-forward products, and whether
@@ -1160,8 +1160,8 @@ fn compare_fused(
             true,
         ),
         set(
-            "attention,products,feed-forward",
-            one_feed_forward_kernel,
+            "attention,products,post-attention",
+            one_post_attention_kernel,
             1,
             false,
         ),
@@ -1187,17 +1187,17 @@ fn compare_fused(
     set_allowed(args.model.fused());
     set_rows_per_warp(default_rows)?;
     set_step_ints_on_device(default_ints);
-    // More rows per warp and the one feed-forward kernel regroup the same arithmetic, and
+    // More rows per warp and the one post-attention kernel regroup the same arithmetic, and
     // where the integers live changes no value: a variant's tokens must equal those of its
-    // plain twin (the same attention and product kernels, one row per warp, the feed-forward
-    // block as products, integers in host memory).
+    // plain twin (the same attention and product kernels, one row per warp, no post-attention
+    // kernel, integers in host memory).
     for (i, s) in sets.iter().enumerate() {
         let twin = sets
             .iter()
             .position(|t| {
                 t.kernels
                     == Fused {
-                        feed_forward: false,
+                        post_attention: false,
                         ..s.kernels
                     }
                     && t.rows == 1

@@ -13,8 +13,9 @@
 //!   products are MLX's (`attention` alone, or quantized weights);
 //! * [`decode_attention`]: one query token over a layer's whole K/V buffers and its visible
 //!   slots (scores, mask, softmax, weighted sum, the merge of the blocks' shares);
-//! * [`feed_forward`]: the feed-forward and per-layer-input blocks of a layer as one kernel
-//!   with grid-wide barriers (`feed-forward`, off by default until measured).
+//! * [`post_attention`]: everything of a layer after its attention heads (the output product,
+//!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers
+//!   (`post-attention`, off by default until measured).
 //!
 //! An E4B decode step is 326 operations with all of them. Their source text reaches MLX as
 //! `#include` lines of files ([`source_files`]), because MLX handles a custom kernel's whole
@@ -29,7 +30,7 @@
 pub mod attention_heads;
 pub mod attention_inputs;
 pub mod decode_attention;
-pub mod feed_forward;
+pub mod post_attention;
 pub mod products;
 pub mod source_files;
 
@@ -44,7 +45,7 @@ use mlx_rs::{Array, Dtype};
 
 static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
 static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
-static FEED_FORWARD_ALLOWED: AtomicBool = AtomicBool::new(false);
+static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(false);
 
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -53,9 +54,9 @@ pub struct Fused {
     pub attention: bool,
     /// [`products`] for single-token steps over dense weights.
     pub products: bool,
-    /// [`feed_forward`] for single-token steps over dense weights, in place of the
-    /// feed-forward and per-layer-input products.
-    pub feed_forward: bool,
+    /// [`post_attention`] for single-token steps over dense weights, in place of the
+    /// products after the attention heads.
+    pub post_attention: bool,
 }
 
 impl Fused {
@@ -68,7 +69,7 @@ impl Fused {
         Fused {
             attention: ATTENTION_ALLOWED.load(Ordering::Relaxed),
             products: PRODUCTS_ALLOWED.load(Ordering::Relaxed),
-            feed_forward: FEED_FORWARD_ALLOWED.load(Ordering::Relaxed),
+            post_attention: POST_ATTENTION_ALLOWED.load(Ordering::Relaxed),
         }
     }
 }
@@ -141,7 +142,7 @@ pub(crate) fn step_ints(values: &[i32]) -> Array {
 pub fn set_allowed(allowed: Fused) {
     ATTENTION_ALLOWED.store(allowed.attention, Ordering::Relaxed);
     PRODUCTS_ALLOWED.store(allowed.products, Ordering::Relaxed);
-    FEED_FORWARD_ALLOWED.store(allowed.feed_forward, Ordering::Relaxed);
+    POST_ATTENTION_ALLOWED.store(allowed.post_attention, Ordering::Relaxed);
 }
 
 /// A compile-time constant of a kernel's source.

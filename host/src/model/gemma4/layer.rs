@@ -14,7 +14,7 @@ use super::config::Gemma4Config;
 use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
-use crate::kernels::feed_forward::{self, feed_forward_block, FeedForward, PerLayerInput};
+use crate::kernels::post_attention::{self, post_attention, PerLayerInput, PostAttention};
 use crate::kernels::products::{
     device_array, gated_product, new_counter, product_residual, serves_token, GateUp,
 };
@@ -57,8 +57,9 @@ pub struct DecoderLayer {
     /// One counter per fused closing product (attention, feed-forward, per-layer input): see
     /// [`crate::kernels::products::new_counter`].
     counters: [Array; 3],
-    /// The barrier state of the one-kernel feed-forward block ([`feed_forward::new_barrier`]).
-    feed_forward_barrier: Array,
+    /// The barrier state of the one-kernel post-attention path
+    /// ([`post_attention::new_barrier`]).
+    post_attention_barrier: Array,
 }
 
 impl DecoderLayer {
@@ -107,7 +108,7 @@ impl DecoderLayer {
             },
             layer_scalar_device,
             counters: [new_counter()?, new_counter()?, new_counter()?],
-            feed_forward_barrier: feed_forward::new_barrier()?,
+            post_attention_barrier: post_attention::new_barrier()?,
         })
     }
 
@@ -178,21 +179,25 @@ impl DecoderLayer {
         gated_gelu(&gate.input_gate.forward(x)?, &input)
     }
 
-    /// The layer's output from the hidden state after attention `x` through
-    /// [`feed_forward_block`] (the feed-forward and per-layer-input blocks as one kernel),
-    /// when `fused.feed_forward` asks for it and the kernel serves this layer: one token,
-    /// dense weights, no MoE branch, shapes that fit, a known CUDA device. `None` otherwise.
-    fn one_kernel_feed_forward(
+    /// The layer's output from its input `x` and its attention heads' output `z` through
+    /// [`post_attention`] (everything after the heads as one kernel), when
+    /// `fused.post_attention` asks for it and the kernel serves this layer: one token, dense
+    /// weights, no MoE branch, shapes that fit, a known CUDA device. `None` otherwise.
+    fn one_kernel_after_attention(
         &self,
         x: &Array,
+        z: &Array,
         per_layer: Option<(&Array, usize)>,
         fused: Fused,
     ) -> Result<Option<Array>> {
-        let one_token = x.ndim() == 2 && x.shape()[0] == 1;
-        if !(fused.feed_forward && one_token && self.moe.is_none()) {
+        let one_token = x.ndim() == 2 && x.shape()[0] == 1 && z.ndim() == 2 && z.shape()[0] == 1;
+        if !(fused.post_attention && one_token && self.moe.is_none()) {
             return Ok(None);
         }
-        let Some((gate, up, down)) = self.mlp.dense_weights() else {
+        let (Some((gate, up, down)), Some(output)) = (
+            self.mlp.dense_weights(),
+            self.attention.o_proj().dense_weight(),
+        ) else {
             return Ok(None);
         };
         let ple = match (&self.ple, per_layer) {
@@ -211,25 +216,34 @@ impl DecoderLayer {
             }
             _ => return Ok(None),
         };
-        let (h, n) = (x.shape()[1] as usize, gate.shape()[0] as usize);
+        let (h, zw, n) = (
+            x.shape()[1] as usize,
+            z.shape()[1] as usize,
+            gate.shape()[0] as usize,
+        );
         let p = ple.as_ref().map_or(0, |v| v.gate.shape()[0] as usize);
-        if !feed_forward::serves(h, n, p, x.dtype()) || feed_forward::grid_blocks().is_none() {
+        if !post_attention::serves(h, zw, n, p, x.dtype())
+            || post_attention::grid_blocks().is_none()
+        {
             return Ok(None);
         }
-        let ff = FeedForward {
+        let weights = PostAttention {
+            output,
+            post_attention_norm: &self.post_attention_norm,
             pre_norm: &self.pre_feedforward_norm,
             gate,
             up,
             down,
             post_norm: &self.post_feedforward_norm,
         };
-        let out = feed_forward_block(
+        let out = post_attention(
             x,
+            z,
             self.eps,
-            &ff,
+            &weights,
             ple.as_ref(),
             &self.layer_scalar_device,
-            &self.feed_forward_barrier,
+            &self.post_attention_barrier,
         )?;
         Ok(Some(out))
     }
@@ -256,6 +270,9 @@ impl DecoderLayer {
             self.window,
             fused,
         )?;
+        if let Some(out) = self.one_kernel_after_attention(x, &attn, per_layer, fused)? {
+            return Ok((out, view));
+        }
         let x = self.closing_product(
             x,
             &attn,
@@ -266,9 +283,6 @@ impl DecoderLayer {
             fused,
         )?;
 
-        if let Some(out) = self.one_kernel_feed_forward(&x, per_layer, fused)? {
-            return Ok((out, view));
-        }
         let gated = self.ple.as_ref().zip(per_layer);
         let act = self
             .mlp

@@ -1,28 +1,32 @@
-//! A decode token's feed-forward block and per-layer-input block as one kernel, from the
-//! hidden state after attention to the layer's output (`--fused-kernels feed-forward`):
+//! Everything of a decode token's layer after attention, as one kernel (`--fused-kernels
+//! ...,post-attention`), from the layer's input `x` and the attention heads' output `z`:
 //!
-//! 1. `a = gelu_tanh(W_gate x') * (W_up x')`, `x' = rms_norm(x, pre_norm)`;
+//! 0. `x1 = x + rms_norm(W_o z, post_attention_norm)`;
+//! 1. `a = gelu_tanh(W_gate x') * (W_up x')`, `x' = rms_norm(x1, pre_norm)`;
 //! 2. `o = W_down a`;
-//! 3. `h = x + rms_norm(o, post_norm)` (times the layer scalar when there is no per-layer
+//! 3. `h = x1 + rms_norm(o, post_norm)` (times the layer scalar when there is no per-layer
 //!    input: then `h` is the output);
 //! 4. with a per-layer input `v`: `g = gelu_tanh(W_in h) * v`;
 //! 5. `o2 = W_proj g`;
 //! 6. output `(h + rms_norm(o2, post_norm_2)) * layer_scalar`.
 //!
-//! Why: these are four launches with [`super::products`] (a gated product and a closing
-//! product per block), each paying the host's cost of an operation, a ramp-up and a drain on
-//! the device, and a last-block epilogue. Here the grid stays resident from the first stage to
-//! the last, and the stages meet at grid-wide barriers.
+//! Why: these are five launches with [`super::products`] (the attention's closing product,
+//! then a gated and a closing product per block), each paying the host's cost of an
+//! operation, a ramp-up and a drain on the device, and a last-block epilogue. Here the grid
+//! stays resident from the first stage to the last, and the stages meet at grid-wide
+//! barriers; a layer is three operations (with [`super::attention_heads`] and
+//! [`super::decode_attention`]).
 //!
 //! A grid-wide barrier needs every block resident at once: the grid is two blocks per
 //! streaming multiprocessor (the kernel's registers and shared memory allow at least that
-//! many), and kernels of one stream do not overlap. A barrier that waits about a second
-//! aborts the kernel (a CUDA error, not a hang).
+//! many), and a block of another kernel that holds a multiprocessor finishes without waiting
+//! for this one. A barrier that waits about a second aborts the kernel (a CUDA error, not a
+//! hang).
 //!
 //! Every stage rounds as the kernels of [`super::products`] round, with the same summation
 //! order, so the result equals theirs bit for bit (`bench --compare-fused` checks the tokens).
-//! Each block computes the norm of a whole product itself (a few kilobytes from L2), which
-//! saves a barrier per norm.
+//! Each block computes the norm of a whole product itself (a few kilobytes from L2) and keeps
+//! the hidden states it needs in shared memory, which saves a barrier per norm.
 
 use std::cell::RefCell;
 
@@ -113,8 +117,11 @@ __device__ inline T closed(float o, float r, T h, T pw, float s) {
 
 const SOURCE: &str = r#"
   constexpr int WARPS = 8;
-  constexpr int STAGED = N > H ? (N > P ? N : P) : (H > P ? H : P);
+  constexpr int NH = N > H ? N : H;
+  constexpr int PZ = P > Z ? P : Z;
+  constexpr int STAGED = NH > PZ ? NH : PZ;
   __shared__ __align__(16) T buf[STAGED];
+  __shared__ __align__(16) T x1s[H];
   __shared__ __align__(16) T hs[P > 0 ? H : 8];
   __shared__ float red[32];
   unsigned int* bar = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(barrier));
@@ -123,8 +130,24 @@ const SOURCE: &str = r#"
   const int first = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const float s = static_cast<float>(scale[0]);
 
-  // 1. a = gelu_tanh(W_gate x') * (W_up x'), x' = rms_norm(x, pre_norm).
-  stage_input<T, H, true>(x, pre_norm, buf, red);
+  // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
+  stage_input<T, Z, false>(z, z, buf, red);
+  for (int r = first; r < H; r += warps) {
+    const T* row = wo + (size_t)r * Z;
+    float d;
+    rows_dot<T, Z, 1>(&row, buf, &d);
+    if (lane == 0) o0[r] = static_cast<float>(static_cast<T>(d));
+  }
+  __threadfence();
+  grid_barrier(bar);
+  const float r0 = product_rms<H>(o0, red);
+  for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
+    x1s[i] = closed<T, false>(__ldcg(o0 + i), r0, x[i], post_attention_norm[i], s);
+  }
+  __syncthreads();
+
+  // 1. a = gelu_tanh(W_gate x') * (W_up x'), x' = rms_norm(x1, pre_norm).
+  stage_input<T, H, true>(x1s, pre_norm, buf, red);
   for (int r = first; r < N; r += warps) {
     const T* rows[2] = {wg + (size_t)r * H, wu + (size_t)r * H};
     float d[2];
@@ -148,16 +171,16 @@ const SOURCE: &str = r#"
   __threadfence();
   grid_barrier(bar);
 
-  // 3. h = x + rms_norm(o, post_norm): the output without a per-layer input (times the
+  // 3. h = x1 + rms_norm(o, post_norm): the output without a per-layer input (times the
   // layer scalar; the blocks write it in turns), else every block keeps all of h.
   const float r1 = product_rms<H>(o, red);
   if constexpr (P == 0) {
     for (int i = blockIdx.x * BLOCK_THREADS + threadIdx.x; i < H; i += gridDim.x * BLOCK_THREADS) {
-      out[i] = closed<T, true>(__ldcg(o + i), r1, x[i], post_norm[i], s);
+      out[i] = closed<T, true>(__ldcg(o + i), r1, x1s[i], post_norm[i], s);
     }
   } else {
     for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
-      hs[i] = closed<T, false>(__ldcg(o + i), r1, x[i], post_norm[i], s);
+      hs[i] = closed<T, false>(__ldcg(o + i), r1, x1s[i], post_norm[i], s);
     }
     __syncthreads();
 
@@ -196,8 +219,9 @@ const SOURCE: &str = r#"
 "#;
 
 /// Blocks per streaming multiprocessor. The kernel's shared memory (at most
-/// [`MAX_SHARED_BYTES`]) and registers (NVRTC for sm_90a: 78 a thread for E4B's shapes; 128
-/// would still fit two blocks of 256 threads) let at least this many be resident.
+/// [`MAX_SHARED_BYTES`]) and registers (NVRTC for sm_90a: under 90 a thread for E4B's and
+/// 12B's shapes; 128 would still fit two blocks of 256 threads) let at least this many be
+/// resident.
 const BLOCKS_PER_MULTIPROCESSOR: i32 = 2;
 
 /// The staged vectors must fit a block's static shared memory (48 KB), twice per
@@ -206,14 +230,26 @@ const MAX_SHARED_BYTES: usize = 44 * 1024;
 
 thread_local! {
     static KERNELS: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
-        "feed_forward_block",
+        "post_attention",
         &[
-            "x", "pre_norm", "wg", "wu", "wd", "post_norm", "pg", "per_layer", "ple_offset", "pp",
-            "post_norm_2", "scale", "barrier",
+            "x", "z", "wo", "post_attention_norm", "pre_norm", "wg", "wu", "wd", "post_norm",
+            "pg", "per_layer", "ple_offset", "pp", "post_norm_2", "scale", "barrier",
         ],
-        &["out", "a", "o", "g", "o2"],
+        &["out", "o0", "a", "o", "g", "o2"],
         SOURCE,
     ).with_header(Box::leak(format!("{PRODUCTS_HEADER}{BARRIER_HEADER}").into_boxed_str())));
+}
+
+/// The weights of a layer after its attention heads, all dense: `[H, Z]` attention output,
+/// `[N, H]` gate and up, `[H, N]` down, and the norms around them.
+pub struct PostAttention<'a> {
+    pub output: &'a Array,
+    pub post_attention_norm: &'a Array,
+    pub pre_norm: &'a Array,
+    pub gate: &'a Array,
+    pub up: &'a Array,
+    pub down: &'a Array,
+    pub post_norm: &'a Array,
 }
 
 /// The per-layer-input block's weights and this layer's inputs.
@@ -222,34 +258,26 @@ pub struct PerLayerInput<'a> {
     pub gate: &'a Array,
     /// The per-layer inputs of every layer, contiguous; this layer's `P` start at `offset`.
     pub values: &'a Array,
-    /// int32 in device memory ([`device_array`]): where this layer's inputs start.
+    /// int32 in device memory ([`super::products::device_array`]): where this layer's
+    /// inputs start.
     pub offset: &'a Array,
     /// `[H, P]`, the projection back to the hidden size.
     pub projection: &'a Array,
     pub post_norm: &'a Array,
 }
 
-/// Dense weights of one layer's feed-forward block (`[N, H]` gate and up, `[H, N]` down) and
-/// its norms.
-pub struct FeedForward<'a> {
-    pub pre_norm: &'a Array,
-    pub gate: &'a Array,
-    pub up: &'a Array,
-    pub down: &'a Array,
-    pub post_norm: &'a Array,
-}
-
-/// Whether the kernel serves hidden size `h`, feed-forward width `n` and per-layer width `p`
-/// (0: none) in `dtype`: whole 16-byte loads, and the staged vectors fit shared memory.
-pub fn serves(h: usize, n: usize, p: usize, dtype: Dtype) -> bool {
+/// Whether the kernel serves hidden size `h`, attention width `z`, feed-forward width `n`
+/// and per-layer width `p` (0: none) in `dtype`: whole 16-byte loads, and the vectors each
+/// block keeps fit its shared memory.
+pub fn serves(h: usize, z: usize, n: usize, p: usize, dtype: Dtype) -> bool {
     let e = match dtype {
         Dtype::Float32 => 4,
         Dtype::Bfloat16 | Dtype::Float16 => 2,
         _ => return false,
     };
     let whole = |k: usize| (k * e) % 16 == 0;
-    let staged = h.max(n).max(p) + if p > 0 { h } else { 0 };
-    h > 0 && n > 0 && whole(h) && whole(n) && whole(p) && staged * e <= MAX_SHARED_BYTES
+    let kept = h.max(z).max(n).max(p) + h + if p > 0 { h } else { 0 };
+    h > 0 && z > 0 && n > 0 && [h, z, n, p].into_iter().all(whole) && kept * e <= MAX_SHARED_BYTES
 }
 
 /// The barrier state a call site owns (two counters in device memory). Calls of one site
@@ -263,52 +291,58 @@ pub fn grid_blocks() -> Option<i32> {
     crate::device::cuda_multiprocessor_count().map(|sms| sms * BLOCKS_PER_MULTIPROCESSOR)
 }
 
-/// The layer's output for the token `x` (`[1, H]`, the hidden state after attention): the
+/// The layer's output for the token `x` (`[1, H]`, the layer's input) and its attention
+/// heads' output `z` (`[1, Z]`): the attention's output product and residual, the
 /// feed-forward block, then the per-layer-input block when given, the result times `scale`
 /// (the layer scalar, first element of a device array). Check [`serves`] and [`grid_blocks`].
-pub fn feed_forward_block(
+pub fn post_attention(
     x: &Array,
+    z: &Array,
     eps: f32,
-    ff: &FeedForward,
+    w: &PostAttention,
     ple: Option<&PerLayerInput>,
     scale: &Array,
     barrier: &Array,
 ) -> Result<Array> {
     let dtype = x.dtype();
     let h = x.shape()[x.ndim() - 1];
-    let n = ff.gate.shape()[0];
-    let expect = |w: &Array, shape: [i32; 2], what: &str| -> Result<()> {
-        if w.shape() != shape || w.dtype() != dtype {
+    let zw = z.shape()[z.ndim() - 1];
+    let n = w.gate.shape()[0];
+    let expect = |a: &Array, shape: [i32; 2], what: &str| -> Result<()> {
+        if a.shape() != shape || a.dtype() != dtype {
             bail!(
-                "feed_forward_block: {what} weight is {:?} {:?}, expected {shape:?} {dtype:?}",
-                w.shape(),
-                w.dtype()
+                "post_attention: {what} is {:?} {:?}, expected {shape:?} {dtype:?}",
+                a.shape(),
+                a.dtype()
             );
         }
         Ok(())
     };
-    expect(ff.gate, [n, h], "gate")?;
-    expect(ff.up, [n, h], "up")?;
-    expect(ff.down, [h, n], "down")?;
+    expect(x, [1, h], "the hidden state")?;
+    expect(z, [1, zw], "the attention output")?;
+    expect(w.output, [h, zw], "the attention output weight")?;
+    expect(w.gate, [n, h], "the gate weight")?;
+    expect(w.up, [n, h], "the up weight")?;
+    expect(w.down, [h, n], "the down weight")?;
     let p = match ple {
         Some(v) => {
             let p = v.gate.shape()[0];
-            expect(v.gate, [p, h], "per-layer input gate")?;
-            expect(v.projection, [h, p], "per-layer projection")?;
+            expect(v.gate, [p, h], "the per-layer input gate")?;
+            expect(v.projection, [h, p], "the per-layer projection")?;
             if v.offset.dtype() != Dtype::Int32 {
-                bail!("feed_forward_block: the per-layer input offset must be int32");
+                bail!("post_attention: the per-layer input offset must be int32");
             }
             p
         }
         None => 0,
     };
-    if !serves(h as usize, n as usize, p as usize, dtype) {
+    if !serves(h as usize, zw as usize, n as usize, p as usize, dtype) {
         bail!(
-            "feed_forward_block does not serve hidden {h}, width {n}, per-layer {p} in {dtype:?}"
+            "post_attention does not serve hidden {h}, attention {zw}, width {n}, per-layer {p} in {dtype:?}"
         );
     }
     let Some(blocks) = grid_blocks() else {
-        bail!("feed_forward_block needs the CUDA device's multiprocessor count");
+        bail!("post_attention needs the CUDA device's multiprocessor count");
     };
     // Without a per-layer input its inputs are never read: the hidden state stands in.
     let (pg, values, offset, pp, post_norm_2) = match ple {
@@ -321,11 +355,14 @@ pub fn feed_forward_block(
         let mut out = kernel.apply(
             &[
                 x,
-                ff.pre_norm,
-                ff.gate,
-                ff.up,
-                ff.down,
-                ff.post_norm,
+                z,
+                w.output,
+                w.post_attention_norm,
+                w.pre_norm,
+                w.gate,
+                w.up,
+                w.down,
+                w.post_norm,
                 pg,
                 values,
                 offset,
@@ -336,6 +373,7 @@ pub fn feed_forward_block(
             ],
             &[
                 (&[1, h], dtype),
+                (&[h], Dtype::Float32),
                 (&[n], dtype),
                 (&[h], Dtype::Float32),
                 (&[p.max(1)], dtype),
@@ -346,6 +384,7 @@ pub fn feed_forward_block(
             &[
                 (c"T", TemplateArg::Dtype(dtype)),
                 (c"H", TemplateArg::Int(h)),
+                (c"Z", TemplateArg::Int(zw)),
                 (c"N", TemplateArg::Int(n)),
                 (c"P", TemplateArg::Int(p)),
             ],
@@ -360,16 +399,26 @@ mod tests {
 
     #[test]
     fn serves_whole_loads_that_fit_shared_memory() {
-        assert!(serves(2560, 10240, 256, Dtype::Bfloat16), "E4B");
-        assert!(serves(3840, 15360, 0, Dtype::Bfloat16), "12B");
-        assert!(serves(64, 256, 32, Dtype::Float32), "a fixture");
-        assert!(!serves(2560, 10240, 256, Dtype::Float32), "50 KB staged");
-        assert!(!serves(2560, 10244, 256, Dtype::Bfloat16), "a partial load");
         assert!(
-            !serves(2560, 10240, 4, Dtype::Bfloat16),
+            serves(2560, 2048, 10240, 256, Dtype::Bfloat16),
+            "E4B sliding"
+        );
+        assert!(serves(2560, 4096, 10240, 256, Dtype::Bfloat16), "E4B full");
+        assert!(serves(3840, 4096, 15360, 0, Dtype::Bfloat16), "12B");
+        assert!(serves(64, 64, 256, 32, Dtype::Float32), "a fixture");
+        assert!(
+            !serves(2560, 2048, 10240, 256, Dtype::Float32),
+            "60 KB kept"
+        );
+        assert!(
+            !serves(2560, 2048, 10244, 256, Dtype::Bfloat16),
+            "a partial load"
+        );
+        assert!(
+            !serves(2560, 2048, 10240, 4, Dtype::Bfloat16),
             "a partial per-layer load"
         );
-        assert!(!serves(2560, 10240, 256, Dtype::Int32));
+        assert!(!serves(2560, 2048, 10240, 256, Dtype::Int32));
     }
 
     #[test]
@@ -380,17 +429,20 @@ mod tests {
     #[test]
     fn mismatched_weights_are_refused_before_any_kernel() {
         let x = Array::zeros::<f32>(&[1, 8]).unwrap();
-        let w = Array::zeros::<f32>(&[16, 8]).unwrap();
-        let wrong = Array::zeros::<f32>(&[8, 8]).unwrap();
-        let ff = FeedForward {
-            pre_norm: &x,
-            gate: &w,
-            up: &w,
-            down: &wrong,
-            post_norm: &x,
+        let norm = Array::zeros::<f32>(&[8]).unwrap();
+        let square = Array::zeros::<f32>(&[8, 8]).unwrap();
+        let wide = Array::zeros::<f32>(&[16, 8]).unwrap();
+        let w = PostAttention {
+            output: &square,
+            post_attention_norm: &norm,
+            pre_norm: &norm,
+            gate: &wide,
+            up: &wide,
+            down: &square,
+            post_norm: &norm,
         };
         let barrier = new_barrier().unwrap();
-        let err = feed_forward_block(&x, 1e-6, &ff, None, &x, &barrier).unwrap_err();
+        let err = post_attention(&x, &x, 1e-6, &w, None, &x, &barrier).unwrap_err();
         assert!(err.to_string().contains("down weight"), "{err}");
     }
 }
