@@ -163,7 +163,7 @@ if want profile; then
     # Device time of one E4B decode step, kernel by kernel (Nsight Compute, clocks unlocked so
     # durations are those of a normal run): what the device does when no host is in the way.
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in attention,products none; do
+    for fused in attention,products,post-attention attention,products none; do
         # MLX_SPEC_PROFILE_DECODE: mlx-spec starts the capture after the prefill, so the
         # thousands of kernels of the weight generation and the prefill are not profiled.
         MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none \
