@@ -239,10 +239,12 @@ if want opcost; then
 fi
 if want ffspeed; then
     # Weight streaming rate of the feed-forward block (85 % of E4B's bytes), MLX's operations vs
-    # the fused products at 1, 2 and 4 rows per warp; E4B and 12B shapes.
+    # the fused products at 1, 2 and 4 rows per warp, then with the attention output product
+    # as three fused products vs the one post-attention kernel; E4B and 12B shapes.
     for m in gemma-4-e4b gemma-4-12b; do
         echo "## bench --feed-forward-speed ($m)"
         timeout 240 "$BIN" bench --device gpu --feed-forward-speed --model "$ROOT/configs/$m.json" --repeats 3 \
+            --fused-kernels attention,products,post-attention \
             2>"$RES/ffspeed.err" | tee -a "$RES/ffspeed.md"
         row "feed-forward GB/s ($m) | printed above, kept in ffspeed.md"
     done

@@ -15,6 +15,8 @@ use mlx_rs::random;
 use mlx_rs::transforms::async_eval;
 use mlx_rs::{Array, Dtype};
 
+use crate::kernels::post_attention::{self, PostAttention};
+use crate::kernels::products::device_array;
 use crate::kernels::products::{
     gated_product, gated_product_rows, new_counter, normed_products, product_residual,
     product_residual_rows, GateUp, ROWS_PER_WARP_CHOICES,
@@ -246,19 +248,35 @@ pub struct FeedForwardSpeed {
     pub gb_per_s: f64,
 }
 
+/// One synthetic layer's weights for [`feed_forward_speed`].
+struct LayerWeights {
+    gate: Array,
+    up: Array,
+    down: Array,
+    /// The attention output product `[hidden, attention_width]`.
+    output: Array,
+    /// Counters of the two closing products (feed-forward, attention output).
+    counters: [Array; 2],
+    barrier: Array,
+}
+
 /// The feed-forward block of a decode token (`h + rms_norm(down(gelu(gate(n)) * up(n)))`,
 /// `n = rms_norm(h)`) over `layers` distinct bf16 weight sets of `hidden` x `intermediate`,
 /// chained as in a model, timed with MLX's operations and, where the fused CUDA kernels run,
-/// with [`gated_product`] and [`product_residual`] at each row count per warp. The weights of
-/// the chain should exceed the device's cache (E4B: 157 MB a layer) for the rate to be the
-/// memory's. The median of `rounds` chains after a warm-up one.
+/// with [`gated_product`] and [`product_residual`] at each row count per warp. Then the
+/// attention's output product (`[hidden, attention_width]`) and the feed-forward block
+/// together, as three fused products and (with `post-attention` allowed) as one
+/// [`post_attention::post_attention`] kernel. The weights of the chain should exceed the
+/// device's cache (E4B: 157 MB a layer) for the rate to be the memory's. The median of
+/// `rounds` chains after a warm-up one.
 pub fn feed_forward_speed(
     hidden: i32,
     intermediate: i32,
+    attention_width: i32,
     layers: usize,
     rounds: usize,
 ) -> Result<Vec<FeedForwardSpeed>> {
-    if hidden <= 0 || intermediate <= 0 || layers == 0 || rounds == 0 {
+    if hidden <= 0 || intermediate <= 0 || attention_width <= 0 || layers == 0 || rounds == 0 {
         bail!("feed_forward_speed needs positive sizes, a layer and a round");
     }
     let dtype = Dtype::Bfloat16;
@@ -277,54 +295,115 @@ pub fn feed_forward_speed(
         let gate = normal(intermediate, hidden, 0)?;
         let up = normal(intermediate, hidden, 1)?;
         let down = normal(hidden, intermediate, 2)?;
-        for w in [&gate, &up, &down] {
+        let output = normal(hidden, attention_width, 3)?;
+        for w in [&gate, &up, &down, &output] {
             w.eval()?;
         }
-        weights.push((gate, up, down, new_counter()?));
+        weights.push(LayerWeights {
+            gate,
+            up,
+            down,
+            output,
+            counters: [new_counter()?, new_counter()?],
+            barrier: post_attention::new_barrier()?,
+        });
     }
     let norm = Array::ones::<f32>(&[hidden])?.as_dtype(dtype)?;
     let start = random::normal::<half::bf16>(&[1, hidden], 0.0, 1.0, &random::key(99)?)?;
-    norm.eval()?;
-    start.eval()?;
-    let bytes_per_layer = 3.0 * hidden as f64 * intermediate as f64 * 2.0;
-    let (weights, norm) = (&weights, &norm);
+    // The attention heads' output each layer's block starts from (the same for every layer:
+    // only the weights' streaming is measured).
+    let heads = random::normal::<half::bf16>(&[1, attention_width], 0.0, 1.0, &random::key(98)?)?;
+    let scale = device_array(&Array::ones::<f32>(&[1])?.as_dtype(dtype)?, 8)?;
+    for a in [&norm, &start, &heads] {
+        a.eval()?;
+    }
+    let feed_forward_bytes = 3.0 * hidden as f64 * intermediate as f64 * 2.0;
+    let with_output_bytes = feed_forward_bytes + hidden as f64 * attention_width as f64 * 2.0;
+    let (weights, norm, heads, scale) = (&weights, &norm, &heads, &scale);
 
     type Block<'a> = Box<dyn Fn(&Array, usize) -> Result<Array> + 'a>;
-    let mut kinds: Vec<(String, Block)> = vec![(
+    let mut kinds: Vec<(String, f64, Block)> = vec![(
         "MLX operations".to_string(),
+        feed_forward_bytes,
         Box::new(|h: &Array, l: usize| {
-            let (gate, up, down, _) = &weights[l];
+            let w = &weights[l];
             let n = rms_norm(h, Some(norm), eps)?;
             let act = gated_gelu(
-                &matmul(&n, gate.transpose()?)?,
-                &matmul(&n, up.transpose()?)?,
+                &matmul(&n, w.gate.transpose()?)?,
+                &matmul(&n, w.up.transpose()?)?,
             )?;
-            let d = matmul(&act, down.transpose()?)?;
+            let d = matmul(&act, w.down.transpose()?)?;
             Ok(h.add(rms_norm(&d, Some(norm), eps)?)?)
         }),
     )];
-    if Fused::for_next_forward().products {
+    let fused = Fused::for_next_forward();
+    if fused.products {
         for rows in ROWS_PER_WARP_CHOICES {
             kinds.push((
                 format!("fused products, {rows} row(s) per warp"),
+                feed_forward_bytes,
                 Box::new(move |h: &Array, l: usize| {
-                    let (gate, up, down, counter) = &weights[l];
-                    let act =
-                        gated_product_rows(h, Some(norm), eps, gate, GateUp::Product(up), rows)?;
-                    product_residual_rows(&act, down, h, norm, eps, None, counter, rows)
+                    let w = &weights[l];
+                    let act = gated_product_rows(
+                        h,
+                        Some(norm),
+                        eps,
+                        &w.gate,
+                        GateUp::Product(&w.up),
+                        rows,
+                    )?;
+                    let counter = &w.counters[0];
+                    product_residual_rows(&act, &w.down, h, norm, eps, None, counter, rows)
                 }),
             ));
         }
+        kinds.push((
+            "attention output + feed-forward, fused products (3 kernels)".to_string(),
+            with_output_bytes,
+            Box::new(|h: &Array, l: usize| {
+                let w = &weights[l];
+                let x1 = product_residual(heads, &w.output, h, norm, eps, None, &w.counters[1])?;
+                let act = gated_product(&x1, Some(norm), eps, &w.gate, GateUp::Product(&w.up))?;
+                product_residual(&act, &w.down, &x1, norm, eps, Some(scale), &w.counters[0])
+            }),
+        ));
+    }
+    let (h, z, n) = (
+        hidden as usize,
+        attention_width as usize,
+        intermediate as usize,
+    );
+    if fused.post_attention
+        && post_attention::serves(h, z, n, 0, dtype)
+        && post_attention::grid_blocks().is_some()
+    {
+        kinds.push((
+            "attention output + feed-forward, one post-attention kernel".to_string(),
+            with_output_bytes,
+            Box::new(|h: &Array, l: usize| {
+                let w = &weights[l];
+                let block = PostAttention {
+                    output: &w.output,
+                    post_attention_norm: norm,
+                    pre_norm: norm,
+                    gate: &w.gate,
+                    up: &w.up,
+                    down: &w.down,
+                    post_norm: norm,
+                };
+                post_attention::post_attention(h, heads, eps, &block, None, scale, &w.barrier)
+            }),
+        ));
     }
     let mut speeds = Vec::new();
-    for (kind, block) in &kinds {
+    for (kind, bytes, block) in &kinds {
         let (build_us, submit_us, total_us) = time_chain(&start, layers, rounds, block)?;
         speeds.push(FeedForwardSpeed {
             kind: kind.clone(),
             build_us,
             submit_us,
             total_us,
-            gb_per_s: bytes_per_layer / (total_us * 1e3),
+            gb_per_s: bytes / (total_us * 1e3),
         });
     }
     Ok(speeds)
@@ -351,13 +430,14 @@ mod tests {
 
     #[test]
     fn feed_forward_speed_times_mlx_operations_on_the_cpu() {
-        let speeds = feed_forward_speed(64, 128, 2, 1).unwrap();
+        let speeds = feed_forward_speed(64, 128, 64, 2, 1).unwrap();
         // No fused kernels off a CUDA device.
         assert_eq!(speeds.len(), 1, "{speeds:?}");
         assert_eq!(speeds[0].kind, "MLX operations");
         let s = &speeds[0];
         assert!(s.total_us >= s.build_us && s.gb_per_s > 0.0, "{s:?}");
-        assert!(feed_forward_speed(64, 128, 0, 1).is_err());
+        assert!(feed_forward_speed(64, 128, 64, 0, 1).is_err());
+        assert!(feed_forward_speed(64, 128, 0, 2, 1).is_err());
     }
 
     #[test]

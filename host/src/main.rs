@@ -281,7 +281,9 @@ struct BenchArgs {
     op_cost: bool,
     /// Instead of decoding: how fast a decode token's feed-forward block streams its weights
     /// (GB/s), with MLX's operations and, on a CUDA GPU, with the fused product kernels at
-    /// each row count per warp; shapes from the --model config, 16 layers of bf16 weights.
+    /// each row count per warp; then the attention output product and the feed-forward block
+    /// as three fused products and as one post-attention kernel (with `--fused-kernels
+    /// ...,post-attention`); shapes from the --model config, 16 layers of bf16 weights.
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost"])]
     feed_forward_speed: bool,
     /// Also decode greedily this many times from fresh caches and report whether the logits
@@ -1279,7 +1281,16 @@ fn run_feed_forward_speed(args: &BenchArgs) -> Result<()> {
     mlx_spec::kernels::set_allowed(args.model.fused());
     let (_, _, config) = read_config(&args.model.model)?;
     let (hidden, intermediate) = (config.hidden_size as i32, config.intermediate_size as i32);
-    let speeds = mlx_spec::diagnostics::feed_forward_speed(hidden, intermediate, 16, args.repeats)?;
+    // The first layer's heads (a sliding-window layer in every released size).
+    let head_dim = config.layers.first().map_or(0, |l| l.head_dim);
+    let attention_width = (config.num_heads * head_dim) as i32;
+    let speeds = mlx_spec::diagnostics::feed_forward_speed(
+        hidden,
+        intermediate,
+        attention_width,
+        16,
+        args.repeats,
+    )?;
     if args.json {
         let rows: Vec<_> = speeds
             .iter()
@@ -1294,7 +1305,10 @@ fn run_feed_forward_speed(args: &BenchArgs) -> Result<()> {
         );
         return Ok(());
     }
-    println!("feed-forward block, hidden {hidden}, intermediate {intermediate}, bf16, 16 layers:");
+    println!(
+        "feed-forward block, hidden {hidden}, intermediate {intermediate} (attention output \
+         {attention_width} wide in the last rows), bf16, 16 layers:"
+    );
     println!("| method | build µs/layer | async_eval µs/layer | total µs/layer | GB/s |");
     println!("|---|---|---|---|---|");
     for s in &speeds {
