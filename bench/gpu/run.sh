@@ -26,6 +26,8 @@
 #   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
 #              fused kernels and without
+#   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
+#              memcheck of our kernels with the post-attention path
 #   quick      E4B bf16 decode with each set of fused kernels, alternated in one process
 #              (the in-process comparison of `mlx` alone, ~1.5 minutes)
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
@@ -175,6 +177,30 @@ if want profile; then
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/+}.err"
     done
     row "device time of one E4B decode step (Nsight Compute) | printed above, kept in profile.md"
+fi
+
+if want sanitize; then
+    # Compute Sanitizer (the image's CUDA toolkit) over a short E4B decode: racecheck on the
+    # 4-bit quantized products (a shared-memory race in MLX's quantized matmul would explain
+    # the rare 4-bit disagreement) and on our default kernels; memcheck on our kernels with
+    # the post-attention path (racecheck may run blocks one after another, which a grid-wide
+    # barrier cannot survive).
+    CS="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+    ids="$(seq -s, 2 65)"
+    sanitize() {
+        local label="$1" file="$2"; shift 2
+        timeout 400 "$CS" "$@" "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
+            --dtype bf16 --prompt-ids "$ids" --max-tokens 3 --ignore-eos --json "${GEN_ARGS[@]}" >"$RES/$file" 2>&1
+        echo "## $label (exit $?)"
+        grep -E "SUMMARY|Race reported|Error: |Invalid|hazard" "$RES/$file" | sort | uniq -c | head -n 12
+        row "$label | $(grep -E "SUMMARY" "$RES/$file" | tail -n 1 || echo "no summary, see $file")"
+    }
+    GEN_ARGS=(--random-bits 4 --fused-kernels none)
+    sanitize "racecheck, 4-bit quantized products" race-q4.txt --tool racecheck --kernel-name kns=qm --print-limit 20
+    GEN_ARGS=(--fused-kernels attention,products)
+    sanitize "racecheck, our kernels (default set)" race-ours.txt --tool racecheck --kernel-name kns=custom_kernel --print-limit 20
+    GEN_ARGS=(--fused-kernels attention,products,post-attention)
+    sanitize "memcheck, our kernels with post-attention" memcheck-ours.txt --tool memcheck --kernel-name kns=custom_kernel --print-limit 20
 fi
 
 if want quick; then
