@@ -28,8 +28,8 @@
 #              fused kernels and without
 #   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
 #              memcheck of our kernels with the post-attention path
-#   quick      E4B bf16 decode with each set of fused kernels, alternated in one process
-#              (the in-process comparison of `mlx` alone, ~1.5 minutes)
+#   quick      E4B bf16 decode with each set of fused kernels and each variant of the
+#              default, alternated in one process (~2 minutes)
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
@@ -131,7 +131,7 @@ print("prefill %.0f tok/s | decode %.1f tok/s (host per step: build %.2f ms, sub
     fi
 }
 if want mlx; then
-    bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --verify-curve --compare-fused
+    bench "mlx-spec E4B bf16" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --verify-curve
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
