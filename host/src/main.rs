@@ -259,9 +259,9 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
     /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
-    /// products, both) and variants of the default (2 and 4 rows per warp in the feed-forward
-    /// products, the step's small integer arrays in device memory), alternating between them
-    /// round by round in this process; fails if a variant changes the greedy tokens.
+    /// products, both) and variants of the default (the step's small integer arrays in device
+    /// memory, the one post-attention kernel), alternating between them round by round in
+    /// this process; fails if a variant changes the greedy tokens.
     #[arg(long)]
     compare_fused: bool,
     /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
@@ -1113,7 +1113,6 @@ fn compare_fused(
     prompt: &[u32],
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
-    use mlx_spec::kernels::products::{rows_per_warp, set_rows_per_warp};
     use mlx_spec::kernels::{set_allowed, set_step_ints_on_device, step_ints_on_device, Fused};
     let fused = |attention, products| Fused {
         attention,
@@ -1124,58 +1123,41 @@ fn compare_fused(
         post_attention: true,
         ..fused(true, true)
     };
-    /// One configuration: kernels, rows per warp of the feed-forward products, and whether
-    /// the step's small integer arrays are copied to device memory.
+    /// One configuration: kernels, and whether the step's small integer arrays are copied to
+    /// device memory. (Rows per warp of the feed-forward products: `--feed-forward-speed`.)
     struct Set {
         name: &'static str,
         kernels: Fused,
-        rows: i32,
         ints_on_device: bool,
     }
-    let set = |name, kernels, rows, ints_on_device| Set {
+    let set = |name, kernels, ints_on_device| Set {
         name,
         kernels,
-        rows,
         ints_on_device,
     };
     let sets = [
-        set("none", fused(false, false), 1, false),
-        set("attention", fused(true, false), 1, false),
-        set("products", fused(false, true), 1, false),
-        set("attention,products", fused(true, true), 1, false),
-        set(
-            "attention,products, 2 rows/warp",
-            fused(true, true),
-            2,
-            false,
-        ),
-        set(
-            "attention,products, 4 rows/warp",
-            fused(true, true),
-            4,
-            false,
-        ),
+        set("none", fused(false, false), false),
+        set("attention", fused(true, false), false),
+        set("products", fused(false, true), false),
+        set("attention,products", fused(true, true), false),
         set(
             "attention,products, step ints on device",
             fused(true, true),
-            1,
             true,
         ),
         set(
             "attention,products,post-attention",
             one_post_attention_kernel,
-            1,
             false,
         ),
     ];
-    let (default_rows, default_ints) = (rows_per_warp(), step_ints_on_device());
+    let default_ints = step_ints_on_device();
     let mut rates = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
     for round in 0..=repeats {
         for (i, s) in sets.iter().enumerate() {
             set_allowed(s.kernels);
-            set_rows_per_warp(s.rows)?;
             set_step_ints_on_device(s.ints_on_device);
             let mut cache = model.new_cache();
             let logits = prefill(model, &mut cache, prompt)?;
@@ -1187,24 +1169,18 @@ fn compare_fused(
         }
     }
     set_allowed(args.model.fused());
-    set_rows_per_warp(default_rows)?;
     set_step_ints_on_device(default_ints);
-    // More rows per warp and the one post-attention kernel regroup the same arithmetic, and
-    // where the integers live changes no value: a variant's tokens must equal those of its
-    // plain twin (the same attention and product kernels, one row per warp, no post-attention
-    // kernel, integers in host memory).
+    // The one post-attention kernel regroups the same arithmetic, and where the integers live
+    // changes no value: a variant's tokens must equal those of its plain twin (the same
+    // attention and product kernels, no post-attention kernel, integers in host memory).
     for (i, s) in sets.iter().enumerate() {
+        let plain = Fused {
+            post_attention: false,
+            ..s.kernels
+        };
         let twin = sets
             .iter()
-            .position(|t| {
-                t.kernels
-                    == Fused {
-                        post_attention: false,
-                        ..s.kernels
-                    }
-                    && t.rows == 1
-                    && !t.ints_on_device
-            })
+            .position(|t| t.kernels == plain && !t.ints_on_device)
             .expect("every kernel set is listed plain");
         if i != twin && tokens[i] != tokens[twin] {
             bail!(
