@@ -919,13 +919,11 @@ fn check_against_cpu(
         .zip(&cpu_logits)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
-    let mut sorted = cpu_logits.clone();
-    sorted.sort_by(|a, b| b.total_cmp(a));
     Ok(CpuCheck {
         device_tokens,
         cpu_tokens,
         max_logit_diff,
-        top2_margin: sorted[0] - sorted.get(1).copied().unwrap_or(f32::NEG_INFINITY),
+        top2_margin: top2_margin(&cpu_logits),
     })
 }
 

@@ -33,7 +33,7 @@ use std::cell::RefCell;
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
-use super::products::{device_array, HEADER as PRODUCTS_HEADER, THREADS};
+use super::products::{element_bytes, new_counter, HEADER as PRODUCTS_HEADER, THREADS};
 use super::{PerEpsilon, TemplateArg};
 
 /// Device helpers added to the products' ones.
@@ -104,6 +104,18 @@ __device__ inline float product_rms(const float* o, float* red) {
   return rsqrtf(block_sum(ss, red) / N + EPS);
 }
 
+// o[r] = W[r] . xs, rounded to T as MLX's product rounds it and kept in float32, for the
+// rows r this warp takes (every `warps`-th from `first`); W is [rows, K].
+template <typename T, int K>
+__device__ inline void product_rows(const T* w, const T* xs, float* o, int rows, int first, int warps) {
+  for (int r = first; r < rows; r += warps) {
+    const T* row = w + (size_t)r * K;
+    float d;
+    rows_dot<T, K, 1>(&row, xs, &d);
+    if ((threadIdx.x & 31) == 0) o[r] = static_cast<float>(static_cast<T>(d));
+  }
+}
+
 // h + rms_norm(o) with norm weight pw, times s when SCALED, rounded as the closing product.
 template <typename T, bool SCALED>
 __device__ inline T closed(float o, float r, T h, T pw, float s) {
@@ -132,12 +144,7 @@ const SOURCE: &str = r#"
 
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
   stage_input<T, Z, false>(z, z, buf, red);
-  for (int r = first; r < H; r += warps) {
-    const T* row = wo + (size_t)r * Z;
-    float d;
-    rows_dot<T, Z, 1>(&row, buf, &d);
-    if (lane == 0) o0[r] = static_cast<float>(static_cast<T>(d));
-  }
+  product_rows<T, Z>(wo, buf, o0, H, first, warps);
   __threadfence();
   grid_barrier(bar);
   const float r0 = product_rms<H>(o0, red);
@@ -160,14 +167,9 @@ const SOURCE: &str = r#"
   __threadfence();
   grid_barrier(bar);
 
-  // 2. o = W_down a, rounded to T as MLX's product rounds it, kept in float32.
+  // 2. o = W_down a.
   stage_written<T, N>(a, buf);
-  for (int r = first; r < H; r += warps) {
-    const T* row = wd + (size_t)r * N;
-    float d;
-    rows_dot<T, N, 1>(&row, buf, &d);
-    if (lane == 0) o[r] = static_cast<float>(static_cast<T>(d));
-  }
+  product_rows<T, N>(wd, buf, o, H, first, warps);
   __threadfence();
   grid_barrier(bar);
 
@@ -200,12 +202,7 @@ const SOURCE: &str = r#"
 
     // 5. o2 = W_proj g.
     stage_written<T, P>(g, buf);
-    for (int r = first; r < H; r += warps) {
-      const T* row = pp + (size_t)r * P;
-      float d;
-      rows_dot<T, P, 1>(&row, buf, &d);
-      if (lane == 0) o2[r] = static_cast<float>(static_cast<T>(d));
-    }
+    product_rows<T, P>(pp, buf, o2, H, first, warps);
     __threadfence();
     grid_barrier(bar);
 
@@ -270,10 +267,8 @@ pub struct PerLayerInput<'a> {
 /// and per-layer width `p` (0: none) in `dtype`: whole 16-byte loads, and the vectors each
 /// block keeps fit its shared memory.
 pub fn serves(h: usize, z: usize, n: usize, p: usize, dtype: Dtype) -> bool {
-    let e = match dtype {
-        Dtype::Float32 => 4,
-        Dtype::Bfloat16 | Dtype::Float16 => 2,
-        _ => return false,
+    let Some(e) = element_bytes(dtype) else {
+        return false;
     };
     let whole = |k: usize| (k * e) % 16 == 0;
     let kept = h.max(z).max(n).max(p) + h + if p > 0 { h } else { 0 };
@@ -283,7 +278,7 @@ pub fn serves(h: usize, z: usize, n: usize, p: usize, dtype: Dtype) -> bool {
 /// The barrier state a call site owns (two counters in device memory). Calls of one site
 /// never overlap: each step's depends on the previous step's token.
 pub fn new_barrier() -> Result<Array> {
-    device_array(&Array::from_slice(&[0u32], &[1]), 16)
+    new_counter()
 }
 
 /// Blocks of the grid, or `None` where the device's multiprocessors are unknown.

@@ -310,7 +310,7 @@ thread_local! {
     ).with_header(HEADER));
 }
 
-fn element_bytes(dtype: Dtype) -> Option<usize> {
+pub(crate) fn element_bytes(dtype: Dtype) -> Option<usize> {
     match dtype {
         Dtype::Float32 => Some(4),
         Dtype::Bfloat16 | Dtype::Float16 => Some(2),

@@ -190,8 +190,12 @@ impl DecoderLayer {
         per_layer: Option<(&Array, usize)>,
         fused: Fused,
     ) -> Result<Option<Array>> {
+        // The flag first: this runs for every layer of every forward.
+        if !fused.post_attention || self.moe.is_some() {
+            return Ok(None);
+        }
         let one_token = x.ndim() == 2 && x.shape()[0] == 1 && z.ndim() == 2 && z.shape()[0] == 1;
-        if !(fused.post_attention && one_token && self.moe.is_none()) {
+        if !one_token {
             return Ok(None);
         }
         let (Some((gate, up, down)), Some(output)) = (
