@@ -7,7 +7,7 @@
 #
 # Steps (default: fixtures bandwidth mlx peer cpu-check):
 #   fixtures   greedy tokens of every test fixture on the GPU == transformers' (f32, TF32 off)
-#   fixtures-pa  the same with the experimental one-kernel post-attention path
+#   fixtures-pa  the same with the one-kernel post-attention path named explicitly
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
@@ -150,7 +150,8 @@ if want repeat; then
     # Is each decode bitwise repeatable on the device? Pipelined runs first in the process
     # (where the one 4-bit disagreement was seen), then step-by-step runs fed the same tokens;
     # each compared with the first step-by-step run.
-    for spec in "4-bit none" "4-bit attention,products" "bf16 none" "bf16 attention,products"; do
+    for spec in "4-bit none" "4-bit attention,products" "bf16 none" "bf16 attention,products" \
+        "bf16 attention,products,post-attention"; do
         read -r kind fused <<<"$spec"
         quant=(); [[ "$kind" == 4-bit ]] && quant=(--random-bits 4)
         echo "## repeatability: E4B $kind, --fused-kernels $fused"

@@ -141,14 +141,14 @@ struct ModelArgs {
     /// mlx-spec's own CUDA kernels to use on a CUDA GPU (elsewhere MLX's operations run):
     /// `attention` (one decode token's attention and its q/k/v norms and RoPE), `products`
     /// (a decode token's matrix-vector products fused with the norms, gates and residual
-    /// updates around them), `post-attention` (experimental: everything of a layer after its
-    /// attention heads as one kernel, over dense weights), or `none` (MLX's operations
-    /// only). Default: attention,products.
+    /// updates around them), `post-attention` (everything of a layer after its attention heads
+    /// as one kernel, over dense weights), or `none` (MLX's operations only). Default: all
+    /// three.
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "attention,products"
+        default_value = "attention,products,post-attention"
     )]
     fused_kernels: Vec<FusedKernelArg>,
 }
@@ -157,7 +157,7 @@ struct ModelArgs {
 enum FusedKernelArg {
     Attention,
     Products,
-    /// Everything of a layer after its attention heads as one kernel (experimental).
+    /// Everything of a layer after its attention heads as one kernel.
     PostAttention,
     None,
 }

@@ -15,7 +15,7 @@
 //!   slots (scores, mask, softmax, weighted sum, the merge of the blocks' shares);
 //! * [`post_attention`]: everything of a layer after its attention heads (the output product,
 //!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers
-//!   (`post-attention`, off by default until measured).
+//!   (`post-attention`; on by default: measured faster than the three products it replaces).
 //!
 //! An E4B decode step is 326 operations with all of them. Their source text reaches MLX as
 //! `#include` lines of files ([`source_files`]), because MLX handles a custom kernel's whole
@@ -45,7 +45,7 @@ use mlx_rs::{Array, Dtype};
 
 static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
 static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
-static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(false);
+static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
 
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
