@@ -259,9 +259,9 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
     /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
-    /// products, both) and variants of the default (the step's small integer arrays in device
-    /// memory, the one post-attention kernel), alternating between them round by round in
-    /// this process; fails if a variant changes the greedy tokens.
+    /// products, both, all three) and a variant of the default (decode attention in 128-slot
+    /// shares), alternating between them round by round in this process; fails if the
+    /// post-attention kernel changes the greedy tokens of its twin.
     #[arg(long)]
     compare_fused: bool,
     /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
@@ -880,6 +880,9 @@ fn synthetic_prompt(vocab: usize, len: usize) -> Vec<u32> {
 /// What [`check_against_cpu`] found.
 struct CpuCheck {
     device_tokens: Vec<u32>,
+    /// The device's tokens again with decode attention in 128-slot shares, which takes the
+    /// kernel's several-round path (on CUDA; elsewhere the same operations run again).
+    device_tokens_long_shares: Vec<u32>,
     cpu_tokens: Vec<u32>,
     /// Largest |difference| between the two devices' logits after the prompt.
     max_logit_diff: f32,
@@ -905,6 +908,11 @@ fn check_against_cpu(
         Ok((tokens, first))
     };
     let (device_tokens, device_logits) = run()?;
+    use mlx_spec::kernels::decode_attention::{set_share_slots, DEFAULT_SHARE_SLOTS};
+    set_share_slots(128);
+    let long_shares = run();
+    set_share_slots(DEFAULT_SHARE_SLOTS);
+    let (device_tokens_long_shares, _) = long_shares?;
     // A CUDA build of libmlx cannot JIT-compile fused CPU kernels (it has no host compiler
     // setup), so the CPU reference runs every operation unfused.
     // SAFETY: plain global switches of libmlx, called between evaluations.
@@ -921,6 +929,7 @@ fn check_against_cpu(
         .fold(0.0f32, f32::max);
     Ok(CpuCheck {
         device_tokens,
+        device_tokens_long_shares,
         cpu_tokens,
         max_logit_diff,
         top2_margin: top2_margin(&cpu_logits),
@@ -1111,7 +1120,8 @@ fn compare_fused(
     prompt: &[u32],
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
-    use mlx_spec::kernels::{set_allowed, set_step_ints_on_device, step_ints_on_device, Fused};
+    use mlx_spec::kernels::decode_attention::set_share_slots;
+    use mlx_spec::kernels::{set_allowed, Fused};
     let fused = |attention, products| Fused {
         attention,
         products,
@@ -1121,65 +1131,75 @@ fn compare_fused(
         post_attention: true,
         ..fused(true, true)
     };
-    /// One configuration: kernels, and whether the step's small integer arrays are copied to
-    /// device memory. (Rows per warp of the feed-forward products: `--feed-forward-speed`.)
+    /// One configuration: kernels, and the slots a block of decode attention takes. (Rows per
+    /// warp of the feed-forward products: `--feed-forward-speed`.)
     struct Set {
         name: &'static str,
         kernels: Fused,
-        ints_on_device: bool,
+        attention_share: usize,
     }
-    let set = |name, kernels, ints_on_device| Set {
+    const SHARE: usize = mlx_spec::kernels::decode_attention::DEFAULT_SHARE_SLOTS;
+    let set = |name, kernels, attention_share| Set {
         name,
         kernels,
-        ints_on_device,
+        attention_share,
     };
     let sets = [
-        set("none", fused(false, false), false),
-        set("attention", fused(true, false), false),
-        set("products", fused(false, true), false),
-        set("attention,products", fused(true, true), false),
-        set(
-            "attention,products, step ints on device",
-            fused(true, true),
-            true,
-        ),
+        set("none", fused(false, false), SHARE),
+        set("attention", fused(true, false), SHARE),
+        set("products", fused(false, true), SHARE),
+        set("attention,products", fused(true, true), SHARE),
         set(
             "attention,products,post-attention",
             one_post_attention_kernel,
-            false,
+            SHARE,
+        ),
+        set(
+            "attention,products,post-attention, 128-slot attention shares",
+            one_post_attention_kernel,
+            128,
         ),
     ];
-    let default_ints = step_ints_on_device();
     let mut rates = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
-    for round in 0..=repeats {
-        for (i, s) in sets.iter().enumerate() {
-            set_allowed(s.kernels);
-            set_step_ints_on_device(s.ints_on_device);
-            let mut cache = model.new_cache();
-            let logits = prefill(model, &mut cache, prompt)?;
-            let (got, seconds, _) = decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
-            if round > 0 {
-                rates[i].push(args.gen_tokens as f64 / seconds);
+    let restore = |result: Result<()>| {
+        set_allowed(args.model.fused());
+        set_share_slots(SHARE);
+        result
+    };
+    restore((|| {
+        for round in 0..=repeats {
+            for (i, s) in sets.iter().enumerate() {
+                set_allowed(s.kernels);
+                set_share_slots(s.attention_share);
+                let mut cache = model.new_cache();
+                let logits = prefill(model, &mut cache, prompt)?;
+                let (got, seconds, _) =
+                    decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
+                if round > 0 {
+                    rates[i].push(args.gen_tokens as f64 / seconds);
+                }
+                tokens[i] = got;
             }
-            tokens[i] = got;
         }
-    }
-    set_allowed(args.model.fused());
-    set_step_ints_on_device(default_ints);
-    // The one post-attention kernel regroups the same arithmetic, and where the integers live
-    // changes no value: a variant's tokens must equal those of its plain twin (the same
-    // attention and product kernels, no post-attention kernel, integers in host memory).
+        Ok(())
+    })())?;
+    // The one post-attention kernel regroups the same arithmetic: its tokens must equal
+    // those of its plain twin (the same attention and product kernels, no post-attention
+    // kernel, the same attention shares). Other share sizes merge softmax shares in another
+    // order, which may move a rounding.
     for (i, s) in sets.iter().enumerate() {
         let plain = Fused {
             post_attention: false,
             ..s.kernels
         };
-        let twin = sets
+        let Some(twin) = sets
             .iter()
-            .position(|t| t.kernels == plain && !t.ints_on_device)
-            .expect("every kernel set is listed plain");
+            .position(|t| t.kernels == plain && t.attention_share == s.attention_share)
+        else {
+            continue;
+        };
         if i != twin && tokens[i] != tokens[twin] {
             bail!(
                 "{} changed the greedy tokens of {}: {:?} vs {:?}; this is a bug",
@@ -1412,7 +1432,8 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
-                    "same_tokens": c.device_tokens == c.cpu_tokens, "device_tokens": c.device_tokens,
+                    "same_tokens": c.device_tokens == c.cpu_tokens && c.device_tokens_long_shares == c.cpu_tokens,
+                    "device_tokens": c.device_tokens, "device_tokens_long_shares": c.device_tokens_long_shares,
                     "cpu_tokens": c.cpu_tokens, "max_logit_diff": c.max_logit_diff, "top2_margin": c.top2_margin,
                 })),
             })
@@ -1475,23 +1496,29 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         if let Some(c) = &check {
             println!();
             println!(
-                "{:?} vs CPU, same weights: {} greedy tokens {}; logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
+                "{:?} vs CPU, same weights: {} greedy tokens {} (again with 128-slot attention shares: {}); logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
                 args.model.device,
                 c.cpu_tokens.len(),
                 if c.device_tokens == c.cpu_tokens { "identical" } else { "DIFFER" },
+                if c.device_tokens_long_shares == c.cpu_tokens { "identical" } else { "DIFFER" },
                 c.max_logit_diff,
                 c.top2_margin
             );
         }
     }
     if let Some(c) = &check {
-        if c.device_tokens != c.cpu_tokens {
-            bail!(
-                "greedy tokens differ between {:?} and CPU: {:?} vs {:?}",
-                args.model.device,
-                c.device_tokens,
-                c.cpu_tokens
-            );
+        for (tokens, how) in [
+            (&c.device_tokens, ""),
+            (&c.device_tokens_long_shares, " (128-slot attention shares)"),
+        ] {
+            if *tokens != c.cpu_tokens {
+                bail!(
+                    "greedy tokens differ between {:?}{how} and CPU: {:?} vs {:?}",
+                    args.model.device,
+                    tokens,
+                    c.cpu_tokens
+                );
+            }
         }
     }
     Ok(())

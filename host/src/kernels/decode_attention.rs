@@ -3,17 +3,22 @@
 //! single-token case of
 //! `model::gemma4::attention`'s buffer attention, as one kernel.
 //!
-//! The slots of each query head are split over several blocks of eight warps (a decode step
-//! has few heads, and one block per head leaves most of the device idle). Scores: a warp per
-//! slot with four slots in flight, each lane loading 16 bytes of a key row at a time; slots
-//! the mask hides are not read (an unfilled buffer costs nothing). Softmax over the block's
-//! scores in shared memory. Weighted values: a warp per slot again, each lane summing its
-//! elements, then the warps' sums added. The last of a head's blocks to finish merges the
-//! head's blocks (one launch: the host cost of a second one outweighed its device time).
+//! The slots of each query head are split over several blocks of eight warps, about 32 slots
+//! a block: a decode step has few heads, and the kernel is a chain of memory round trips, so
+//! its time is their number, not its bytes (1 MB an E4B layer at 512 tokens). With a block's
+//! share one round of its warps (four slots a warp, each lane loading 16 bytes of a row at a
+//! time), every key and value row of the share is requested at once, together with the
+//! visible range (host-visible memory: a bus crossing), and only then masked: one trip
+//! instead of a trip for the range, then one per round of keys and of values. Longer shares
+//! (caches past 2 048 slots) take rounds and read only the rows the mask shows. Softmax over
+//! the block's scores in shared memory; each lane sums its elements of the weighted values,
+//! then the warps' sums are added. The last of a head's blocks to finish merges the head's
+//! blocks (one launch: the host cost of a second one outweighed its device time).
 //! Scale 1.0 (Gemma 4 normalises q and k). Scores are rounded to the activation dtype as
 //! MLX's product rounds them; the softmax and the weighted sum run in float32.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
@@ -23,34 +28,35 @@ use super::{step_ints, CudaKernel, TemplateArg, REDUCE_HEADER};
 
 const SOURCE: &str = r#"
   // A lane loads 16 bytes (VEC elements) at a time; a row of D elements is CH such chunks
-  // per lane. UNROLL slots are in flight per warp so loads overlap the reductions.
+  // per lane. A warp takes UNROLL slots at a time, so their loads overlap the reductions.
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CH = D / (32 * VEC);
-  constexpr int UNROLL = 4;
+  constexpr int UNROLL = CH > 2 ? 2 : 4;
+  constexpr int CHUNK = (SLOTS + SPLITS - 1) / SPLITS;
+  // A block whose share is one round of its warps loads keys and values together (one trip
+  // to memory), and before it knows which slots are visible: the visible range lives in
+  // host-visible memory, a bus crossing slower than a trip to device memory.
+  constexpr bool ONE_ROUND = CHUNK <= WARPS * UNROLL;
   __shared__ float scores[MAX_CHUNK];
   __shared__ float sums[WARPS * D];
   __shared__ float red[32];
+  __shared__ int seen[2];
   const int head = blockIdx.x / SPLITS;
   const int split = blockIdx.x % SPLITS;
   const int kv_head = head / GROUP;
-  constexpr int slots = SLOTS;
-  const int chunk = (slots + SPLITS - 1) / SPLITS;
-  const int lo = split * chunk;
-  const int hi = min(slots, lo + chunk);
+  const int lo = split * CHUNK;
+  const int hi = min(SLOTS, lo + CHUNK);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  // The slots this query sees, [first, last + 1): read once per block (the array lives in
-  // host-visible memory, a bus crossing per read).
-  __shared__ int seen[2];
+  const T* kb = k + (size_t)kv_head * SLOTS * D;
+  const T* vb = v + (size_t)kv_head * SLOTS * D;
+
+  // The slots this query sees, [first, last + 1): requested first, used last.
+  int first_seen = 0, end_seen = 0;
   if (threadIdx.x == 0) {
-    seen[0] = visible[0];
-    seen[1] = visible[1];
+    first_seen = visible[0];
+    end_seen = visible[1];
   }
-  __syncthreads();
-  const int seen_lo = seen[0];
-  const int seen_hi = seen[1];
-  const T* kb = k + (size_t)kv_head * slots * D;
-  const T* vb = v + (size_t)kv_head * slots * D;
 
   // This lane's elements of q: chunk j covers elements (lane + 32 j) * VEC ... + VEC - 1.
   float qr[CH * VEC];
@@ -65,19 +71,35 @@ const SOURCE: &str = r#"
     }
   }
 
-  for (int base = lo + warp * UNROLL; base < hi; base += WARPS * UNROLL) {
-    uint4 rows[UNROLL][CH];
-    float mv[UNROLL];
+  // One round: this warp's slots' key and value rows, in flight together (rows past the
+  // share are not read; rows the mask hides are read and then ignored, never multiplied).
+  uint4 vrows[UNROLL][CH];
+  uint4 krows[UNROLL][CH];
+  const int round_base = lo + warp * UNROLL;
+  if constexpr (ONE_ROUND) {
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
-      const int s = base + u;
-      mv[u] = s < hi && s >= seen_lo && s < seen_hi ? 0.f : -INFINITY;
-      const uint4* r4 = reinterpret_cast<const uint4*>(kb + (size_t)s * D);
+      const int s = round_base + u;
+      const uint4* k4 = reinterpret_cast<const uint4*>(kb + (size_t)s * D);
+      const uint4* v4 = reinterpret_cast<const uint4*>(vb + (size_t)s * D);
 #pragma unroll
       for (int j = 0; j < CH; j++) {
-        rows[u][j] = mv[u] != -INFINITY ? r4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
+        krows[u][j] = s < hi ? k4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
+        vrows[u][j] = s < hi ? v4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
       }
     }
+  }
+  if (threadIdx.x == 0) {
+    seen[0] = first_seen;
+    seen[1] = end_seen;
+  }
+  __syncthreads();
+  const int seen_lo = seen[0];
+  const int seen_hi = seen[1];
+
+  // Scores of a warp's UNROLL slots `base`... from their key rows, written by lane 0; a hidden
+  // slot scores -inf. Rounded as MLX rounds the product (adding the mask's 0 changes nothing).
+  auto score = [&](const uint4 (*rows)[CH], int base) {
     float dot[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
@@ -99,10 +121,28 @@ const SOURCE: &str = r#"
       for (int u = 0; u < UNROLL; u++) {
         const int s = base + u;
         if (s < hi) {
-          // Rounded as MLX rounds the product (adding the mask's 0 changes nothing).
-          scores[s - lo] = mv[u] == -INFINITY ? -INFINITY : static_cast<float>(static_cast<T>(dot[u]));
+          const bool shown = s >= seen_lo && s < seen_hi;
+          scores[s - lo] = shown ? static_cast<float>(static_cast<T>(dot[u])) : -INFINITY;
         }
       }
+    }
+  };
+
+  if constexpr (ONE_ROUND) {
+    score(krows, round_base);
+  } else {
+    // Several rounds (long caches): each loads only the rows the mask shows.
+    for (int base = round_base; base < hi; base += WARPS * UNROLL) {
+      uint4 rows[UNROLL][CH];
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        const int s = base + u;
+        const bool shown = s < hi && s >= seen_lo && s < seen_hi;
+        const uint4* r4 = reinterpret_cast<const uint4*>(kb + (size_t)s * D);
+#pragma unroll
+        for (int j = 0; j < CH; j++) rows[u][j] = shown ? r4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
+      }
+      score(rows, base);
     }
   }
   __syncthreads();
@@ -118,29 +158,41 @@ const SOURCE: &str = r#"
   }
   total = block_sum(total, red);
 
+  // Weighted values; a slot of weight 0 (hidden, or past the share) adds nothing, whatever
+  // its row holds.
   float acc[CH * VEC];
 #pragma unroll
   for (int i = 0; i < CH * VEC; i++) acc[i] = 0.f;
-  for (int base = lo + warp * UNROLL; base < hi; base += WARPS * UNROLL) {
-    uint4 rows[UNROLL][CH];
-    float p[UNROLL];
+  auto weigh = [&](const uint4* row, float p) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      const int s = base + u;
-      p[u] = s < hi ? scores[s - lo] : 0.f;
-      const uint4* r4 = reinterpret_cast<const uint4*>(vb + (size_t)s * D);
+    for (int j = 0; j < CH; j++) {
+      const T* e = reinterpret_cast<const T*>(&row[j]);
 #pragma unroll
-      for (int j = 0; j < CH; j++) {
-        rows[u][j] = p[u] != 0.f ? r4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
-      }
+      for (int x = 0; x < VEC; x++) acc[j * VEC + x] += p * static_cast<float>(e[x]);
     }
+  };
+  if constexpr (ONE_ROUND) {
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
+      const int s = round_base + u;
+      const float p = s < hi ? scores[s - lo] : 0.f;
+      if (p != 0.f) weigh(vrows[u], p);
+    }
+  } else {
+    for (int base = round_base; base < hi; base += WARPS * UNROLL) {
+      uint4 rows[UNROLL][CH];
+      float p[UNROLL];
 #pragma unroll
-      for (int j = 0; j < CH; j++) {
-        const T* e = reinterpret_cast<const T*>(&rows[u][j]);
+      for (int u = 0; u < UNROLL; u++) {
+        const int s = base + u;
+        p[u] = s < hi ? scores[s - lo] : 0.f;
+        const uint4* r4 = reinterpret_cast<const uint4*>(vb + (size_t)s * D);
 #pragma unroll
-        for (int x = 0; x < VEC; x++) acc[j * VEC + x] += p[u] * static_cast<float>(e[x]);
+        for (int j = 0; j < CH; j++) rows[u][j] = p[u] != 0.f ? r4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        if (p[u] != 0.f) weigh(rows[u], p[u]);
       }
     }
   }
@@ -165,6 +217,7 @@ const SOURCE: &str = r#"
   // The last of a head's blocks to finish merges the head's shares. Blocks are counted per
   // head in `counter`, which that block resets for the call site's next step.
   __shared__ bool is_last;
+  __shared__ float weight[SPLITS];
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
   __threadfence();
   __syncthreads();
@@ -172,21 +225,20 @@ const SOURCE: &str = r#"
   __syncthreads();
   if (!is_last) return;
   __threadfence();
+  // Thread b reads share b's maximum and sum; every share is then weighted by
+  // exp(its maximum - the head's), 0 for a share with nothing visible.
   const float* ph = partial + (size_t)head * SPLITS * (D + 2);
-  float head_max = -INFINITY;
-  for (int b = 0; b < SPLITS; b++) head_max = fmaxf(head_max, __ldcg(ph + b * (D + 2) + D));
-  float head_total = 0.f;
-  for (int b = 0; b < SPLITS; b++) {
-    const float m = __ldcg(ph + b * (D + 2) + D);
-    if (m != -INFINITY) head_total += expf(m - head_max) * __ldcg(ph + b * (D + 2) + D + 1);
-  }
-  const float inv = 1.f / head_total;
+  const int b = threadIdx.x;
+  const float share_max = b < SPLITS ? __ldcg(ph + b * (D + 2) + D) : -INFINITY;
+  const float share_total = b < SPLITS ? __ldcg(ph + b * (D + 2) + D + 1) : 0.f;
+  const float head_max = block_max(share_max, red);
+  const float w = share_max == -INFINITY ? 0.f : expf(share_max - head_max);
+  if (b < SPLITS) weight[b] = w;
+  const float inv = 1.f / block_sum(w * share_total, red);
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     float o = 0.f;
-    for (int b = 0; b < SPLITS; b++) {
-      const float m = __ldcg(ph + b * (D + 2) + D);
-      if (m != -INFINITY) o += expf(m - head_max) * __ldcg(ph + b * (D + 2) + i);
-    }
+#pragma unroll
+    for (int s = 0; s < SPLITS; s++) o += weight[s] * __ldcg(ph + s * (D + 2) + i);
     out[(size_t)head * D + i] = static_cast<T>(o * inv);
   }
   if (SPLITS > 1 && threadIdx.x == 0) done[head] = 0u;
@@ -195,8 +247,18 @@ const SOURCE: &str = r#"
 const WARPS: i32 = 8;
 /// Slots one block scores at most (its shared score buffer).
 const MAX_CHUNK: usize = 1024;
-/// Slots a block takes when there are enough of them to fill the device.
-const TARGET_CHUNK: usize = 128;
+/// Slots a block takes when there are enough of them, by default: one round of its eight
+/// warps at four slots each (Nsight Compute, E4B at 512 tokens: 128 slots a block, in
+/// rounds, took 20 µs a call). [`set_share_slots`] changes it, for comparison.
+pub const DEFAULT_SHARE_SLOTS: usize = 32;
+
+static SHARE_SLOTS: AtomicUsize = AtomicUsize::new(DEFAULT_SHARE_SLOTS);
+
+/// Sets the slots a block takes (rounded to a power of two, at least 1) for the rest of the
+/// process; `bench --compare-fused` measures the default against 128, the former size.
+pub fn set_share_slots(slots: usize) {
+    SHARE_SLOTS.store(slots.max(1).next_power_of_two(), Ordering::Relaxed);
+}
 /// At most this many blocks per head.
 const MAX_SPLITS: usize = 64;
 
@@ -205,7 +267,7 @@ thread_local! {
 }
 
 /// How many blocks split the slots of one head: a power of two (few compiled variants as a
-/// buffer grows) giving each about 128 slots; `None` when the kernel does not
+/// buffer grows) giving each about [`DEFAULT_SHARE_SLOTS`] slots ([`set_share_slots`]); `None` when the kernel does not
 /// serve the shape: rows must split into 16-byte loads over a warp (`head_dim` a multiple of
 /// 256 in half precision, 128 in float32: Gemma 4's 256 and 512), and a block's share must
 /// fit its score buffer.
@@ -218,7 +280,8 @@ pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> 
     if head_dim == 0 || (head_dim * element) % (32 * 16) != 0 || slots == 0 {
         return None;
     }
-    let splits = (slots.next_power_of_two() / TARGET_CHUNK).clamp(1, MAX_SPLITS);
+    let share = SHARE_SLOTS.load(Ordering::Relaxed);
+    let splits = (slots.next_power_of_two() / share).clamp(1, MAX_SPLITS);
     (slots.div_ceil(splits) <= MAX_CHUNK).then_some(splits)
 }
 
@@ -298,16 +361,17 @@ mod tests {
 
     #[test]
     fn splits_slots_into_block_sized_shares_for_gemma_head_sizes() {
-        // About 128 slots a block, in powers of two.
-        assert_eq!(splits_for(600, 256, Dtype::Bfloat16), Some(8));
-        assert_eq!(splits_for(100, 512, Dtype::Float32), Some(1));
-        assert_eq!(splits_for(4096, 512, Dtype::Bfloat16), Some(32));
+        // About 32 slots a block, in powers of two.
+        assert_eq!(splits_for(600, 256, Dtype::Bfloat16), Some(32));
+        assert_eq!(splits_for(100, 512, Dtype::Float32), Some(4));
+        assert_eq!(splits_for(20, 512, Dtype::Float32), Some(1));
+        assert_eq!(splits_for(4096, 512, Dtype::Bfloat16), Some(64));
         // At most 64 blocks a head; beyond 64 x 1024 slots the MLX operations take over.
         assert_eq!(splits_for(40_000, 256, Dtype::Bfloat16), Some(64));
         assert_eq!(splits_for(70_000, 256, Dtype::Bfloat16), None);
         // Rows that do not split into 16-byte loads over a warp.
         assert_eq!(splits_for(100, 64, Dtype::Bfloat16), None);
-        assert_eq!(splits_for(100, 128, Dtype::Float32), Some(1));
+        assert_eq!(splits_for(100, 128, Dtype::Float32), Some(4));
         assert_eq!(splits_for(100, 256, Dtype::Int32), None);
     }
 }

@@ -76,64 +76,31 @@ impl Fused {
 
 thread_local! {
     // The small integer arrays of the current step (see `step_ints`), newest last.
-    // Entries: the values, whether the array is in device memory, the array.
-    static STEP_INTS: RefCell<Vec<(Vec<i32>, bool, Array)>> = const { RefCell::new(Vec::new()) };
+    // Entries: the values, the array.
+    static STEP_INTS: RefCell<Vec<(Vec<i32>, Array)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// How many distinct [`step_ints`] arrays are kept: a step asks for about five (its position,
 /// and a cache slot and a visible range per kind of layer).
 const STEP_INTS_KEPT: usize = 8;
 
-/// Whether [`step_ints`] copies its arrays to device memory ([`set_step_ints_on_device`]).
-static STEP_INTS_ON_DEVICE: AtomicBool = AtomicBool::new(false);
-
-/// Makes [`step_ints`] copy each array into device memory with one operation (off by
-/// default; `bench --compare-fused` measures both). Why it may pay: MLX keeps arrays made
-/// from host data, and every array of 8 bytes or less, in CUDA managed memory, small ones
-/// sharing pages. While the device runs step n, the host writes step n+1's arrays, so such a
-/// page can move between host and device several times a step, and each of the step's
-/// kernels that reads it may wait for the move.
-pub fn set_step_ints_on_device(on: bool) {
-    STEP_INTS_ON_DEVICE.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_step_ints_on_device`] setting.
-pub fn step_ints_on_device() -> bool {
-    STEP_INTS_ON_DEVICE.load(Ordering::Relaxed)
-}
-
-/// `values` padded with zeros to at least four (16 bytes: more than the 8 bytes MLX keeps in
-/// managed memory), copied to device memory by an operation. Kernels read the first
-/// `values.len()` elements only. `None` if MLX refuses the operation.
-fn ints_on_device(values: &[i32]) -> Option<Array> {
-    let mut padded = values.to_vec();
-    padded.resize(values.len().max(4), 0);
-    let host = Array::from_slice(&padded, &[padded.len() as i32]);
-    host.add(Array::from_int(0)).ok()
-}
-
 /// An int32 array holding `values` (a step's position, a cache slot, a slot range), made once
 /// and shared by every layer of the step that asks for the same values: one array per step
-/// instead of one per layer. Made from host data, so MLX keeps it in host-visible memory
-/// (unless [`set_step_ints_on_device`]): kernels read such arrays once per block at most.
+/// instead of one per layer. Made from host data, so MLX keeps it in host-visible memory:
+/// kernels read such arrays once per block at most, and early. (Copying them to device
+/// memory with one operation each was measured slower on the H200: the operations cost
+/// more host time than the reads cost device time.)
 pub(crate) fn step_ints(values: &[i32]) -> Array {
     STEP_INTS.with(|cell| {
         let mut memo = cell.borrow_mut();
-        let on_device = step_ints_on_device();
-        if let Some((_, _, a)) = memo
-            .iter()
-            .find(|(k, d, _)| k.as_slice() == values && *d == on_device)
-        {
+        if let Some((_, a)) = memo.iter().find(|(k, _)| k.as_slice() == values) {
             return a.clone();
         }
-        let a = on_device
-            .then(|| ints_on_device(values))
-            .flatten()
-            .unwrap_or_else(|| Array::from_slice(values, &[values.len() as i32]));
+        let a = Array::from_slice(values, &[values.len() as i32]);
         if memo.len() >= STEP_INTS_KEPT {
             memo.remove(0);
         }
-        memo.push((values.to_vec(), on_device, a.clone()));
+        memo.push((values.to_vec(), a.clone()));
         a
     })
 }
@@ -420,14 +387,5 @@ mod tests {
             step_ints(&[1000 + v]);
         }
         assert_eq!(step_ints(&[17]).as_slice::<i32>(), &[17]);
-    }
-
-    #[test]
-    fn device_step_ints_keep_their_values_first() {
-        let a = ints_on_device(&[5, 256]).unwrap();
-        assert_eq!(a.dtype(), Dtype::Int32);
-        assert_eq!(a.as_slice::<i32>(), &[5, 256, 0, 0]);
-        let b = ints_on_device(&[1, 2, 3, 4, 5]).unwrap();
-        assert_eq!(b.as_slice::<i32>(), &[1, 2, 3, 4, 5]);
     }
 }
