@@ -259,8 +259,8 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
     /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
-    /// products, both, all three) and a variant of the default (decode attention in 128-slot
-    /// shares), alternating between them round by round in this process; fails if the
+    /// products, both, all three) and a variant of the default (decode attention in 32-slot
+    /// shares, its one-round path), alternating between them round by round in this process; fails if the
     /// post-attention kernel changes the greedy tokens of its twin.
     #[arg(long)]
     compare_fused: bool,
@@ -880,9 +880,10 @@ fn synthetic_prompt(vocab: usize, len: usize) -> Vec<u32> {
 /// What [`check_against_cpu`] found.
 struct CpuCheck {
     device_tokens: Vec<u32>,
-    /// The device's tokens again with decode attention in 128-slot shares, which takes the
-    /// kernel's several-round path (on CUDA; elsewhere the same operations run again).
-    device_tokens_long_shares: Vec<u32>,
+    /// The device's tokens again with decode attention in 32-slot shares, so that both of the
+    /// kernel's paths (one round, several rounds) are checked (on CUDA; elsewhere the same
+    /// operations run again).
+    device_tokens_other_shares: Vec<u32>,
     cpu_tokens: Vec<u32>,
     /// Largest |difference| between the two devices' logits after the prompt.
     max_logit_diff: f32,
@@ -908,11 +909,13 @@ fn check_against_cpu(
         Ok((tokens, first))
     };
     let (device_tokens, device_logits) = run()?;
-    use mlx_spec::kernels::decode_attention::{set_share_slots, DEFAULT_SHARE_SLOTS};
-    set_share_slots(128);
-    let long_shares = run();
+    use mlx_spec::kernels::decode_attention::{
+        set_share_slots, DEFAULT_SHARE_SLOTS, ONE_ROUND_SHARE_SLOTS,
+    };
+    set_share_slots(ONE_ROUND_SHARE_SLOTS);
+    let other_shares = run();
     set_share_slots(DEFAULT_SHARE_SLOTS);
-    let (device_tokens_long_shares, _) = long_shares?;
+    let (device_tokens_other_shares, _) = other_shares?;
     // A CUDA build of libmlx cannot JIT-compile fused CPU kernels (it has no host compiler
     // setup), so the CPU reference runs every operation unfused.
     // SAFETY: plain global switches of libmlx, called between evaluations.
@@ -929,7 +932,7 @@ fn check_against_cpu(
         .fold(0.0f32, f32::max);
     Ok(CpuCheck {
         device_tokens,
-        device_tokens_long_shares,
+        device_tokens_other_shares,
         cpu_tokens,
         max_logit_diff,
         top2_margin: top2_margin(&cpu_logits),
@@ -1155,9 +1158,9 @@ fn compare_fused(
             SHARE,
         ),
         set(
-            "attention,products,post-attention, 128-slot attention shares",
+            "attention,products,post-attention, 32-slot attention shares",
             one_post_attention_kernel,
-            128,
+            mlx_spec::kernels::decode_attention::ONE_ROUND_SHARE_SLOTS,
         ),
     ];
     let mut rates = vec![Vec::new(); sets.len()];
@@ -1432,8 +1435,8 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
-                    "same_tokens": c.device_tokens == c.cpu_tokens && c.device_tokens_long_shares == c.cpu_tokens,
-                    "device_tokens": c.device_tokens, "device_tokens_long_shares": c.device_tokens_long_shares,
+                    "same_tokens": c.device_tokens == c.cpu_tokens && c.device_tokens_other_shares == c.cpu_tokens,
+                    "device_tokens": c.device_tokens, "device_tokens_other_shares": c.device_tokens_other_shares,
                     "cpu_tokens": c.cpu_tokens, "max_logit_diff": c.max_logit_diff, "top2_margin": c.top2_margin,
                 })),
             })
@@ -1496,11 +1499,11 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         if let Some(c) = &check {
             println!();
             println!(
-                "{:?} vs CPU, same weights: {} greedy tokens {} (again with 128-slot attention shares: {}); logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
+                "{:?} vs CPU, same weights: {} greedy tokens {} (again with 32-slot attention shares: {}); logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
                 args.model.device,
                 c.cpu_tokens.len(),
                 if c.device_tokens == c.cpu_tokens { "identical" } else { "DIFFER" },
-                if c.device_tokens_long_shares == c.cpu_tokens { "identical" } else { "DIFFER" },
+                if c.device_tokens_other_shares == c.cpu_tokens { "identical" } else { "DIFFER" },
                 c.max_logit_diff,
                 c.top2_margin
             );
@@ -1509,7 +1512,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     if let Some(c) = &check {
         for (tokens, how) in [
             (&c.device_tokens, ""),
-            (&c.device_tokens_long_shares, " (128-slot attention shares)"),
+            (&c.device_tokens_other_shares, " (32-slot attention shares)"),
         ] {
             if *tokens != c.cpu_tokens {
                 bail!(

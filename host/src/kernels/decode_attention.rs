@@ -3,16 +3,21 @@
 //! single-token case of
 //! `model::gemma4::attention`'s buffer attention, as one kernel.
 //!
-//! The slots of each query head are split over several blocks of eight warps, about 32 slots
-//! a block: a decode step has few heads, and the kernel is a chain of memory round trips, so
-//! its time is their number, not its bytes (1 MB an E4B layer at 512 tokens). With a block's
-//! share one round of its warps (four slots a warp, each lane loading 16 bytes of a row at a
-//! time), every key and value row of the share is requested at once, together with the
-//! visible range (host-visible memory: a bus crossing), and only then masked: one trip
-//! instead of a trip for the range, then one per round of keys and of values. Longer shares
-//! (caches past 2 048 slots) take rounds and read only the rows the mask shows. Softmax over
-//! the block's scores in shared memory; each lane sums its elements of the weighted values,
-//! then the warps' sums are added. The last of a head's blocks to finish merges the head's
+//! The slots of each query head are split over several blocks of eight warps, about 128 slots
+//! a block (a decode step has few heads, and one block per head leaves most of the device
+//! idle). A warp takes four slots at a time, each lane loading 16 bytes of a row at a time.
+//! Two paths:
+//! * a share of one round of the block's warps (at most 32 slots, 16 for float32 heads of
+//!   512) requests all its key and value rows at once, together with the visible range
+//!   (host-visible memory: a bus crossing), and masks only then: one trip to memory;
+//! * a longer share reads the range first, then takes rounds of keys and rounds of values,
+//!   reading only the rows the mask shows (an unfilled buffer costs nothing).
+//!
+//! The one-round path with 32-slot shares is a chain of fewer trips, but four times the
+//! blocks and a merge of four times the shares: in one H200 process (E4B, 512 tokens) it
+//! decoded at 206 tok/s against 216 for 128-slot shares, so 128 stays the default and
+//! `bench --compare-fused` keeps measuring both. Softmax over the block's scores in shared
+//! memory; each lane sums its elements of the weighted values, then the warps' sums are added. The last of a head's blocks to finish merges the head's
 //! blocks (one launch: the host cost of a second one outweighed its device time).
 //! Scale 1.0 (Gemma 4 normalises q and k). Scores are rounded to the activation dtype as
 //! MLX's product rounds them; the softmax and the weighted sum run in float32.
@@ -247,15 +252,18 @@ const SOURCE: &str = r#"
 const WARPS: i32 = 8;
 /// Slots one block scores at most (its shared score buffer).
 const MAX_CHUNK: usize = 1024;
-/// Slots a block takes when there are enough of them, by default: one round of its eight
-/// warps at four slots each (Nsight Compute, E4B at 512 tokens: 128 slots a block, in
-/// rounds, took 20 µs a call). [`set_share_slots`] changes it, for comparison.
-pub const DEFAULT_SHARE_SLOTS: usize = 32;
+/// Slots a block takes when there are enough of them, by default ([`set_share_slots`]
+/// changes it, for comparison).
+pub const DEFAULT_SHARE_SLOTS: usize = 128;
+
+/// The largest share that takes the one-round path in half precision: eight warps at four
+/// slots each.
+pub const ONE_ROUND_SHARE_SLOTS: usize = 32;
 
 static SHARE_SLOTS: AtomicUsize = AtomicUsize::new(DEFAULT_SHARE_SLOTS);
 
 /// Sets the slots a block takes (rounded to a power of two, at least 1) for the rest of the
-/// process; `bench --compare-fused` measures the default against 128, the former size.
+/// process; `bench --compare-fused` measures the default against [`ONE_ROUND_SHARE_SLOTS`].
 pub fn set_share_slots(slots: usize) {
     SHARE_SLOTS.store(slots.max(1).next_power_of_two(), Ordering::Relaxed);
 }
@@ -361,17 +369,16 @@ mod tests {
 
     #[test]
     fn splits_slots_into_block_sized_shares_for_gemma_head_sizes() {
-        // About 32 slots a block, in powers of two.
-        assert_eq!(splits_for(600, 256, Dtype::Bfloat16), Some(32));
-        assert_eq!(splits_for(100, 512, Dtype::Float32), Some(4));
-        assert_eq!(splits_for(20, 512, Dtype::Float32), Some(1));
-        assert_eq!(splits_for(4096, 512, Dtype::Bfloat16), Some(64));
+        // About 128 slots a block, in powers of two.
+        assert_eq!(splits_for(600, 256, Dtype::Bfloat16), Some(8));
+        assert_eq!(splits_for(100, 512, Dtype::Float32), Some(1));
+        assert_eq!(splits_for(4096, 512, Dtype::Bfloat16), Some(32));
         // At most 64 blocks a head; beyond 64 x 1024 slots the MLX operations take over.
         assert_eq!(splits_for(40_000, 256, Dtype::Bfloat16), Some(64));
         assert_eq!(splits_for(70_000, 256, Dtype::Bfloat16), None);
         // Rows that do not split into 16-byte loads over a warp.
         assert_eq!(splits_for(100, 64, Dtype::Bfloat16), None);
-        assert_eq!(splits_for(100, 128, Dtype::Float32), Some(4));
+        assert_eq!(splits_for(100, 128, Dtype::Float32), Some(1));
         assert_eq!(splits_for(100, 256, Dtype::Int32), None);
     }
 }
