@@ -259,8 +259,8 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
     /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
-    /// products, both, all three) and a variant of the default (decode attention in 32-slot
-    /// shares, its one-round path), alternating between them round by round in this process; fails if the
+    /// products, both, all three) and variants of the default (decode attention in 32- and
+    /// 64-slot shares, the post-attention barriers' other way of polling), alternating between them round by round in this process; fails if the
     /// post-attention kernel changes the greedy tokens of its twin.
     #[arg(long)]
     compare_fused: bool,
@@ -1124,6 +1124,7 @@ fn compare_fused(
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
     use mlx_spec::kernels::decode_attention::set_share_slots;
+    use mlx_spec::kernels::post_attention::{poll_loads, set_poll_loads};
     use mlx_spec::kernels::{set_allowed, Fused};
     let fused = |attention, products| Fused {
         attention,
@@ -1134,18 +1135,22 @@ fn compare_fused(
         post_attention: true,
         ..fused(true, true)
     };
-    /// One configuration: kernels, and the slots a block of decode attention takes. (Rows per
-    /// warp of the feed-forward products: `--feed-forward-speed`.)
+    /// One configuration: kernels, the slots a block of decode attention takes, and how the
+    /// post-attention kernel's barriers poll. (Rows per warp of the feed-forward products:
+    /// `--feed-forward-speed`.)
     struct Set {
         name: &'static str,
         kernels: Fused,
         attention_share: usize,
+        poll_loads: bool,
     }
     const SHARE: usize = mlx_spec::kernels::decode_attention::DEFAULT_SHARE_SLOTS;
+    let default_poll = poll_loads();
     let set = |name, kernels, attention_share| Set {
         name,
         kernels,
         attention_share,
+        poll_loads: default_poll,
     };
     let sets = [
         set("none", fused(false, false), SHARE),
@@ -1162,6 +1167,20 @@ fn compare_fused(
             one_post_attention_kernel,
             mlx_spec::kernels::decode_attention::ONE_ROUND_SHARE_SLOTS,
         ),
+        set(
+            "attention,products,post-attention, 64-slot attention shares",
+            one_post_attention_kernel,
+            64,
+        ),
+        Set {
+            name: if default_poll {
+                "attention,products,post-attention, barriers polling atomically"
+            } else {
+                "attention,products,post-attention, barriers polling loads"
+            },
+            poll_loads: !default_poll,
+            ..set("", one_post_attention_kernel, SHARE)
+        },
     ];
     let mut rates = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
@@ -1169,6 +1188,7 @@ fn compare_fused(
     let restore = |result: Result<()>| {
         set_allowed(args.model.fused());
         set_share_slots(SHARE);
+        set_poll_loads(default_poll);
         result
     };
     restore((|| {
@@ -1176,6 +1196,7 @@ fn compare_fused(
             for (i, s) in sets.iter().enumerate() {
                 set_allowed(s.kernels);
                 set_share_slots(s.attention_share);
+                set_poll_loads(s.poll_loads);
                 let mut cache = model.new_cache();
                 let logits = prefill(model, &mut cache, prompt)?;
                 let (got, seconds, _) =
@@ -1188,10 +1209,10 @@ fn compare_fused(
         }
         Ok(())
     })())?;
-    // The one post-attention kernel regroups the same arithmetic: its tokens must equal
-    // those of its plain twin (the same attention and product kernels, no post-attention
-    // kernel, the same attention shares). Other share sizes merge softmax shares in another
-    // order, which may move a rounding.
+    // The one post-attention kernel regroups the same arithmetic, however its barriers poll:
+    // its tokens must equal those of its plain twin (the same attention and product kernels,
+    // no post-attention kernel, the same attention shares). Other share sizes merge softmax
+    // shares in another order, which may move a rounding.
     for (i, s) in sets.iter().enumerate() {
         let plain = Fused {
             post_attention: false,

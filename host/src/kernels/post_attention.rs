@@ -29,23 +29,36 @@
 //! the hidden states it needs in shared memory, which saves a barrier per norm.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
-use super::products::{element_bytes, new_counter, HEADER as PRODUCTS_HEADER, THREADS};
+use super::products::{device_array, element_bytes, HEADER as PRODUCTS_HEADER, THREADS};
 use super::{PerEpsilon, TemplateArg};
 
 /// Device helpers added to the products' ones.
 const BARRIER_HEADER: &str = r#"
+// A load of a flag other blocks write, ordered before this thread's later reads (acquire, at
+// device scope: it goes to L2, never to a stale L1 line).
+__device__ inline unsigned int load_acquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Grid-wide barrier of a grid whose blocks are all resident. bar[0] counts the blocks that
-// arrived, bar[1] is the barrier's generation: the last block to arrive resets the count and
-// opens the next generation, which the others wait for.
+// arrived; the barrier's generation is bar[1] (POLL_LOADS false) or bar[32] (true): the last
+// block to arrive resets the count and opens the next generation, which the others wait for.
+// With POLL_LOADS the waiting blocks poll with plain acquire loads, back to back, on a cache
+// line of its own, instead of atomic reads every 64 ns on the line of the arrival count,
+// which the arrivals' atomics then share with the polls.
+template <bool POLL_LOADS>
 __device__ inline void grid_barrier(unsigned int* bar) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned int* generation = bar + 1;
-    const unsigned int mine = atomicAdd(generation, 0u);
+    unsigned int* generation = bar + (POLL_LOADS ? 32 : 1);
+    const unsigned int mine = POLL_LOADS ? load_acquire(generation) : atomicAdd(generation, 0u);
     __threadfence();
     if (atomicAdd(bar, 1u) == gridDim.x - 1) {
       atomicExch(bar, 0u);
@@ -53,8 +66,8 @@ __device__ inline void grid_barrier(unsigned int* bar) {
       atomicAdd(generation, 1u);
     } else {
       const long long start = clock64();
-      while (atomicAdd(generation, 0u) == mine) {
-        __nanosleep(64);
+      while ((POLL_LOADS ? load_acquire(generation) : atomicAdd(generation, 0u)) == mine) {
+        if (!POLL_LOADS) __nanosleep(64);
         // About a second at the H200's clock: some block never ran, abort rather than hang.
         if (clock64() - start > (1ll << 31)) __trap();
       }
@@ -146,7 +159,7 @@ const SOURCE: &str = r#"
   stage_input<T, Z, false>(z, z, buf, red);
   product_rows<T, Z>(wo, buf, o0, H, first, warps);
   __threadfence();
-  grid_barrier(bar);
+  grid_barrier<POLL_LOADS>(bar);
   const float r0 = product_rms<H>(o0, red);
   for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
     x1s[i] = closed<T, false>(__ldcg(o0 + i), r0, x[i], post_attention_norm[i], s);
@@ -165,13 +178,13 @@ const SOURCE: &str = r#"
     }
   }
   __threadfence();
-  grid_barrier(bar);
+  grid_barrier<POLL_LOADS>(bar);
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
   product_rows<T, N>(wd, buf, o, H, first, warps);
   __threadfence();
-  grid_barrier(bar);
+  grid_barrier<POLL_LOADS>(bar);
 
   // 3. h = x1 + rms_norm(o, post_norm): the output without a per-layer input (times the
   // layer scalar; the blocks write it in turns), else every block keeps all of h.
@@ -198,13 +211,13 @@ const SOURCE: &str = r#"
       }
     }
     __threadfence();
-    grid_barrier(bar);
+    grid_barrier<POLL_LOADS>(bar);
 
     // 5. o2 = W_proj g.
     stage_written<T, P>(g, buf);
     product_rows<T, P>(pp, buf, o2, H, first, warps);
     __threadfence();
-    grid_barrier(bar);
+    grid_barrier<POLL_LOADS>(bar);
 
     // 6. out = (h + rms_norm(o2, post_norm_2)) * layer scalar, written in turns.
     if (blockIdx.x * BLOCK_THREADS >= H) return;
@@ -275,10 +288,25 @@ pub fn serves(h: usize, z: usize, n: usize, p: usize, dtype: Dtype) -> bool {
     h > 0 && z > 0 && n > 0 && [h, z, n, p].into_iter().all(whole) && kept * e <= MAX_SHARED_BYTES
 }
 
-/// The barrier state a call site owns (two counters in device memory). Calls of one site
-/// never overlap: each step's depends on the previous step's token.
+/// The barrier state a call site owns (counters in device memory: the arrival count, and the
+/// generation at two places, one per way of polling, the second on a cache line of its
+/// own). Calls of one site never overlap: each step's depends on the previous step's token.
 pub fn new_barrier() -> Result<Array> {
-    new_counter()
+    device_array(&Array::from_slice(&[0u32], &[1]), 64)
+}
+
+static POLL_LOADS: AtomicBool = AtomicBool::new(false);
+
+/// Makes the grid-wide barriers poll with acquire loads on a line of their own (true) or with
+/// atomic reads every 64 ns (false, the default until measured) for the rest of the process;
+/// `bench --compare-fused` measures both. The arithmetic is the same.
+pub fn set_poll_loads(on: bool) {
+    POLL_LOADS.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_poll_loads`] setting.
+pub fn poll_loads() -> bool {
+    POLL_LOADS.load(Ordering::Relaxed)
 }
 
 /// Blocks of the grid, or `None` where the device's multiprocessors are unknown.
@@ -382,6 +410,7 @@ pub fn post_attention(
                 (c"Z", TemplateArg::Int(zw)),
                 (c"N", TemplateArg::Int(n)),
                 (c"P", TemplateArg::Int(p)),
+                (c"POLL_LOADS", TemplateArg::Bool(poll_loads())),
             ],
         )?;
         Ok(out.remove(0))
