@@ -260,7 +260,8 @@ struct BenchArgs {
     verify_curve: bool,
     /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
     /// products, both, all three) and variants of the default (decode attention in 32- and
-    /// 64-slot shares, the post-attention barriers' other way of polling), alternating between them round by round in this process; fails if the
+    /// 64-slot shares; the post-attention kernel's barriers polling the other way, its
+    /// prefetch switched, both), alternating between them round by round in this process; fails if the
     /// post-attention kernel changes the greedy tokens of its twin.
     #[arg(long)]
     compare_fused: bool,
@@ -1125,6 +1126,7 @@ fn compare_fused(
 ) -> Result<Vec<(String, f64, bool)>> {
     use mlx_spec::kernels::decode_attention::set_share_slots;
     use mlx_spec::kernels::post_attention::{poll_loads, set_poll_loads};
+    use mlx_spec::kernels::{prefetch, set_prefetch};
     use mlx_spec::kernels::{set_allowed, Fused};
     let fused = |attention, products| Fused {
         attention,
@@ -1135,23 +1137,39 @@ fn compare_fused(
         post_attention: true,
         ..fused(true, true)
     };
-    /// One configuration: kernels, the slots a block of decode attention takes, and how the
-    /// post-attention kernel's barriers poll. (Rows per warp of the feed-forward products:
-    /// `--feed-forward-speed`.)
-    struct Set {
-        name: &'static str,
+    /// One configuration: kernels, the slots a block of decode attention takes, how the
+    /// post-attention kernel's barriers poll and whether it prefetches. (Rows per warp of the
+    /// feed-forward products: `--feed-forward-speed`.)
+    struct Set<'a> {
+        name: &'a str,
         kernels: Fused,
         attention_share: usize,
         poll_loads: bool,
+        prefetch: bool,
     }
     const SHARE: usize = mlx_spec::kernels::decode_attention::DEFAULT_SHARE_SLOTS;
-    let default_poll = poll_loads();
+    let (default_poll, default_prefetch) = (poll_loads(), prefetch());
     let set = |name, kernels, attention_share| Set {
         name,
         kernels,
         attention_share,
         poll_loads: default_poll,
+        prefetch: default_prefetch,
     };
+    let on_off = |on: bool| if on { "on" } else { "off" };
+    let poll_name = format!(
+        "attention,products,post-attention, barriers polling loads {}",
+        on_off(!default_poll)
+    );
+    let prefetch_name = format!(
+        "attention,products,post-attention, prefetching {}",
+        on_off(!default_prefetch)
+    );
+    let both_name = format!(
+        "attention,products,post-attention, polling loads {} and prefetching {}",
+        on_off(!default_poll),
+        on_off(!default_prefetch)
+    );
     let sets = [
         set("none", fused(false, false), SHARE),
         set("attention", fused(true, false), SHARE),
@@ -1173,13 +1191,17 @@ fn compare_fused(
             64,
         ),
         Set {
-            name: if default_poll {
-                "attention,products,post-attention, barriers polling atomically"
-            } else {
-                "attention,products,post-attention, barriers polling loads"
-            },
             poll_loads: !default_poll,
-            ..set("", one_post_attention_kernel, SHARE)
+            ..set(&poll_name, one_post_attention_kernel, SHARE)
+        },
+        Set {
+            prefetch: !default_prefetch,
+            ..set(&prefetch_name, one_post_attention_kernel, SHARE)
+        },
+        Set {
+            poll_loads: !default_poll,
+            prefetch: !default_prefetch,
+            ..set(&both_name, one_post_attention_kernel, SHARE)
         },
     ];
     let mut rates = vec![Vec::new(); sets.len()];
@@ -1189,6 +1211,7 @@ fn compare_fused(
         set_allowed(args.model.fused());
         set_share_slots(SHARE);
         set_poll_loads(default_poll);
+        set_prefetch(default_prefetch);
         result
     };
     restore((|| {
@@ -1197,6 +1220,7 @@ fn compare_fused(
                 set_allowed(s.kernels);
                 set_share_slots(s.attention_share);
                 set_poll_loads(s.poll_loads);
+                set_prefetch(s.prefetch);
                 let mut cache = model.new_cache();
                 let logits = prefill(model, &mut cache, prompt)?;
                 let (got, seconds, _) =

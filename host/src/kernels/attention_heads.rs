@@ -35,6 +35,15 @@ const SOURCE: &str = r#"
   constexpr int NQ = NH * D;
   constexpr int NK = NKV * D;
   constexpr int NV = K_EQ_V ? 0 : NK;
+  {
+    // This warp's row, asked of L2 while the block stages the input (PREFETCH).
+    const int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    constexpr int ROW_BYTES = K * sizeof(T);
+    if (r < NQ + NK + NV) {
+      const T* w = r < NQ ? wq + (size_t)r * K : r < NQ + NK ? wk + (size_t)(r - NQ) * K : wv + (size_t)(r - NQ - NK) * K;
+      prefetch_l2<PREFETCH>(w, ROW_BYTES < 8192 ? ROW_BYTES : 8192);
+    }
+  }
   stage_input<T, K, true>(x, nw, xs, red);
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -257,6 +266,7 @@ pub fn attention_heads(
                 (c"NH", TemplateArg::Int(shape.heads)),
                 (c"NKV", TemplateArg::Int(nkv)),
                 (c"K_EQ_V", TemplateArg::Bool(k_eq_v)),
+                (c"PREFETCH", TemplateArg::Bool(super::prefetch())),
             ],
         )?;
         Ok(out.swap_remove(0))

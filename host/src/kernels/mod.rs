@@ -46,6 +46,20 @@ use mlx_rs::{Array, Dtype};
 static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
 static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
+static PREFETCH: AtomicBool = AtomicBool::new(false);
+
+/// Makes the attention-heads and post-attention kernels ask L2 for a warp's first weights
+/// before work those loads do not depend on (the input's staging, a grid-wide barrier), so
+/// that they arrive meanwhile (true), or not (false, the default until measured); `bench
+/// --compare-fused` measures both. A prefetch changes no value.
+pub fn set_prefetch(on: bool) {
+    PREFETCH.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_prefetch`] setting.
+pub fn prefetch() -> bool {
+    PREFETCH.load(Ordering::Relaxed)
+}
 
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

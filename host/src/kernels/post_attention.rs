@@ -154,10 +154,19 @@ const SOURCE: &str = r#"
   const int warps = gridDim.x * WARPS;
   const int first = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const float s = static_cast<float>(scale[0]);
+  // Bytes of a warp's first row (or pair of rows) of a stage to prefetch (PREFETCH).
+  constexpr int AHEAD = 8192;
+  constexpr int E = sizeof(T);
+  auto ahead = [](int row_bytes) { return row_bytes < AHEAD ? row_bytes : AHEAD; };
 
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
+  if (first < H) prefetch_l2<PREFETCH>(wo + (size_t)first * Z, ahead(Z * E));
   stage_input<T, Z, false>(z, z, buf, red);
   product_rows<T, Z>(wo, buf, o0, H, first, warps);
+  if (first < N) {
+    prefetch_l2<PREFETCH>(wg + (size_t)first * H, ahead(2 * H * E) / 2);
+    prefetch_l2<PREFETCH>(wu + (size_t)first * H, ahead(2 * H * E) / 2);
+  }
   __threadfence();
   grid_barrier<POLL_LOADS>(bar);
   const float r0 = product_rms<H>(o0, red);
@@ -177,12 +186,14 @@ const SOURCE: &str = r#"
       a[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(static_cast<T>(d[1])));
     }
   }
+  if (first < H) prefetch_l2<PREFETCH>(wd + (size_t)first * N, ahead(N * E));
   __threadfence();
   grid_barrier<POLL_LOADS>(bar);
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
   product_rows<T, N>(wd, buf, o, H, first, warps);
+  if (P > 0 && first < P) prefetch_l2<PREFETCH>(pg + (size_t)first * H, ahead(H * E));
   __threadfence();
   grid_barrier<POLL_LOADS>(bar);
 
@@ -210,6 +221,7 @@ const SOURCE: &str = r#"
         g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
       }
     }
+    if (first < H) prefetch_l2<PREFETCH>(pp + (size_t)first * P, ahead(P * E));
     __threadfence();
     grid_barrier<POLL_LOADS>(bar);
 
@@ -411,6 +423,7 @@ pub fn post_attention(
                 (c"N", TemplateArg::Int(n)),
                 (c"P", TemplateArg::Int(p)),
                 (c"POLL_LOADS", TemplateArg::Bool(poll_loads())),
+                (c"PREFETCH", TemplateArg::Bool(super::prefetch())),
             ],
         )?;
         Ok(out.remove(0))
