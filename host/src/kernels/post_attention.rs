@@ -459,8 +459,9 @@ mod tests {
     }
 
     #[test]
-    fn a_barrier_starts_at_zero() {
-        assert_eq!(new_barrier().unwrap().as_slice::<u32>(), &[0; 16]);
+    fn a_barrier_starts_at_zero_with_its_generations_on_separate_lines() {
+        // The arrival count at 0, the generations at 1 and 32 (128 bytes further).
+        assert_eq!(new_barrier().unwrap().as_slice::<u32>(), &[0; 64]);
     }
 
     #[test]
