@@ -26,6 +26,8 @@
 #   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
 #              fused kernels and without
+#   timeline   a pipelined E4B decode step as the device runs it (Nsight Systems): each kernel
+#              kind's real time a step, and how long the device sits idle between kernels
 #   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
 #              memcheck of our kernels with the post-attention path
 #   quick      E4B bf16 decode with each set of fused kernels and each variant of the
@@ -178,6 +180,30 @@ if want profile; then
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/+}.err"
     done
     row "device time of one E4B decode step (Nsight Compute) | printed above, kept in profile.md"
+fi
+
+if want timeline; then
+    # Nsight Systems traces a normal pipelined decode (MLX's CUDA graphs traced node by node),
+    # from the end of the prefill (MLX_SPEC_PROFILE_DECODE) to the end of the run.
+    NSYS="$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -n 1)"
+    if [[ -z "$NSYS" ]]; then
+        row "decode step timeline (Nsight Systems) | no nsys on this machine"
+    else
+        for fused in attention,products,post-attention none; do
+            tag="timeline-${fused//,/+}"
+            MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NSYS" profile --capture-range=cudaProfilerApi \
+                --cuda-graph-trace=node --trace=cuda --force-overwrite true -o "$RES/$tag" \
+                "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+                --prompt-ids "$(seq -s, 2 513)" --max-tokens 48 --ignore-eos --json --fused-kernels "$fused" \
+                >"$RES/$tag.out" 2>"$RES/$tag.err"
+            "$NSYS" stats --report cuda_gpu_trace --format csv --force-export true "$RES/$tag.nsys-rep" \
+                >"$RES/$tag.csv" 2>>"$RES/$tag.err"
+            python3 "$ROOT/bench/gpu/timeline_step.py" "$RES/$tag.csv" "E4B bf16, --fused-kernels $fused" \
+                | tee -a "$RES/timeline.md" || tail -n 3 "$RES/$tag.err"
+            rm -f "$RES/$tag.nsys-rep" "$RES/$tag.sqlite"
+        done
+        row "decode step timeline (Nsight Systems) | printed above, kept in timeline.md"
+    fi
 fi
 
 if want sanitize; then
