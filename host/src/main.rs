@@ -261,7 +261,7 @@ struct BenchArgs {
     /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
     /// products, both, all three) and variants of the default (decode attention in 32- and
     /// 64-slot shares; the post-attention kernel's barriers polling the other way, its
-    /// prefetch switched, both), alternating between them round by round in this process; fails if the
+    /// prefetch switched, both, 16 loads in flight), alternating between them round by round in this process; fails if the
     /// post-attention kernel changes the greedy tokens of its twin.
     #[arg(long)]
     compare_fused: bool,
@@ -1125,7 +1125,9 @@ fn compare_fused(
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
     use mlx_spec::kernels::decode_attention::set_share_slots;
-    use mlx_spec::kernels::post_attention::{poll_loads, set_poll_loads};
+    use mlx_spec::kernels::post_attention::{
+        deep_loads, poll_loads, set_deep_loads, set_poll_loads,
+    };
     use mlx_spec::kernels::{prefetch, set_prefetch};
     use mlx_spec::kernels::{set_allowed, Fused};
     let fused = |attention, products| Fused {
@@ -1146,15 +1148,17 @@ fn compare_fused(
         attention_share: usize,
         poll_loads: bool,
         prefetch: bool,
+        deep_loads: bool,
     }
     const SHARE: usize = mlx_spec::kernels::decode_attention::DEFAULT_SHARE_SLOTS;
-    let (default_poll, default_prefetch) = (poll_loads(), prefetch());
+    let (default_poll, default_prefetch, default_deep) = (poll_loads(), prefetch(), deep_loads());
     let set = |name, kernels, attention_share| Set {
         name,
         kernels,
         attention_share,
         poll_loads: default_poll,
         prefetch: default_prefetch,
+        deep_loads: default_deep,
     };
     let on_off = |on: bool| if on { "on" } else { "off" };
     let poll_name = format!(
@@ -1164,6 +1168,10 @@ fn compare_fused(
     let prefetch_name = format!(
         "attention,products,post-attention, prefetching {}",
         on_off(!default_prefetch)
+    );
+    let deep_name = format!(
+        "attention,products,post-attention, 16 loads in flight {}",
+        on_off(!default_deep)
     );
     let both_name = format!(
         "attention,products,post-attention, polling loads {} and prefetching {}",
@@ -1203,6 +1211,11 @@ fn compare_fused(
             prefetch: !default_prefetch,
             ..set(&both_name, one_post_attention_kernel, SHARE)
         },
+        // Last: should its registers leave one block a multiprocessor, its barrier traps.
+        Set {
+            deep_loads: !default_deep,
+            ..set(&deep_name, one_post_attention_kernel, SHARE)
+        },
     ];
     let mut rates = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
@@ -1212,6 +1225,7 @@ fn compare_fused(
         set_share_slots(SHARE);
         set_poll_loads(default_poll);
         set_prefetch(default_prefetch);
+        set_deep_loads(default_deep);
         result
     };
     restore((|| {
@@ -1221,6 +1235,7 @@ fn compare_fused(
                 set_share_slots(s.attention_share);
                 set_poll_loads(s.poll_loads);
                 set_prefetch(s.prefetch);
+                set_deep_loads(s.deep_loads);
                 let mut cache = model.new_cache();
                 let logits = prefill(model, &mut cache, prompt)?;
                 let (got, seconds, _) =

@@ -119,12 +119,12 @@ __device__ inline float product_rms(const float* o, float* red) {
 
 // o[r] = W[r] . xs, rounded to T as MLX's product rounds it and kept in float32, for the
 // rows r this warp takes (every `warps`-th from `first`); W is [rows, K].
-template <typename T, int K>
+template <typename T, int K, int LOADS>
 __device__ inline void product_rows(const T* w, const T* xs, float* o, int rows, int first, int warps) {
   for (int r = first; r < rows; r += warps) {
     const T* row = w + (size_t)r * K;
     float d;
-    rows_dot<T, K, 1>(&row, xs, &d);
+    rows_dot<T, K, 1, LOADS>(&row, xs, &d);
     if ((threadIdx.x & 31) == 0) o[r] = static_cast<float>(static_cast<T>(d));
   }
 }
@@ -162,7 +162,7 @@ const SOURCE: &str = r#"
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
   if (first < H) prefetch_l2<PREFETCH>(wo + (size_t)first * Z, ahead(Z * E));
   stage_input<T, Z, false>(z, z, buf, red);
-  product_rows<T, Z>(wo, buf, o0, H, first, warps);
+  product_rows<T, Z, LOADS>(wo, buf, o0, H, first, warps);
   if (first < N) {
     prefetch_l2<PREFETCH>(wg + (size_t)first * H, ahead(2 * H * E) / 2);
     prefetch_l2<PREFETCH>(wu + (size_t)first * H, ahead(2 * H * E) / 2);
@@ -180,7 +180,7 @@ const SOURCE: &str = r#"
   for (int r = first; r < N; r += warps) {
     const T* rows[2] = {wg + (size_t)r * H, wu + (size_t)r * H};
     float d[2];
-    rows_dot<T, H, 2>(rows, buf, d);
+    rows_dot<T, H, 2, LOADS>(rows, buf, d);
     if (lane == 0) {
       const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[0]))));
       a[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(static_cast<T>(d[1])));
@@ -192,7 +192,7 @@ const SOURCE: &str = r#"
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
-  product_rows<T, N>(wd, buf, o, H, first, warps);
+  product_rows<T, N, LOADS>(wd, buf, o, H, first, warps);
   if (P > 0 && first < P) prefetch_l2<PREFETCH>(pg + (size_t)first * H, ahead(H * E));
   __threadfence();
   grid_barrier<POLL_LOADS>(bar);
@@ -215,7 +215,7 @@ const SOURCE: &str = r#"
     for (int r = first; r < P; r += warps) {
       const T* row = pg + (size_t)r * H;
       float d;
-      rows_dot<T, H, 1>(&row, hs, &d);
+      rows_dot<T, H, 1, LOADS>(&row, hs, &d);
       if (lane == 0) {
         const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
         g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
@@ -227,7 +227,7 @@ const SOURCE: &str = r#"
 
     // 5. o2 = W_proj g.
     stage_written<T, P>(g, buf);
-    product_rows<T, P>(pp, buf, o2, H, first, warps);
+    product_rows<T, P, LOADS>(pp, buf, o2, H, first, warps);
     __threadfence();
     grid_barrier<POLL_LOADS>(bar);
 
@@ -319,6 +319,33 @@ pub fn set_poll_loads(on: bool) {
 /// The current [`set_poll_loads`] setting.
 pub fn poll_loads() -> bool {
     POLL_LOADS.load(Ordering::Relaxed)
+}
+
+static DEEP_LOADS: AtomicBool = AtomicBool::new(false);
+
+/// Makes each lane keep 16 loads of weights in flight instead of 8, in half precision (true),
+/// or not (false, the default until measured); `bench --compare-fused` measures both. Why it
+/// may pay: two resident blocks a multiprocessor are 16 warps, too few to cover the memory's
+/// latency at 8 loads each, where a standalone product kernel runs many more. The order of
+/// the sums is the same. Registers (NVRTC, sm_90a): at most 114 a thread for E4B's and 12B's
+/// shapes, under the 128 that two resident blocks of 256 threads allow; float32 stays at 8
+/// (146 there).
+pub fn set_deep_loads(on: bool) {
+    DEEP_LOADS.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_deep_loads`] setting.
+pub fn deep_loads() -> bool {
+    DEEP_LOADS.load(Ordering::Relaxed)
+}
+
+/// 16-byte weight loads a lane keeps in flight, for `dtype`.
+fn loads_in_flight(dtype: Dtype) -> i32 {
+    if deep_loads() && element_bytes(dtype) == Some(2) {
+        16
+    } else {
+        8
+    }
 }
 
 /// Blocks of the grid, or `None` where the device's multiprocessors are unknown.
@@ -424,6 +451,7 @@ pub fn post_attention(
                 (c"P", TemplateArg::Int(p)),
                 (c"POLL_LOADS", TemplateArg::Bool(poll_loads())),
                 (c"PREFETCH", TemplateArg::Bool(super::prefetch())),
+                (c"LOADS", TemplateArg::Int(loads_in_flight(dtype))),
             ],
         )?;
         Ok(out.remove(0))

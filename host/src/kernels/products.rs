@@ -116,15 +116,15 @@ __device__ inline void stage_input(const T* x, const T* nw, T* xs, float* red) {
 }
 
 // Dots of R rows (each K elements of T, 16-byte aligned) with the staged input, summed over
-// the warp: every lane gets the results. The loads of all rows are issued together.
-template <typename T, int K, int R>
+// the warp: every lane gets the results. The loads of all rows are issued together, up to
+// LOADS 16-byte loads in flight per lane; the order of the sums does not depend on LOADS.
+template <typename T, int K, int R, int LOADS = 8>
 __device__ inline void rows_dot(const T* const* rows, const T* xs, float* out) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CHUNKS = K / VEC;
   const int lane = threadIdx.x & 31;
   const uint4* x4 = reinterpret_cast<const uint4*>(xs);
-  // Up to eight rows' 16-byte loads in flight per lane.
-  constexpr int UNROLL = R >= 8 ? 1 : 8 / R;
+  constexpr int UNROLL = R >= LOADS ? 1 : LOADS / R;
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; r++) acc[r] = 0.f;
