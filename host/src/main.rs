@@ -910,12 +910,15 @@ fn check_against_cpu(
         Ok((tokens, first))
     };
     let (device_tokens, device_logits) = run()?;
-    use mlx_spec::kernels::decode_attention::{
-        set_share_slots, DEFAULT_SHARE_SLOTS, ONE_ROUND_SHARE_SLOTS,
-    };
-    set_share_slots(ONE_ROUND_SHARE_SLOTS);
+    use mlx_spec::kernels::{decode_attention::ONE_ROUND_SHARE_SLOTS, Tuning};
+    let tuning = Tuning::current();
+    Tuning {
+        attention_share: ONE_ROUND_SHARE_SLOTS,
+        ..tuning
+    }
+    .apply();
     let other_shares = run();
-    set_share_slots(DEFAULT_SHARE_SLOTS);
+    tuning.apply();
     let (device_tokens_other_shares, _) = other_shares?;
     // A CUDA build of libmlx cannot JIT-compile fused CPU kernels (it has no host compiler
     // setup), so the CPU reference runs every operation unfused.
@@ -1124,118 +1127,100 @@ fn compare_fused(
     prompt: &[u32],
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
-    use mlx_spec::kernels::decode_attention::set_share_slots;
-    use mlx_spec::kernels::post_attention::{
-        deep_loads, poll_loads, set_deep_loads, set_poll_loads,
-    };
-    use mlx_spec::kernels::{prefetch, set_prefetch};
-    use mlx_spec::kernels::{set_allowed, Fused};
+    use mlx_spec::kernels::decode_attention::ONE_ROUND_SHARE_SLOTS;
+    use mlx_spec::kernels::{set_allowed, Fused, Tuning};
     let fused = |attention, products| Fused {
         attention,
         products,
         post_attention: false,
     };
-    let one_post_attention_kernel = Fused {
+    let all_three = Fused {
         post_attention: true,
         ..fused(true, true)
     };
-    /// One configuration: kernels, the slots a block of decode attention takes, how the
-    /// post-attention kernel's barriers poll and whether it prefetches. (Rows per warp of the
-    /// feed-forward products: `--feed-forward-speed`.)
-    struct Set<'a> {
-        name: &'a str,
+    /// One configuration: which kernels run, and how. (Rows per warp of the feed-forward
+    /// products: `--feed-forward-speed`.)
+    struct Set {
+        name: String,
         kernels: Fused,
-        attention_share: usize,
-        poll_loads: bool,
-        prefetch: bool,
-        deep_loads: bool,
+        tuning: Tuning,
     }
-    const SHARE: usize = mlx_spec::kernels::decode_attention::DEFAULT_SHARE_SLOTS;
-    let (default_poll, default_prefetch, default_deep) = (poll_loads(), prefetch(), deep_loads());
-    let set = |name, kernels, attention_share| Set {
-        name,
+    let default = Tuning::current();
+    let set = |name: &str, kernels| Set {
+        name: name.to_string(),
         kernels,
-        attention_share,
-        poll_loads: default_poll,
-        prefetch: default_prefetch,
-        deep_loads: default_deep,
+        tuning: default,
     };
+    // A variant of the default set, named by what it changes.
     let on_off = |on: bool| if on { "on" } else { "off" };
-    let poll_name = format!(
-        "attention,products,post-attention, barriers polling loads {}",
-        on_off(!default_poll)
-    );
-    let prefetch_name = format!(
-        "attention,products,post-attention, prefetching {}",
-        on_off(!default_prefetch)
-    );
-    let deep_name = format!(
-        "attention,products,post-attention, 16 loads in flight {}",
-        on_off(!default_deep)
-    );
-    let both_name = format!(
-        "attention,products,post-attention, polling loads {} and prefetching {}",
-        on_off(!default_poll),
-        on_off(!default_prefetch)
-    );
+    let variant = |change: String, tuning| Set {
+        name: format!("attention,products,post-attention, {change}"),
+        kernels: all_three,
+        tuning,
+    };
     let sets = [
-        set("none", fused(false, false), SHARE),
-        set("attention", fused(true, false), SHARE),
-        set("products", fused(false, true), SHARE),
-        set("attention,products", fused(true, true), SHARE),
-        set(
-            "attention,products,post-attention",
-            one_post_attention_kernel,
-            SHARE,
+        set("none", fused(false, false)),
+        set("attention", fused(true, false)),
+        set("products", fused(false, true)),
+        set("attention,products", fused(true, true)),
+        set("attention,products,post-attention", all_three),
+        variant(
+            format!("{ONE_ROUND_SHARE_SLOTS}-slot attention shares"),
+            Tuning {
+                attention_share: ONE_ROUND_SHARE_SLOTS,
+                ..default
+            },
         ),
-        set(
-            "attention,products,post-attention, 32-slot attention shares",
-            one_post_attention_kernel,
-            mlx_spec::kernels::decode_attention::ONE_ROUND_SHARE_SLOTS,
+        variant(
+            "64-slot attention shares".into(),
+            Tuning {
+                attention_share: 64,
+                ..default
+            },
         ),
-        set(
-            "attention,products,post-attention, 64-slot attention shares",
-            one_post_attention_kernel,
-            64,
+        variant(
+            format!("barriers polling loads {}", on_off(!default.poll_loads)),
+            Tuning {
+                poll_loads: !default.poll_loads,
+                ..default
+            },
         ),
-        Set {
-            poll_loads: !default_poll,
-            ..set(&poll_name, one_post_attention_kernel, SHARE)
-        },
-        Set {
-            prefetch: !default_prefetch,
-            ..set(&prefetch_name, one_post_attention_kernel, SHARE)
-        },
-        Set {
-            poll_loads: !default_poll,
-            prefetch: !default_prefetch,
-            ..set(&both_name, one_post_attention_kernel, SHARE)
-        },
+        variant(
+            format!("prefetching {}", on_off(!default.prefetch)),
+            Tuning {
+                prefetch: !default.prefetch,
+                ..default
+            },
+        ),
+        variant(
+            format!(
+                "polling loads {} and prefetching {}",
+                on_off(!default.poll_loads),
+                on_off(!default.prefetch)
+            ),
+            Tuning {
+                poll_loads: !default.poll_loads,
+                prefetch: !default.prefetch,
+                ..default
+            },
+        ),
         // Last: should its registers leave one block a multiprocessor, its barrier traps.
-        Set {
-            deep_loads: !default_deep,
-            ..set(&deep_name, one_post_attention_kernel, SHARE)
-        },
+        variant(
+            format!("16 loads in flight {}", on_off(!default.deep_loads)),
+            Tuning {
+                deep_loads: !default.deep_loads,
+                ..default
+            },
+        ),
     ];
     let mut rates = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
-    let restore = |result: Result<()>| {
-        set_allowed(args.model.fused());
-        set_share_slots(SHARE);
-        set_poll_loads(default_poll);
-        set_prefetch(default_prefetch);
-        set_deep_loads(default_deep);
-        result
-    };
-    restore((|| {
+    let mut run_all = || -> Result<()> {
         for round in 0..=repeats {
             for (i, s) in sets.iter().enumerate() {
                 set_allowed(s.kernels);
-                set_share_slots(s.attention_share);
-                set_poll_loads(s.poll_loads);
-                set_prefetch(s.prefetch);
-                set_deep_loads(s.deep_loads);
+                s.tuning.apply();
                 let mut cache = model.new_cache();
                 let logits = prefill(model, &mut cache, prompt)?;
                 let (got, seconds, _) =
@@ -1247,7 +1232,11 @@ fn compare_fused(
             }
         }
         Ok(())
-    })())?;
+    };
+    let result = run_all();
+    set_allowed(args.model.fused());
+    default.apply();
+    result?;
     // The one post-attention kernel regroups the same arithmetic, however its barriers poll:
     // its tokens must equal those of its plain twin (the same attention and product kernels,
     // no post-attention kernel, the same attention shares). Other share sizes merge softmax
@@ -1257,10 +1246,9 @@ fn compare_fused(
             post_attention: false,
             ..s.kernels
         };
-        let Some(twin) = sets
-            .iter()
-            .position(|t| t.kernels == plain && t.attention_share == s.attention_share)
-        else {
+        let Some(twin) = sets.iter().position(|t| {
+            t.kernels == plain && t.tuning.attention_share == s.tuning.attention_share
+        }) else {
             continue;
         };
         if i != twin && tokens[i] != tokens[twin] {
@@ -1277,7 +1265,7 @@ fn compare_fused(
         .iter()
         .zip(rates)
         .zip(&tokens)
-        .map(|((s, r), t)| (s.name.to_string(), median(r), *t == tokens[0]))
+        .map(|((s, r), t)| (s.name.clone(), median(r), *t == tokens[0]))
         .collect())
 }
 

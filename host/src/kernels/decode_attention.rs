@@ -267,6 +267,11 @@ static SHARE_SLOTS: AtomicUsize = AtomicUsize::new(DEFAULT_SHARE_SLOTS);
 pub fn set_share_slots(slots: usize) {
     SHARE_SLOTS.store(slots.max(1).next_power_of_two(), Ordering::Relaxed);
 }
+
+/// The current [`set_share_slots`] setting.
+pub fn share_slots() -> usize {
+    SHARE_SLOTS.load(Ordering::Relaxed)
+}
 /// At most this many blocks per head.
 const MAX_SPLITS: usize = 64;
 
@@ -288,7 +293,7 @@ pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> 
     if head_dim == 0 || (head_dim * element) % (32 * 16) != 0 || slots == 0 {
         return None;
     }
-    let share = SHARE_SLOTS.load(Ordering::Relaxed);
+    let share = share_slots();
     let splits = (slots.next_power_of_two() / share).clamp(1, MAX_SPLITS);
     (slots.div_ceil(splits) <= MAX_CHUNK).then_some(splits)
 }

@@ -119,6 +119,41 @@ pub(crate) fn step_ints(values: &[i32]) -> Array {
     })
 }
 
+/// Choices in how the fused kernels run that change no value (decode attention's share size
+/// only moves where its float32 sums round), for the rest of the process. The defaults are
+/// the measured best; `bench --compare-fused` measures the others side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Slots a block of [`decode_attention`] takes ([`decode_attention::set_share_slots`]).
+    pub attention_share: usize,
+    /// [`post_attention::set_poll_loads`].
+    pub poll_loads: bool,
+    /// [`set_prefetch`].
+    pub prefetch: bool,
+    /// [`post_attention::set_deep_loads`].
+    pub deep_loads: bool,
+}
+
+impl Tuning {
+    /// The settings in force.
+    pub fn current() -> Tuning {
+        Tuning {
+            attention_share: decode_attention::share_slots(),
+            poll_loads: post_attention::poll_loads(),
+            prefetch: prefetch(),
+            deep_loads: post_attention::deep_loads(),
+        }
+    }
+
+    /// Puts these settings in force.
+    pub fn apply(self) {
+        decode_attention::set_share_slots(self.attention_share);
+        post_attention::set_poll_loads(self.poll_loads);
+        set_prefetch(self.prefetch);
+        post_attention::set_deep_loads(self.deep_loads);
+    }
+}
+
 /// Allows or forbids each fused kernel for the rest of the process (`--fused-kernels`).
 pub fn set_allowed(allowed: Fused) {
     ATTENTION_ALLOWED.store(allowed.attention, Ordering::Relaxed);
