@@ -27,6 +27,11 @@
 //! order, so the result equals theirs bit for bit (`bench --compare-fused` checks the tokens).
 //! Each block computes the norm of a whole product itself (a few kilobytes from L2) and keeps
 //! the hidden states it needs in shared memory, which saves a barrier per norm.
+//!
+//! Three ways of running it that change no value are measured against the default before
+//! any becomes it ([`super::Tuning`]): barriers polling with acquire loads
+//! ([`set_poll_loads`]), the next stage's weights prefetched into L2 while the grid waits
+//! ([`super::set_prefetch`]), and 16 weight loads in flight per lane ([`set_deep_loads`]).
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
