@@ -48,10 +48,12 @@ static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
 static PREFETCH: AtomicBool = AtomicBool::new(false);
 
-/// Makes the attention-heads and post-attention kernels ask L2 for a warp's first weights
-/// before work those loads do not depend on (the input's staging, a grid-wide barrier), so
-/// that they arrive meanwhile (true), or not (false, the default until measured); `bench
-/// --compare-fused` measures both. A prefetch changes no value.
+/// Makes the attention kernels and the post-attention kernel ask L2 for data before work its
+/// loads do not depend on, so that it arrives meanwhile (true), or not (false, the default
+/// until measured); `bench --compare-fused` measures both. A prefetch changes no value. Where:
+/// a warp's first weight row of the attention heads, before the input's staging; a block's
+/// key and value rows in decode attention, before the visible range's read across the bus;
+/// each warp's first weights of the next post-attention stage, before the grid barrier.
 pub fn set_prefetch(on: bool) {
     PREFETCH.store(on, Ordering::Relaxed);
 }
@@ -383,8 +385,26 @@ impl PerEpsilon {
 }
 
 /// Device helpers shared by the kernels: block-wide sum and max over `float`, with `red`
-/// a `__shared__ float[32]` scratch.
+/// a `__shared__ float[32]` scratch, and the L2 prefetch.
 const REDUCE_HEADER: &str = r#"
+// With ON, asks L2 for `bytes` (a multiple of 16) from `p` without waiting: data a warp will
+// read, requested before work it does not depend on (a barrier, the input's staging, a read
+// across the bus), so that it arrives meanwhile. Called by a whole warp: lane 0 issues one
+// bulk prefetch (sm_90 and later); older devices prefetch a 128-byte line a lane.
+template <bool ON>
+__device__ inline void prefetch_l2(const void* p, int bytes) {
+  if constexpr (ON) {
+    const int lane = threadIdx.x & 31;
+#if __CUDA_ARCH__ >= 900
+    if (lane == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(bytes) : "memory");
+#else
+    for (int off = lane * 128; off < bytes; off += 32 * 128) {
+      asm volatile("prefetch.global.L2 [%0];" : : "l"(static_cast<const char*>(p) + off));
+    }
+#endif
+  }
+}
+
 __device__ inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

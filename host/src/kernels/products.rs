@@ -146,24 +146,6 @@ __device__ inline void rows_dot(const T* const* rows, const T* xs, float* out) {
   for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
 }
 
-// With ON, asks L2 for `bytes` (a multiple of 16) from `p` without waiting: weights a warp
-// will read, requested before work they do not depend on (a barrier, the input's staging), so
-// that they arrive meanwhile. Lane 0 issues one bulk prefetch (sm_90 and later); older devices prefetch a
-// 128-byte line a lane.
-template <bool ON>
-__device__ inline void prefetch_l2(const void* p, int bytes) {
-  if constexpr (ON) {
-    const int lane = threadIdx.x & 31;
-#if __CUDA_ARCH__ >= 900
-    if (lane == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(bytes) : "memory");
-#else
-    for (int off = lane * 128; off < bytes; off += 32 * 128) {
-      asm volatile("prefetch.global.L2 [%0];" : : "l"(static_cast<const char*>(p) + off));
-    }
-#endif
-  }
-}
-
 // gelu_tanh(g) in float32, written as g * sigmoid(2z) like the MLX path.
 __device__ inline float gelu_tanh(float g) {
   const float c = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
