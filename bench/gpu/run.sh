@@ -234,7 +234,8 @@ fi
 if want quick; then
     # Eleven sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
     # on a cold kernel cache.
-    BENCH_TIMEOUT=480 bench "mlx-spec E4B bf16 (quick)" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused
+    # -v: each set's rate is logged as it comes (bench.err), kept should a set end the process.
+    BENCH_TIMEOUT=480 bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused
 fi
 
 if want host; then

@@ -309,6 +309,7 @@ fn init_logging(verbose: u8) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
 }
 
@@ -1225,8 +1226,12 @@ fn compare_fused(
                 let logits = prefill(model, &mut cache, prompt)?;
                 let (got, seconds, _) =
                     decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
+                let rate = args.gen_tokens as f64 / seconds;
+                // Logged as it comes, so that a set that ends the process (a kernel trap)
+                // leaves the others' figures behind.
+                tracing::info!(round, set = %s.name, "compare-fused: {rate:.1} tok/s");
                 if round > 0 {
-                    rates[i].push(args.gen_tokens as f64 / seconds);
+                    rates[i].push(rate);
                 }
                 tokens[i] = got;
             }
