@@ -26,6 +26,7 @@
 #   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
 #              fused kernels and without
+#   profile-q4 the same for E4B with 4-bit weights
 #   timeline   a pipelined E4B decode step as the device runs it (Nsight Systems): each kernel
 #              kind's real time a step, and how long the device sits idle between kernels
 #   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
@@ -181,6 +182,20 @@ if want profile; then
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/+}.err"
     done
     row "device time of one E4B decode step (Nsight Compute) | printed above, kept in profile.md"
+fi
+
+if want profile-q4; then
+    # The same for E4B with 4-bit weights, where the fused kernels serve only decode attention
+    # and the attention inputs: how much of a 4-bit step is the device's.
+    NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+    MLX_SPEC_PROFILE_DECODE=1 timeout 300 "$NCU" --csv --profile-from-start off --clock-control none \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+        "$BIN" generate --device gpu --random-weights --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
+        --dtype bf16 --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json \
+        >"$RES/profile-q4.csv" 2>"$RES/profile-q4.err"
+    python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-q4.csv" "E4B 4-bit g64, default kernels" \
+        | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-q4.err"
+    row "device time of one E4B 4-bit decode step (Nsight Compute) | printed above, kept in profile.md"
 fi
 
 if want timeline; then
