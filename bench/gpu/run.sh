@@ -8,6 +8,7 @@
 # Steps (default: fixtures bandwidth mlx peer cpu-check):
 #   fixtures   greedy tokens of every test fixture on the GPU == transformers' (f32, TF32 off)
 #   fixtures-pa  the same with the one-kernel post-attention path named explicitly
+#   fixtures-affine4  the same with the post-attention kernel over 4-bit weights (experimental)
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
@@ -21,7 +22,8 @@
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
 #   opcost     host time per operation: MLX's add, RMSNorm and product vs our fused kernels
-#   q4check    E4B 4-bit decode with each --fused-kernels set, pipelined vs step by step
+#   q4check    E4B 4-bit decode with each --fused-kernels set (affine4 too), pipelined vs step
+#              by step
 #   repeat     E4B decode repeated from fresh caches (4-bit and bf16): bitwise-equal logits?
 #   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
@@ -96,6 +98,10 @@ if want fixtures-pa; then
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels attention,products,post-attention" \
         --fused-kernels attention,products,post-attention
 fi
+if want fixtures-affine4; then
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,affine4" \
+        --fused-kernels attention,products,post-attention,affine4
+fi
 unset MLX_ENABLE_TF32
 
 # 2. The memory floor's denominator: device-to-device copy bandwidth (bytes read + written).
@@ -144,7 +150,7 @@ fi
 if want q4check; then
     # Which kernel set makes pipelined and step-by-step greedy decoding of the 4-bit E4B shape
     # disagree (the bench refuses to report a speed when they do).
-    for fused in none attention products attention,products; do
+    for fused in none attention products attention,products attention,products,post-attention,affine4; do
         bench "mlx-spec E4B 4-bit g64, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --fused-kernels "$fused"
     done

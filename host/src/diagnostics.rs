@@ -15,7 +15,7 @@ use mlx_rs::random;
 use mlx_rs::transforms::async_eval;
 use mlx_rs::{Array, Dtype};
 
-use crate::kernels::post_attention::{self, PostAttention};
+use crate::kernels::post_attention::{self, PostAttention, Weight};
 use crate::kernels::products::device_array;
 use crate::kernels::products::{
     gated_product, gated_product_rows, new_counter, normed_products, product_residual,
@@ -383,12 +383,12 @@ pub fn feed_forward_speed(
             Box::new(|h: &Array, l: usize| {
                 let w = &weights[l];
                 let block = PostAttention {
-                    output: &w.output,
+                    output: Weight::Dense(&w.output),
                     post_attention_norm: norm,
                     pre_norm: norm,
-                    gate: &w.gate,
-                    up: &w.up,
-                    down: &w.down,
+                    gate: Weight::Dense(&w.gate),
+                    up: Weight::Dense(&w.up),
+                    down: Weight::Dense(&w.down),
                     post_norm: norm,
                 };
                 post_attention::post_attention(h, heads, eps, &block, None, scale, &w.barrier)

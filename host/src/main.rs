@@ -143,7 +143,8 @@ struct ModelArgs {
     /// (a decode token's matrix-vector products fused with the norms, gates and residual
     /// updates around them), `post-attention` (everything of a layer after its attention heads
     /// as one kernel, over dense weights), or `none` (MLX's operations only). Default: all
-    /// three.
+    /// three. `affine4` (experimental, not yet checked on a GPU) also lets the post-attention
+    /// kernel take 4-bit affine weights.
     #[arg(
         long,
         value_enum,
@@ -159,6 +160,8 @@ enum FusedKernelArg {
     Products,
     /// Everything of a layer after its attention heads as one kernel.
     PostAttention,
+    /// The post-attention kernel over 4-bit affine weights too (experimental).
+    Affine4,
     None,
 }
 
@@ -169,6 +172,14 @@ impl ModelArgs {
             products: self.fused_kernels.contains(&FusedKernelArg::Products),
             post_attention: self.fused_kernels.contains(&FusedKernelArg::PostAttention),
         }
+    }
+
+    /// Puts `--fused-kernels` in force for the rest of the process.
+    fn allow_fused_kernels(&self) {
+        mlx_spec::kernels::set_allowed(self.fused());
+        mlx_spec::kernels::post_attention::set_affine4(
+            self.fused_kernels.contains(&FusedKernelArg::Affine4),
+        );
     }
 }
 
@@ -343,7 +354,7 @@ fn read_config(path: &Path) -> Result<(PathBuf, PathBuf, Gemma4Config)> {
 
 fn load_model(args: &ModelArgs) -> Result<Loaded> {
     device::select(args.device)?;
-    mlx_spec::kernels::set_allowed(args.fused());
+    args.allow_fused_kernels();
     let start = Instant::now();
     let path = &args.model;
     if args.random_weights {
@@ -1301,7 +1312,7 @@ fn decode_step_by_step(
 /// `bench --op-cost`: host time per operation, by kind.
 fn run_op_cost(args: &BenchArgs) -> Result<()> {
     device::select(args.model.device)?;
-    mlx_spec::kernels::set_allowed(args.model.fused());
+    args.model.allow_fused_kernels();
     let costs = mlx_spec::diagnostics::operation_costs(400, 1024, args.repeats)?;
     if args.json {
         let rows: Vec<_> = costs
@@ -1328,7 +1339,7 @@ fn run_op_cost(args: &BenchArgs) -> Result<()> {
 /// `bench --feed-forward-speed`: the feed-forward block's weight streaming rate, by method.
 fn run_feed_forward_speed(args: &BenchArgs) -> Result<()> {
     device::select(args.model.device)?;
-    mlx_spec::kernels::set_allowed(args.model.fused());
+    args.model.allow_fused_kernels();
     let (_, _, config) = read_config(&args.model.model)?;
     let (hidden, intermediate) = (config.hidden_size as i32, config.intermediate_size as i32);
     // The first layer's heads (a sliding-window layer in every released size).

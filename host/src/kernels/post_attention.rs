@@ -122,14 +122,90 @@ __device__ inline float product_rms(const float* o, float* red) {
   return rsqrtf(block_sum(ss, red) / N + EPS);
 }
 
+// Bytes of one row of a [rows, K] weight: dense T (BITS 0), or BITS-bit affine values packed
+// into 32-bit words, lowest bits first (MLX's layout), with a scale and a bias per G values.
+template <typename T, int K, int BITS>
+__device__ constexpr size_t row_bytes() {
+  return BITS == 0 ? (size_t)K * sizeof(T) : (size_t)K * BITS / 8;
+}
+
+// Dots of R rows of 4-bit affine weights with the staged input, summed over the warp. A lane
+// takes 16 bytes of a row at a time (32 values, within one group as G is a multiple of 32):
+// sum over the chunk of (scale q + bias) x = scale (q . x) + bias (sum of x), in float32.
+template <typename T, int K, int R, int G>
+__device__ inline void rows_dot_affine4(const void* const* rows, const T* const* scales,
+                                        const T* const* biases, const T* xs, float* out) {
+  constexpr int CHUNKS = K / 32;
+  const int lane = threadIdx.x & 31;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = 0.f;
+#pragma unroll 4
+  for (int c = lane; c < CHUNKS; c += 32) {
+    uint4 wc[R];
+    float sc[R], bi[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      wc[r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
+      sc[r] = static_cast<float>(scales[r][c * 32 / G]);
+      bi[r] = static_cast<float>(biases[r][c * 32 / G]);
+    }
+    float qx[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) qx[r] = 0.f;
+    float xsum = 0.f;
+    const T* xe = xs + c * 32;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+      const float xv = static_cast<float>(xe[i]);
+      xsum += xv;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const unsigned int word = (&wc[r].x)[i / 8];
+        qx[r] += static_cast<float>((word >> (4 * (i % 8))) & 15u) * xv;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] += sc[r] * qx[r] + bi[r] * xsum;
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
+}
+
+// Dots of rows r0, r1, ... (R of them) of weights w[0..R) with the staged input: dense rows go
+// through the products' rows_dot, 4-bit ones through rows_dot_affine4. s and b: each weight's
+// scales and biases, [rows, K / G] (unused for dense weights).
+template <typename T, int K, int R, int LOADS, int BITS, int G>
+__device__ inline void weight_dot(const void* const* w, const T* const* s, const T* const* b,
+                                  const int* r, const T* xs, float* out) {
+  if constexpr (BITS == 0) {
+    const T* rows[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) rows[i] = static_cast<const T*>(w[i]) + (size_t)r[i] * K;
+    rows_dot<T, K, R, LOADS>(rows, xs, out);
+  } else {
+    constexpr int GROUPS = K / (G > 0 ? G : 1);
+    const void* rows[R];
+    const T* sr[R];
+    const T* br[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+      rows[i] = static_cast<const char*>(w[i]) + (size_t)r[i] * row_bytes<T, K, BITS>();
+      sr[i] = s[i] + (size_t)r[i] * GROUPS;
+      br[i] = b[i] + (size_t)r[i] * GROUPS;
+    }
+    rows_dot_affine4<T, K, R, G>(rows, sr, br, xs, out);
+  }
+}
+
 // o[r] = W[r] . xs, rounded to T as MLX's product rounds it and kept in float32, for the
 // rows r this warp takes (every `warps`-th from `first`); W is [rows, K].
-template <typename T, int K, int LOADS>
-__device__ inline void product_rows(const T* w, const T* xs, float* o, int rows, int first, int warps) {
+template <typename T, int K, int LOADS, int BITS, int G>
+__device__ inline void product_rows(const void* w, const T* s, const T* b, const T* xs, float* o,
+                                    int rows, int first, int warps) {
   for (int r = first; r < rows; r += warps) {
-    const T* row = w + (size_t)r * K;
     float d;
-    rows_dot<T, K, 1, LOADS>(&row, xs, &d);
+    weight_dot<T, K, 1, LOADS, BITS, G>(&w, &s, &b, &r, xs, &d);
     if ((threadIdx.x & 31) == 0) o[r] = static_cast<float>(static_cast<T>(d));
   }
 }
@@ -161,16 +237,15 @@ const SOURCE: &str = r#"
   const float s = static_cast<float>(scale[0]);
   // Bytes of a warp's first row (or pair of rows) of a stage to prefetch (PREFETCH).
   constexpr int AHEAD = 8192;
-  constexpr int E = sizeof(T);
-  auto ahead = [](int row_bytes) { return row_bytes < AHEAD ? row_bytes : AHEAD; };
+  auto ahead = [](size_t bytes) { return bytes < AHEAD ? (int)bytes : AHEAD; };
 
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
-  if (first < H) prefetch_l2<PREFETCH>(wo + (size_t)first * Z, ahead(Z * E));
+  if (first < H) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wo) + first * row_bytes<T, Z, BITS>(), ahead(row_bytes<T, Z, BITS>()));
   stage_input<T, Z, false>(z, z, buf, red);
-  product_rows<T, Z, LOADS>(wo, buf, o0, H, first, warps);
+  product_rows<T, Z, LOADS, BITS, G>(wo, wo_s, wo_b, buf, o0, H, first, warps);
   if (first < N) {
-    prefetch_l2<PREFETCH>(wg + (size_t)first * H, ahead(2 * H * E) / 2);
-    prefetch_l2<PREFETCH>(wu + (size_t)first * H, ahead(2 * H * E) / 2);
+    prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wg) + first * row_bytes<T, H, BITS>(), ahead(2 * row_bytes<T, H, BITS>()) / 2);
+    prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wu) + first * row_bytes<T, H, BITS>(), ahead(2 * row_bytes<T, H, BITS>()) / 2);
   }
   __threadfence();
   grid_barrier<POLL_LOADS>(bar);
@@ -183,22 +258,25 @@ const SOURCE: &str = r#"
   // 1. a = gelu_tanh(W_gate x') * (W_up x'), x' = rms_norm(x1, pre_norm).
   stage_input<T, H, true>(x1s, pre_norm, buf, red);
   for (int r = first; r < N; r += warps) {
-    const T* rows[2] = {wg + (size_t)r * H, wu + (size_t)r * H};
+    const void* ws[2] = {wg, wu};
+    const T* ss[2] = {wg_s, wu_s};
+    const T* bs[2] = {wg_b, wu_b};
+    const int rs[2] = {r, r};
     float d[2];
-    rows_dot<T, H, 2, LOADS>(rows, buf, d);
+    weight_dot<T, H, 2, LOADS, BITS, G>(ws, ss, bs, rs, buf, d);
     if (lane == 0) {
       const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[0]))));
       a[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(static_cast<T>(d[1])));
     }
   }
-  if (first < H) prefetch_l2<PREFETCH>(wd + (size_t)first * N, ahead(N * E));
+  if (first < H) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wd) + first * row_bytes<T, N, BITS>(), ahead(row_bytes<T, N, BITS>()));
   __threadfence();
   grid_barrier<POLL_LOADS>(bar);
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
-  product_rows<T, N, LOADS>(wd, buf, o, H, first, warps);
-  if (P > 0 && first < P) prefetch_l2<PREFETCH>(pg + (size_t)first * H, ahead(H * E));
+  product_rows<T, N, LOADS, BITS, G>(wd, wd_s, wd_b, buf, o, H, first, warps);
+  if (P > 0 && first < P) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)pg) + first * row_bytes<T, H, BITS>(), ahead(row_bytes<T, H, BITS>()));
   __threadfence();
   grid_barrier<POLL_LOADS>(bar);
 
@@ -218,21 +296,21 @@ const SOURCE: &str = r#"
     // 4. g = gelu_tanh(W_in h) * v, v this layer's per-layer input.
     const int v0 = ple_offset[0];
     for (int r = first; r < P; r += warps) {
-      const T* row = pg + (size_t)r * H;
+      const void* w = pg;
       float d;
-      rows_dot<T, H, 1, LOADS>(&row, hs, &d);
+      weight_dot<T, H, 1, LOADS, BITS, G>(&w, &pg_s, &pg_b, &r, hs, &d);
       if (lane == 0) {
         const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
         g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
       }
     }
-    if (first < H) prefetch_l2<PREFETCH>(pp + (size_t)first * P, ahead(P * E));
+    if (first < H) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)pp) + first * row_bytes<T, P, BITS>(), ahead(row_bytes<T, P, BITS>()));
     __threadfence();
     grid_barrier<POLL_LOADS>(bar);
 
     // 5. o2 = W_proj g.
     stage_written<T, P>(g, buf);
-    product_rows<T, P, LOADS>(pp, buf, o2, H, first, warps);
+    product_rows<T, P, LOADS, BITS, G>(pp, pp_s, pp_b, buf, o2, H, first, warps);
     __threadfence();
     grid_barrier<POLL_LOADS>(bar);
 
@@ -260,36 +338,139 @@ thread_local! {
         "post_attention",
         &[
             "x", "z", "wo", "post_attention_norm", "pre_norm", "wg", "wu", "wd", "post_norm",
-            "pg", "per_layer", "ple_offset", "pp", "post_norm_2", "scale", "barrier",
+            "pg", "per_layer", "ple_offset", "pp", "post_norm_2", "scale", "barrier", "wo_s",
+            "wo_b", "wg_s", "wg_b", "wu_s", "wu_b", "wd_s", "wd_b", "pg_s", "pg_b", "pp_s", "pp_b",
         ],
         &["out", "o0", "a", "o", "g", "o2"],
         SOURCE,
     ).with_header(Box::leak(format!("{PRODUCTS_HEADER}{BARRIER_HEADER}").into_boxed_str())));
 }
 
-/// The weights of a layer after its attention heads, all dense: `[H, Z]` attention output,
-/// `[N, H]` gate and up, `[H, N]` down, and the norms around them.
+/// A weight matrix `[rows, K]` as the kernel reads it.
+#[derive(Clone, Copy)]
+pub enum Weight<'a> {
+    /// In the activation dtype.
+    Dense(&'a Array),
+    /// 4-bit affine in MLX's layout: `packed` `[rows, K / 8]` uint32 (lowest bits first),
+    /// `scales` and `biases` `[rows, K / group]` in the activation dtype; `w = scale q + bias`.
+    Affine4 {
+        packed: &'a Array,
+        scales: &'a Array,
+        biases: &'a Array,
+    },
+}
+
+impl<'a> Weight<'a> {
+    pub fn is_dense(&self) -> bool {
+        matches!(self, Weight::Dense(_))
+    }
+
+    /// Rows of the matrix.
+    pub fn rows(&self) -> i32 {
+        match self {
+            Weight::Dense(w) => w.shape()[0],
+            Weight::Affine4 { packed, .. } => packed.shape()[0],
+        }
+    }
+
+    /// Values per scale of a 4-bit weight of input width `k` (0 for a dense one).
+    pub fn group(&self, k: i32) -> i32 {
+        match self {
+            Weight::Dense(_) => 0,
+            Weight::Affine4 { scales, .. } => {
+                let groups = scales.shape().get(1).copied().unwrap_or(0);
+                if groups > 0 && k % groups == 0 {
+                    k / groups
+                } else {
+                    0
+                }
+            }
+        }
+    }
+
+    /// Checks the matrix is `[rows, k]` of `dtype` (the scales and biases too when 4-bit,
+    /// in groups of a multiple of 32 values); returns the kernel's (BITS, G).
+    fn layout(&self, rows: i32, k: i32, dtype: Dtype, what: &str) -> Result<(i32, i32)> {
+        match self {
+            Weight::Dense(w) => {
+                if w.shape() != [rows, k] || w.dtype() != dtype {
+                    bail!(
+                        "post_attention: {what} is {:?} {:?}, expected [{rows}, {k}] {dtype:?}",
+                        w.shape(),
+                        w.dtype()
+                    );
+                }
+                Ok((0, 0))
+            }
+            Weight::Affine4 {
+                packed,
+                scales,
+                biases,
+            } => {
+                let group = self.group(k);
+                if k % 8 != 0
+                    || packed.shape() != [rows, k / 8]
+                    || packed.dtype() != Dtype::Uint32
+                    || group == 0
+                    || group % 32 != 0
+                    || scales.shape() != [rows, k / group.max(1)]
+                    || biases.shape() != scales.shape()
+                    || scales.dtype() != dtype
+                    || biases.dtype() != dtype
+                {
+                    bail!(
+                        "post_attention: {what} is not a 4-bit affine [{rows}, {k}] weight with {dtype:?} scales in groups of a multiple of 32: packed {:?} {:?}, scales {:?} {:?}, biases {:?} {:?}",
+                        packed.shape(),
+                        packed.dtype(),
+                        scales.shape(),
+                        scales.dtype(),
+                        biases.shape(),
+                        biases.dtype()
+                    );
+                }
+                Ok((4, group))
+            }
+        }
+    }
+
+    /// The kernel's three inputs for this matrix: values, scales, biases (a dense matrix
+    /// stands in for its own scales and biases, which the kernel then never reads).
+    fn inputs(&self) -> [&'a Array; 3] {
+        match *self {
+            Weight::Dense(w) => [w, w, w],
+            Weight::Affine4 {
+                packed,
+                scales,
+                biases,
+            } => [packed, scales, biases],
+        }
+    }
+}
+
+/// The weights of a layer after its attention heads, all dense or all 4-bit affine with one
+/// group size: `[H, Z]` attention output, `[N, H]` gate and up, `[H, N]` down, and the norms
+/// around them.
 pub struct PostAttention<'a> {
-    pub output: &'a Array,
+    pub output: Weight<'a>,
     pub post_attention_norm: &'a Array,
     pub pre_norm: &'a Array,
-    pub gate: &'a Array,
-    pub up: &'a Array,
-    pub down: &'a Array,
+    pub gate: Weight<'a>,
+    pub up: Weight<'a>,
+    pub down: Weight<'a>,
     pub post_norm: &'a Array,
 }
 
 /// The per-layer-input block's weights and this layer's inputs.
 pub struct PerLayerInput<'a> {
     /// `[P, H]`, the per-layer input gate.
-    pub gate: &'a Array,
+    pub gate: Weight<'a>,
     /// The per-layer inputs of every layer, contiguous; this layer's `P` start at `offset`.
     pub values: &'a Array,
     /// int32 in device memory ([`super::products::device_array`]): where this layer's
     /// inputs start.
     pub offset: &'a Array,
     /// `[H, P]`, the projection back to the hidden size.
-    pub projection: &'a Array,
+    pub projection: Weight<'a>,
     pub post_norm: &'a Array,
 }
 
@@ -324,6 +505,21 @@ pub fn set_poll_loads(on: bool) {
 /// The current [`set_poll_loads`] setting.
 pub fn poll_loads() -> bool {
     POLL_LOADS.load(Ordering::Relaxed)
+}
+
+static AFFINE4: AtomicBool = AtomicBool::new(false);
+
+/// Lets the kernel take 4-bit affine weights (`--fused-kernels ...,affine4`; off by default
+/// until a GPU run checks it): it sums `scale (q . x) + bias (sum of x)` in float32 per 32
+/// values, where MLX's CUDA product accumulates in the activation dtype, so its tokens may
+/// differ from MLX's operations' while it computes the function more closely.
+pub fn set_affine4(on: bool) {
+    AFFINE4.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_affine4`] setting.
+pub fn affine4() -> bool {
+    AFFINE4.load(Ordering::Relaxed)
 }
 
 static DEEP_LOADS: AtomicBool = AtomicBool::new(false);
@@ -374,28 +570,32 @@ pub fn post_attention(
     let dtype = x.dtype();
     let h = x.shape()[x.ndim() - 1];
     let zw = z.shape()[z.ndim() - 1];
-    let n = w.gate.shape()[0];
-    let expect = |a: &Array, shape: [i32; 2], what: &str| -> Result<()> {
-        if a.shape() != shape || a.dtype() != dtype {
+    let n = w.gate.rows();
+    for (a, what) in [(x, "the hidden state"), (z, "the attention output")] {
+        let width = a.shape()[a.ndim() - 1];
+        if a.shape() != [1, width] || a.dtype() != dtype {
             bail!(
-                "post_attention: {what} is {:?} {:?}, expected {shape:?} {dtype:?}",
+                "post_attention: {what} is {:?} {:?}, expected [1, {width}] {dtype:?}",
                 a.shape(),
                 a.dtype()
             );
         }
-        Ok(())
-    };
-    expect(x, [1, h], "the hidden state")?;
-    expect(z, [1, zw], "the attention output")?;
-    expect(w.output, [h, zw], "the attention output weight")?;
-    expect(w.gate, [n, h], "the gate weight")?;
-    expect(w.up, [n, h], "the up weight")?;
-    expect(w.down, [h, n], "the down weight")?;
+    }
+    let mut layouts = vec![
+        w.output
+            .layout(h, zw, dtype, "the attention output weight")?,
+        w.gate.layout(n, h, dtype, "the gate weight")?,
+        w.up.layout(n, h, dtype, "the up weight")?,
+        w.down.layout(h, n, dtype, "the down weight")?,
+    ];
     let p = match ple {
         Some(v) => {
-            let p = v.gate.shape()[0];
-            expect(v.gate, [p, h], "the per-layer input gate")?;
-            expect(v.projection, [h, p], "the per-layer projection")?;
+            let p = v.gate.rows();
+            layouts.push(v.gate.layout(p, h, dtype, "the per-layer input gate")?);
+            layouts.push(
+                v.projection
+                    .layout(h, p, dtype, "the per-layer projection")?,
+            );
             if v.offset.dtype() != Dtype::Int32 {
                 bail!("post_attention: the per-layer input offset must be int32");
             }
@@ -403,6 +603,13 @@ pub fn post_attention(
         }
         None => 0,
     };
+    let (bits, group) = layouts[0];
+    if layouts.iter().any(|l| *l != (bits, group)) {
+        bail!("post_attention: the weights mix layouts (dense, or 4-bit in groups): {layouts:?}");
+    }
+    if bits != 0 && !affine4() {
+        bail!("post_attention: 4-bit weights need the affine4 fused kernels to be allowed");
+    }
     if !serves(h as usize, zw as usize, n as usize, p as usize, dtype) {
         bail!(
             "post_attention does not serve hidden {h}, attention {zw}, width {n}, per-layer {p} in {dtype:?}"
@@ -412,10 +619,17 @@ pub fn post_attention(
         bail!("post_attention needs the CUDA device's multiprocessor count");
     };
     // Without a per-layer input its inputs are never read: the hidden state stands in.
+    let stand_in = Weight::Dense(x);
     let (pg, values, offset, pp, post_norm_2) = match ple {
         Some(v) => (v.gate, v.values, v.offset, v.projection, v.post_norm),
-        None => (x, x, barrier, x, x),
+        None => (stand_in, x, barrier, stand_in, x),
     };
+    let [wo, wo_s, wo_b] = w.output.inputs();
+    let [wg, wg_s, wg_b] = w.gate.inputs();
+    let [wu, wu_s, wu_b] = w.up.inputs();
+    let [wd, wd_s, wd_b] = w.down.inputs();
+    let [pg, pg_s, pg_b] = pg.inputs();
+    let [pp, pp_s, pp_b] = pp.inputs();
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
@@ -423,12 +637,12 @@ pub fn post_attention(
             &[
                 x,
                 z,
-                w.output,
+                wo,
                 w.post_attention_norm,
                 w.pre_norm,
-                w.gate,
-                w.up,
-                w.down,
+                wg,
+                wu,
+                wd,
                 w.post_norm,
                 pg,
                 values,
@@ -437,6 +651,18 @@ pub fn post_attention(
                 post_norm_2,
                 scale,
                 barrier,
+                wo_s,
+                wo_b,
+                wg_s,
+                wg_b,
+                wu_s,
+                wu_b,
+                wd_s,
+                wd_b,
+                pg_s,
+                pg_b,
+                pp_s,
+                pp_b,
             ],
             &[
                 (&[1, h], dtype),
@@ -457,6 +683,8 @@ pub fn post_attention(
                 (c"POLL_LOADS", TemplateArg::Bool(poll_loads())),
                 (c"PREFETCH", TemplateArg::Bool(super::prefetch())),
                 (c"LOADS", TemplateArg::Int(loads_in_flight(dtype))),
+                (c"BITS", TemplateArg::Int(bits)),
+                (c"G", TemplateArg::Int(group)),
             ],
         )?;
         Ok(out.remove(0))
@@ -504,16 +732,83 @@ mod tests {
         let square = Array::zeros::<f32>(&[8, 8]).unwrap();
         let wide = Array::zeros::<f32>(&[16, 8]).unwrap();
         let w = PostAttention {
-            output: &square,
+            output: Weight::Dense(&square),
             post_attention_norm: &norm,
             pre_norm: &norm,
-            gate: &wide,
-            up: &wide,
-            down: &square,
+            gate: Weight::Dense(&wide),
+            up: Weight::Dense(&wide),
+            down: Weight::Dense(&square),
             post_norm: &norm,
         };
         let barrier = new_barrier().unwrap();
         let err = post_attention(&x, &x, 1e-6, &w, None, &x, &barrier).unwrap_err();
         assert!(err.to_string().contains("down weight"), "{err}");
+    }
+
+    #[test]
+    fn a_4bit_weight_is_read_as_packed_words_with_a_scale_and_bias_per_group() {
+        // [16, 128] in groups of 64: 16 words of eight values a row, two scales a row.
+        let packed = Array::zeros::<u32>(&[16, 16]).unwrap();
+        let scales = Array::zeros::<f32>(&[16, 2]).unwrap();
+        let weight = Weight::Affine4 {
+            packed: &packed,
+            scales: &scales,
+            biases: &scales,
+        };
+        assert_eq!(weight.rows(), 16);
+        assert_eq!(weight.group(128), 64);
+        assert_eq!(
+            weight.layout(16, 128, Dtype::Float32, "w").unwrap(),
+            (4, 64)
+        );
+        // The wrong input width, scales of another dtype, groups not a multiple of 32.
+        assert!(weight.layout(16, 96, Dtype::Float32, "w").is_err());
+        assert!(weight.layout(16, 128, Dtype::Bfloat16, "w").is_err());
+        let narrow = Array::zeros::<u32>(&[16, 4]).unwrap();
+        let fine = Array::zeros::<f32>(&[16, 2]).unwrap();
+        let small_groups = Weight::Affine4 {
+            packed: &narrow,
+            scales: &fine,
+            biases: &fine,
+        };
+        let err = small_groups
+            .layout(16, 32, Dtype::Float32, "the gate weight")
+            .unwrap_err();
+        assert!(err.to_string().contains("the gate weight"), "{err}");
+        // A dense weight has no groups and reads as itself.
+        let dense = Array::zeros::<f32>(&[16, 128]).unwrap();
+        assert_eq!(Weight::Dense(&dense).group(128), 0);
+        assert_eq!(
+            Weight::Dense(&dense)
+                .layout(16, 128, Dtype::Float32, "w")
+                .unwrap(),
+            (0, 0)
+        );
+    }
+
+    #[test]
+    fn dense_and_4bit_weights_are_not_mixed_in_one_call() {
+        let x = Array::zeros::<f32>(&[1, 64]).unwrap();
+        let norm = Array::zeros::<f32>(&[64]).unwrap();
+        let dense = Array::zeros::<f32>(&[64, 64]).unwrap();
+        let packed = Array::zeros::<u32>(&[64, 8]).unwrap();
+        let scales = Array::zeros::<f32>(&[64, 2]).unwrap();
+        let quantized = Weight::Affine4 {
+            packed: &packed,
+            scales: &scales,
+            biases: &scales,
+        };
+        let w = PostAttention {
+            output: Weight::Dense(&dense),
+            post_attention_norm: &norm,
+            pre_norm: &norm,
+            gate: quantized,
+            up: quantized,
+            down: quantized,
+            post_norm: &norm,
+        };
+        let barrier = new_barrier().unwrap();
+        let err = post_attention(&x, &x, 1e-6, &w, None, &x, &barrier).unwrap_err();
+        assert!(err.to_string().contains("mix layouts"), "{err}");
     }
 }

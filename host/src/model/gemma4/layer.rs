@@ -199,15 +199,15 @@ impl DecoderLayer {
             return Ok(None);
         }
         let (Some((gate, up, down)), Some(output)) = (
-            self.mlp.dense_weights(),
-            self.attention.o_proj().dense_weight(),
+            self.mlp.kernel_weights(),
+            self.attention.o_proj().kernel_weight(),
         ) else {
             return Ok(None);
         };
         let ple = match (&self.ple, per_layer) {
             (None, None) => None,
             (Some(g), Some((values, _))) => {
-                match (g.input_gate.dense_weight(), g.projection.dense_weight()) {
+                match (g.input_gate.kernel_weight(), g.projection.kernel_weight()) {
                     (Some(gate), Some(projection)) => Some(PerLayerInput {
                         gate,
                         values,
@@ -220,12 +220,20 @@ impl DecoderLayer {
             }
             _ => return Ok(None),
         };
-        let (h, zw, n) = (
-            x.shape()[1] as usize,
-            z.shape()[1] as usize,
-            gate.shape()[0] as usize,
-        );
-        let p = ple.as_ref().map_or(0, |v| v.gate.shape()[0] as usize);
+        let (h, zw, n) = (x.shape()[1], z.shape()[1], gate.rows());
+        let p = ple.as_ref().map_or(0, |v| v.gate.rows());
+        // One layout for all: dense, or (when allowed) 4-bit in one group size.
+        let mut all = vec![(output, zw), (gate, h), (up, h), (down, n)];
+        if let Some(v) = &ple {
+            all.extend([(v.gate, h), (v.projection, p)]);
+        }
+        let all_dense = all.iter().all(|(w, _)| w.is_dense());
+        let group = output.group(zw);
+        let one_group = group > 0 && all.iter().all(|(w, k)| w.group(*k) == group);
+        if !(all_dense || (post_attention::affine4() && one_group)) {
+            return Ok(None);
+        }
+        let (h, zw, n, p) = (h as usize, zw as usize, n as usize, p as usize);
         if !post_attention::serves(h, zw, n, p, x.dtype())
             || post_attention::grid_blocks().is_none()
         {

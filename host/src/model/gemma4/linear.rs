@@ -6,6 +6,7 @@ use mlx_rs::ops::{dequantize, matmul, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 
 use super::config::{QuantConfig, QuantSpec};
+use crate::kernels::post_attention::Weight;
 use crate::weights::TensorSource;
 
 /// Packed affine-quantized weight: `w = scales * q + biases` per group of input elements.
@@ -55,6 +56,20 @@ impl Linear {
     pub fn dense_weight(&self) -> Option<&Array> {
         match self {
             Linear::Dense(d) => Some(&d.weight),
+            Linear::Quantized(_) => None,
+        }
+    }
+
+    /// The matrix as the fused post-attention kernel reads it: dense, or 4-bit affine
+    /// (`None` for other bit widths).
+    pub fn kernel_weight(&self) -> Option<Weight<'_>> {
+        match self {
+            Linear::Dense(d) => Some(Weight::Dense(&d.weight)),
+            Linear::Quantized(q) if q.spec.bits == 4 => Some(Weight::Affine4 {
+                packed: &q.packed,
+                scales: &q.scales,
+                biases: &q.biases,
+            }),
             Linear::Quantized(_) => None,
         }
     }

@@ -6,6 +6,7 @@ use mlx_rs::Array;
 
 use super::activation::gated_gelu;
 use super::linear::{Linear, Loader};
+use crate::kernels::post_attention::Weight;
 use crate::kernels::products::{gated_product, serves_token, GateUp};
 use crate::kernels::Fused;
 
@@ -42,6 +43,15 @@ impl Mlp {
 
     pub fn down_proj(&self) -> &Linear {
         &self.down_proj
+    }
+
+    /// Gate, up and down as the fused post-attention kernel reads them.
+    pub fn kernel_weights(&self) -> Option<(Weight<'_>, Weight<'_>, Weight<'_>)> {
+        Some((
+            self.gate_proj.kernel_weight()?,
+            self.up_proj.kernel_weight()?,
+            self.down_proj.kernel_weight()?,
+        ))
     }
 
     /// The gate, up and down weights when all three are dense (what the fused CUDA
