@@ -13,18 +13,10 @@ idle time between them, then a markdown table by kernel kind, slowest first.
     python3 timeline_step.py trace.csv [label]
 """
 import csv
-import re
 import sys
 from collections import defaultdict
 
-
-def kind(name):
-    """A short name for a kernel: the function without its template arguments or hashes."""
-    name = re.sub(r"^void ", "", name)
-    name = re.sub(r"<.*", "", name)
-    name = re.sub(r"\(.*", "", name)
-    name = re.sub(r"_[0-9a-f]{8,}$", "", name)
-    return name[:70]
+from profile_step import kind  # the same short kernel names as the Nsight Compute tables
 
 
 def column(header, prefix):

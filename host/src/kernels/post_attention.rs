@@ -581,31 +581,37 @@ pub fn post_attention(
             );
         }
     }
-    let mut layouts = vec![
+    let core = [
         w.output
             .layout(h, zw, dtype, "the attention output weight")?,
         w.gate.layout(n, h, dtype, "the gate weight")?,
         w.up.layout(n, h, dtype, "the up weight")?,
         w.down.layout(h, n, dtype, "the down weight")?,
     ];
-    let p = match ple {
+    let (p, per_layer) = match ple {
         Some(v) => {
             let p = v.gate.rows();
-            layouts.push(v.gate.layout(p, h, dtype, "the per-layer input gate")?);
-            layouts.push(
+            let layouts = [
+                v.gate.layout(p, h, dtype, "the per-layer input gate")?,
                 v.projection
                     .layout(h, p, dtype, "the per-layer projection")?,
-            );
+            ];
             if v.offset.dtype() != Dtype::Int32 {
                 bail!("post_attention: the per-layer input offset must be int32");
             }
-            p
+            (p, Some(layouts))
         }
-        None => 0,
+        None => (0, None),
     };
-    let (bits, group) = layouts[0];
-    if layouts.iter().any(|l| *l != (bits, group)) {
-        bail!("post_attention: the weights mix layouts (dense, or 4-bit in groups): {layouts:?}");
+    let (bits, group) = core[0];
+    if core
+        .iter()
+        .chain(per_layer.iter().flatten())
+        .any(|l| *l != (bits, group))
+    {
+        bail!(
+            "post_attention: the weights mix layouts (dense, or 4-bit in groups): {core:?} {per_layer:?}"
+        );
     }
     if bits != 0 && !affine4() {
         bail!("post_attention: 4-bit weights need the affine4 fused kernels to be allowed");

@@ -223,13 +223,13 @@ impl DecoderLayer {
         let (h, zw, n) = (x.shape()[1], z.shape()[1], gate.rows());
         let p = ple.as_ref().map_or(0, |v| v.gate.rows());
         // One layout for all: dense, or (when allowed) 4-bit in one group size.
-        let mut all = vec![(output, zw), (gate, h), (up, h), (down, n)];
-        if let Some(v) = &ple {
-            all.extend([(v.gate, h), (v.projection, p)]);
-        }
-        let all_dense = all.iter().all(|(w, _)| w.is_dense());
+        // (Arrays, not vectors: this runs for every layer of every forward.)
+        let core = [(output, zw), (gate, h), (up, h), (down, n)];
+        let per_layer = ple.as_ref().map(|v| [(v.gate, h), (v.projection, p)]);
+        let all = || core.iter().chain(per_layer.iter().flatten());
+        let all_dense = all().all(|(w, _)| w.is_dense());
         let group = output.group(zw);
-        let one_group = group > 0 && all.iter().all(|(w, k)| w.group(*k) == group);
+        let one_group = group > 0 && all().all(|(w, k)| w.group(*k) == group);
         if !(all_dense || (post_attention::affine4() && one_group)) {
             return Ok(None);
         }

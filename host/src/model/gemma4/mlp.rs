@@ -53,14 +53,4 @@ impl Mlp {
             self.down_proj.kernel_weight()?,
         ))
     }
-
-    /// The gate, up and down weights when all three are dense (what the fused CUDA
-    /// feed-forward kernel reads).
-    pub fn dense_weights(&self) -> Option<(&Array, &Array, &Array)> {
-        Some((
-            self.gate_proj.dense_weight()?,
-            self.up_proj.dense_weight()?,
-            self.down_proj.dense_weight()?,
-        ))
-    }
 }
