@@ -150,7 +150,8 @@ fi
 if want q4check; then
     # Which kernel set makes pipelined and step-by-step greedy decoding of the 4-bit E4B shape
     # disagree (the bench refuses to report a speed when they do).
-    for fused in none attention products attention,products attention,products,post-attention,affine4; do
+    # Q4_SETS: the sets to run (default: all of them).
+    for fused in ${Q4_SETS:-none attention products attention,products attention,products,post-attention attention,products,post-attention,affine4}; do
         bench "mlx-spec E4B 4-bit g64, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --fused-kernels "$fused"
     done
@@ -191,16 +192,19 @@ if want profile; then
 fi
 
 if want profile-q4; then
-    # The same for E4B with 4-bit weights, where the fused kernels serve only decode attention
-    # and the attention inputs: how much of a 4-bit step is the device's.
+    # The same for E4B with 4-bit weights: the default set, where MLX's quantized products do
+    # the layer's products, and the post-attention kernel over 4-bit rows (affine4).
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    MLX_SPEC_PROFILE_DECODE=1 timeout 300 "$NCU" --csv --profile-from-start off --clock-control none \
-        --metrics gpu__time_duration.sum,dram__bytes_read.sum \
-        "$BIN" generate --device gpu --random-weights --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
-        --dtype bf16 --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json \
-        >"$RES/profile-q4.csv" 2>"$RES/profile-q4.err"
-    python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-q4.csv" "E4B 4-bit g64, default kernels" \
-        | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-q4.err"
+    for fused in attention,products,post-attention attention,products,post-attention,affine4; do
+        tag="profile-q4-${fused//,/+}"
+        MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --csv --profile-from-start off --clock-control none \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+            "$BIN" generate --device gpu --random-weights --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
+            --dtype bf16 --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" \
+            >"$RES/$tag.csv" 2>"$RES/$tag.err"
+        python3 "$ROOT/bench/gpu/profile_step.py" "$RES/$tag.csv" "E4B 4-bit g64, --fused-kernels $fused" \
+            | tee -a "$RES/profile.md" || tail -n 3 "$RES/$tag.err"
+    done
     row "device time of one E4B 4-bit decode step (Nsight Compute) | printed above, kept in profile.md"
 fi
 

@@ -129,44 +129,125 @@ __device__ constexpr size_t row_bytes() {
   return BITS == 0 ? (size_t)K * sizeof(T) : (size_t)K * BITS / 8;
 }
 
+// Which 16-byte piece (of the four) of a 32-value chunk of the input a lane reads at step j:
+// a chunk's inputs are 64 bytes in half precision, so neighbouring lanes reading the same
+// piece of neighbouring chunks would meet in one bank group of shared memory (a four-way
+// conflict); turning each pair of lanes by one piece puts a quarter-warp's eight reads on
+// eight different groups.
+__device__ inline int piece_at(int j, int lane) { return (j + (lane >> 1)) & 3; }
+
+// Inputs 8p ... 8p + 7 of chunk c of the staged input, as floats.
+template <typename T>
+__device__ inline void load_piece(const T* xs, int c, int p, float (&x)[8]) {
+  constexpr int PER_VEC = 16 / sizeof(T);
+  const uint4* v = reinterpret_cast<const uint4*>(xs + c * 32 + p * 8);
+#pragma unroll
+  for (int i = 0; i < 8 / PER_VEC; i++) {
+    const uint4 u = v[i];
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int k = 0; k < PER_VEC; k++) x[i * PER_VEC + k] = static_cast<float>(e[k]);
+  }
+}
+
+// Word p of a 16-byte chunk, picked with selects (indexing registers by a variable would put
+// them in local memory).
+__device__ inline unsigned int word_at(const uint4& w, int p) {
+  const unsigned int low = (p & 1) ? w.y : w.x;
+  const unsigned int high = (p & 1) ? w.w : w.z;
+  return (p & 2) ? high : low;
+}
+
+// acc += q . x over the eight 4-bit values q of `word` (value n at bits 4n) and their inputs
+// x[n]. A value shifted down and or-ed into the bits of the float 2^23, whose last bit is
+// worth 1, is the float 2^23 + q exactly: one subtraction leaves q, with no integer-to-float
+// conversion (a quarter-rate instruction).
+__device__ inline float nibbles_dot(unsigned int word, const float (&x)[8], float acc) {
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    const float q = __uint_as_float(((word >> (4 * n)) & 0xFu) | 0x4B000000u) - 8388608.f;
+    acc = fmaf(q, x[n], acc);
+  }
+  return acc;
+}
+
+// sums[c] = the sum of the staged input's values 32 c ... 32 c + 31, the bias term of every
+// 4-bit row's chunk c: once a stage rather than once a row. A thread a chunk, its pieces read
+// in the turned order of piece_at. Nothing for dense weights (BITS 0).
+template <typename T, int K, int BITS>
+__device__ inline void chunk_sums(const T* xs, float* sums) {
+  if constexpr (BITS != 0) {
+    for (int c = threadIdx.x; c < K / 32; c += BLOCK_THREADS) {
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        float x[8];
+        load_piece<T>(xs, c, piece_at(j, c), x);
+#pragma unroll
+        for (int k = 0; k < 8; k++) s += x[k];
+      }
+      sums[c] = s;
+    }
+    __syncthreads();
+  }
+}
+
 // Dots of R rows of 4-bit affine weights with the staged input, summed over the warp. A lane
-// takes 16 bytes of a row at a time (32 values, within one group as G is a multiple of 32):
-// sum over the chunk of (scale q + bias) x = scale (q . x) + bias (sum of x), in float32.
+// takes 16 bytes of a row at a time (32 values, within one group as G is a multiple of 32),
+// about eight such loads in flight across its rows and chunks: per chunk,
+// scale (q . x) + bias (sum of x), in float32, with the sum of x from chunk_sums.
 template <typename T, int K, int R, int G>
 __device__ inline void rows_dot_affine4(const void* const* rows, const T* const* scales,
-                                        const T* const* biases, const T* xs, float* out) {
+                                        const T* const* biases, const T* xs, const float* sums,
+                                        float* out) {
   constexpr int CHUNKS = K / 32;
+  constexpr int PER_LANE = (CHUNKS + 31) / 32;
+  constexpr int WANT = 8 / R > 0 ? 8 / R : 1;
+  constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
   const int lane = threadIdx.x & 31;
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; r++) acc[r] = 0.f;
-#pragma unroll 4
-  for (int c = lane; c < CHUNKS; c += 32) {
-    uint4 wc[R];
-    float sc[R], bi[R];
+  for (int base = 0; base < PER_LANE; base += BATCH) {
+    // The batch's loads first, all in flight together; chunks past the row are not read.
+    uint4 wc[BATCH][R];
+    float sc[BATCH][R], bi[BATCH][R];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-      wc[r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
-      sc[r] = static_cast<float>(scales[r][c * 32 / G]);
-      bi[r] = static_cast<float>(biases[r][c * 32 / G]);
-    }
-    float qx[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) qx[r] = 0.f;
-    float xsum = 0.f;
-    const T* xe = xs + c * 32;
-#pragma unroll
-    for (int i = 0; i < 32; i++) {
-      const float xv = static_cast<float>(xe[i]);
-      xsum += xv;
+    for (int b = 0; b < BATCH; b++) {
+      const int c = lane + 32 * (base + b);
 #pragma unroll
       for (int r = 0; r < R; r++) {
-        const unsigned int word = (&wc[r].x)[i / 8];
-        qx[r] += static_cast<float>((word >> (4 * (i % 8))) & 15u) * xv;
+        if (c < CHUNKS) {
+          wc[b][r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
+          sc[b][r] = static_cast<float>(__ldg(scales[r] + c * 32 / G));
+          bi[b][r] = static_cast<float>(__ldg(biases[r] + c * 32 / G));
+        } else {
+          wc[b][r] = make_uint4(0, 0, 0, 0);
+          sc[b][r] = 0.f;
+          bi[b][r] = 0.f;
+        }
       }
     }
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r] += sc[r] * qx[r] + bi[r] * xsum;
+    for (int b = 0; b < BATCH; b++) {
+      const int c = lane + 32 * (base + b);
+      if (c < CHUNKS) {
+        float qx[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) qx[r] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const int p = piece_at(j, lane);
+          float x[8];
+          load_piece<T>(xs, c, p, x);
+#pragma unroll
+          for (int r = 0; r < R; r++) qx[r] = nibbles_dot(word_at(wc[b][r], p), x, qx[r]);
+        }
+        const float xsum = sums[c];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] += sc[b][r] * qx[r] + bi[b][r] * xsum;
+      }
+    }
   }
 #pragma unroll
   for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
@@ -174,10 +255,10 @@ __device__ inline void rows_dot_affine4(const void* const* rows, const T* const*
 
 // Dots of rows r0, r1, ... (R of them) of weights w[0..R) with the staged input: dense rows go
 // through the products' rows_dot, 4-bit ones through rows_dot_affine4. s and b: each weight's
-// scales and biases, [rows, K / G] (unused for dense weights).
+// scales and biases, [rows, K / G], and sums the input's chunk sums (unused for dense weights).
 template <typename T, int K, int R, int LOADS, int BITS, int G>
 __device__ inline void weight_dot(const void* const* w, const T* const* s, const T* const* b,
-                                  const int* r, const T* xs, float* out) {
+                                  const int* r, const T* xs, const float* sums, float* out) {
   if constexpr (BITS == 0) {
     const T* rows[R];
 #pragma unroll
@@ -194,18 +275,18 @@ __device__ inline void weight_dot(const void* const* w, const T* const* s, const
       sr[i] = s[i] + (size_t)r[i] * GROUPS;
       br[i] = b[i] + (size_t)r[i] * GROUPS;
     }
-    rows_dot_affine4<T, K, R, G>(rows, sr, br, xs, out);
+    rows_dot_affine4<T, K, R, G>(rows, sr, br, xs, sums, out);
   }
 }
 
 // o[r] = W[r] . xs, rounded to T as MLX's product rounds it and kept in float32, for the
 // rows r this warp takes (every `warps`-th from `first`); W is [rows, K].
 template <typename T, int K, int LOADS, int BITS, int G>
-__device__ inline void product_rows(const void* w, const T* s, const T* b, const T* xs, float* o,
-                                    int rows, int first, int warps) {
+__device__ inline void product_rows(const void* w, const T* s, const T* b, const T* xs,
+                                    const float* sums, float* o, int rows, int first, int warps) {
   for (int r = first; r < rows; r += warps) {
     float d;
-    weight_dot<T, K, 1, LOADS, BITS, G>(&w, &s, &b, &r, xs, &d);
+    weight_dot<T, K, 1, LOADS, BITS, G>(&w, &s, &b, &r, xs, sums, &d);
     if ((threadIdx.x & 31) == 0) o[r] = static_cast<float>(static_cast<T>(d));
   }
 }
@@ -230,6 +311,8 @@ const SOURCE: &str = r#"
   __shared__ __align__(16) T x1s[H];
   __shared__ __align__(16) T hs[P > 0 ? H : 8];
   __shared__ float red[32];
+  // Chunk sums of the staged input for 4-bit weights (chunk_sums).
+  __shared__ float sums[BITS != 0 ? STAGED / 32 : 1];
   unsigned int* bar = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(barrier));
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * WARPS;
@@ -242,7 +325,8 @@ const SOURCE: &str = r#"
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
   if (first < H) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wo) + first * row_bytes<T, Z, BITS>(), ahead(row_bytes<T, Z, BITS>()));
   stage_input<T, Z, false>(z, z, buf, red);
-  product_rows<T, Z, LOADS, BITS, G>(wo, wo_s, wo_b, buf, o0, H, first, warps);
+  chunk_sums<T, Z, BITS>(buf, sums);
+  product_rows<T, Z, LOADS, BITS, G>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
   if (first < N) {
     prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wg) + first * row_bytes<T, H, BITS>(), ahead(2 * row_bytes<T, H, BITS>()) / 2);
     prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wu) + first * row_bytes<T, H, BITS>(), ahead(2 * row_bytes<T, H, BITS>()) / 2);
@@ -257,13 +341,14 @@ const SOURCE: &str = r#"
 
   // 1. a = gelu_tanh(W_gate x') * (W_up x'), x' = rms_norm(x1, pre_norm).
   stage_input<T, H, true>(x1s, pre_norm, buf, red);
+  chunk_sums<T, H, BITS>(buf, sums);
   for (int r = first; r < N; r += warps) {
     const void* ws[2] = {wg, wu};
     const T* ss[2] = {wg_s, wu_s};
     const T* bs[2] = {wg_b, wu_b};
     const int rs[2] = {r, r};
     float d[2];
-    weight_dot<T, H, 2, LOADS, BITS, G>(ws, ss, bs, rs, buf, d);
+    weight_dot<T, H, 2, LOADS, BITS, G>(ws, ss, bs, rs, buf, sums, d);
     if (lane == 0) {
       const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[0]))));
       a[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(static_cast<T>(d[1])));
@@ -275,7 +360,8 @@ const SOURCE: &str = r#"
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
-  product_rows<T, N, LOADS, BITS, G>(wd, wd_s, wd_b, buf, o, H, first, warps);
+  chunk_sums<T, N, BITS>(buf, sums);
+  product_rows<T, N, LOADS, BITS, G>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
   if (P > 0 && first < P) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)pg) + first * row_bytes<T, H, BITS>(), ahead(row_bytes<T, H, BITS>()));
   __threadfence();
   grid_barrier<POLL_LOADS>(bar);
@@ -292,13 +378,14 @@ const SOURCE: &str = r#"
       hs[i] = closed<T, false>(__ldcg(o + i), r1, x1s[i], post_norm[i], s);
     }
     __syncthreads();
+    chunk_sums<T, H, BITS>(hs, sums);
 
     // 4. g = gelu_tanh(W_in h) * v, v this layer's per-layer input.
     const int v0 = ple_offset[0];
     for (int r = first; r < P; r += warps) {
       const void* w = pg;
       float d;
-      weight_dot<T, H, 1, LOADS, BITS, G>(&w, &pg_s, &pg_b, &r, hs, &d);
+      weight_dot<T, H, 1, LOADS, BITS, G>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
       if (lane == 0) {
         const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
         g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
@@ -310,7 +397,8 @@ const SOURCE: &str = r#"
 
     // 5. o2 = W_proj g.
     stage_written<T, P>(g, buf);
-    product_rows<T, P, LOADS, BITS, G>(pp, pp_s, pp_b, buf, o2, H, first, warps);
+    chunk_sums<T, P, BITS>(buf, sums);
+    product_rows<T, P, LOADS, BITS, G>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
     __threadfence();
     grid_barrier<POLL_LOADS>(bar);
 
@@ -482,8 +570,15 @@ pub fn serves(h: usize, z: usize, n: usize, p: usize, dtype: Dtype) -> bool {
         return false;
     };
     let whole = |k: usize| (k * e) % 16 == 0;
-    let kept = h.max(z).max(n).max(p) + h + if p > 0 { h } else { 0 };
-    h > 0 && z > 0 && n > 0 && [h, z, n, p].into_iter().all(whole) && kept * e <= MAX_SHARED_BYTES
+    let staged = h.max(z).max(n).max(p);
+    let kept = staged + h + if p > 0 { h } else { 0 };
+    // The chunk sums of 4-bit weights: a float per 32 staged values.
+    let sums = staged / 32 * 4;
+    h > 0
+        && z > 0
+        && n > 0
+        && [h, z, n, p].into_iter().all(whole)
+        && kept * e + sums <= MAX_SHARED_BYTES
 }
 
 /// The barrier state a call site owns (counters in device memory: the arrival count, and the
