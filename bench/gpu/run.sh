@@ -29,12 +29,16 @@
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
 #              fused kernels and without
 #   profile-q4 the same for E4B with 4-bit weights
+#   stalls     the post-attention kernel (bf16, and 4-bit with affine4) in Nsight Compute's
+#              occupancy, scheduler and warp-state sections: why it runs at the speed it does
 #   timeline   a pipelined E4B decode step as the device runs it (Nsight Systems): each kernel
 #              kind's real time a step, and how long the device sits idle between kernels
 #   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
 #              memcheck of our kernels with the post-attention path
 #   quick      E4B bf16 decode with each set of fused kernels and each variant of the
 #              default, alternated in one process (~2 minutes)
+#   quick-q4   the same for the 4-bit E4B: MLX's quantized products vs the 4-bit post-attention
+#              kernel's ways of running
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
@@ -208,6 +212,28 @@ if want profile-q4; then
     row "device time of one E4B 4-bit decode step (Nsight Compute) | printed above, kept in profile.md"
 fi
 
+if want stalls; then
+    # Why the post-attention kernel runs as fast as it does: Nsight Compute's occupancy,
+    # scheduler and warp-state sections for one call of it, over dense bf16 and over 4-bit
+    # weights (affine4): registers, issue-slot use, and where warps wait.
+    NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+    for spec in "bf16 attention,products,post-attention" "4-bit attention,products,post-attention,affine4"; do
+        read -r kind fused <<<"$spec"
+        quant=(); [[ "$kind" == 4-bit ]] && quant=(--random-bits 4)
+        tag="stalls-$kind"
+        echo "## post-attention kernel, E4B $kind: Nsight Compute sections"
+        MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --profile-from-start off --clock-control none \
+            -k regex:post_attention -s 10 -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+            --section SchedulerStats --section WarpStateStats --print-details all \
+            "$BIN" generate --device gpu --random-weights "${quant[@]}" --model "$ROOT/configs/gemma-4-e4b.json" \
+            --dtype bf16 --prompt-ids "$(seq -s, 2 513)" --max-tokens 3 --ignore-eos --json --fused-kernels "$fused" \
+            >"$RES/$tag.txt" 2>"$RES/$tag.err"
+        grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issue Slots Busy|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Stall|stall|Memory Throughput|Compute \(SM\)" \
+            "$RES/$tag.txt" | sed 's/^ *//' | cut -c1-220 | head -n 60 || tail -n 5 "$RES/$tag.err"
+    done
+    row "post-attention kernel stalls (Nsight Compute) | printed above, kept in stalls-*.txt"
+fi
+
 if want timeline; then
     # Nsight Systems traces a normal pipelined decode (MLX's CUDA graphs traced node by node),
     # from the end of the prefill (MLX_SPEC_PROFILE_DECODE) to the end of the run.
@@ -261,6 +287,13 @@ if want quick; then
     # on a cold kernel cache.
     # -v: each set's rate is logged as it comes (bench.err), kept should a set end the process.
     BENCH_TIMEOUT=480 bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused
+fi
+
+if want quick-q4; then
+    # The 4-bit E4B: MLX's quantized products against the post-attention kernel over 4-bit
+    # rows in each of its ways, alternated in one process.
+    BENCH_TIMEOUT=400 bench "mlx-spec E4B 4-bit g64 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+        --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused
 fi
 
 if want host; then

@@ -1140,7 +1140,7 @@ fn compare_fused(
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
     use mlx_spec::kernels::decode_attention::ONE_ROUND_SHARE_SLOTS;
-    use mlx_spec::kernels::{set_allowed, Fused, Tuning};
+    use mlx_spec::kernels::{post_attention, set_allowed, Fused, Tuning};
     let fused = |attention, products| Fused {
         attention,
         products,
@@ -1150,18 +1150,20 @@ fn compare_fused(
         post_attention: true,
         ..fused(true, true)
     };
-    /// One configuration: which kernels run, and how. (Rows per warp of the feed-forward
-    /// products: `--feed-forward-speed`.)
+    /// One configuration: which kernels run, and how; `affine4`: whether the post-attention
+    /// kernel takes 4-bit weights.
     struct Set {
         name: String,
         kernels: Fused,
         tuning: Tuning,
+        affine4: bool,
     }
     let default = Tuning::current();
     let set = |name: &str, kernels| Set {
         name: name.to_string(),
         kernels,
         tuning: default,
+        affine4: false,
     };
     // A variant of the default set, named by what it changes.
     let on_off = |on: bool| if on { "on" } else { "off" };
@@ -1169,62 +1171,89 @@ fn compare_fused(
         name: format!("attention,products,post-attention, {change}"),
         kernels: all_three,
         tuning,
+        affine4: false,
     };
-    let sets = [
-        set("none", fused(false, false)),
-        set("attention", fused(true, false)),
-        set("products", fused(false, true)),
-        set("attention,products", fused(true, true)),
-        set("attention,products,post-attention", all_three),
-        variant(
-            format!("{ONE_ROUND_SHARE_SLOTS}-slot attention shares"),
-            Tuning {
-                attention_share: ONE_ROUND_SHARE_SLOTS,
-                ..default
-            },
-        ),
-        variant(
-            "64-slot attention shares".into(),
-            Tuning {
-                attention_share: 64,
-                ..default
-            },
-        ),
-        variant(
-            format!("barriers polling loads {}", on_off(!default.poll_loads)),
-            Tuning {
-                poll_loads: !default.poll_loads,
-                ..default
-            },
-        ),
-        variant(
-            format!("prefetching {}", on_off(!default.prefetch)),
-            Tuning {
-                prefetch: !default.prefetch,
-                ..default
-            },
-        ),
-        variant(
-            format!(
-                "polling loads {} and prefetching {}",
-                on_off(!default.poll_loads),
-                on_off(!default.prefetch)
+    let row_pairs = Tuning {
+        row_pairs: !default.row_pairs,
+        ..default
+    };
+    let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
+    let sets: Vec<Set> = if four_bit {
+        // A 4-bit model: MLX's quantized products against the post-attention kernel over
+        // 4-bit rows, in each way of running it.
+        let affine = |change: &str, tuning| Set {
+            name: format!("attention,products,post-attention,affine4{change}"),
+            kernels: all_three,
+            tuning,
+            affine4: true,
+        };
+        let in_place = Tuning {
+            affine4_in_place: !default.affine4_in_place,
+            ..default
+        };
+        vec![
+            set("none", fused(false, false)),
+            set("attention,products", fused(true, true)),
+            affine("", default),
+            affine(
+                &format!(", unpacking in place {}", on_off(in_place.affine4_in_place)),
+                in_place,
             ),
-            Tuning {
-                poll_loads: !default.poll_loads,
-                prefetch: !default.prefetch,
-                ..default
-            },
-        ),
-        // Last: should its registers leave one block a multiprocessor, its barrier traps.
-        variant(
-            format!("16 loads in flight {}", on_off(!default.deep_loads)),
-            Tuning {
-                deep_loads: !default.deep_loads,
-                ..default
-            },
-        ),
-    ];
+            affine(
+                &format!(", row pairs {}", on_off(row_pairs.row_pairs)),
+                row_pairs,
+            ),
+            affine(
+                &format!(
+                    ", unpacking in place {} and row pairs {}",
+                    on_off(in_place.affine4_in_place),
+                    on_off(row_pairs.row_pairs)
+                ),
+                Tuning {
+                    row_pairs: row_pairs.row_pairs,
+                    ..in_place
+                },
+            ),
+        ]
+    } else {
+        vec![
+            set("none", fused(false, false)),
+            set("attention", fused(true, false)),
+            set("products", fused(false, true)),
+            set("attention,products", fused(true, true)),
+            set("attention,products,post-attention", all_three),
+            variant(
+                format!("{ONE_ROUND_SHARE_SLOTS}-slot attention shares"),
+                Tuning {
+                    attention_share: ONE_ROUND_SHARE_SLOTS,
+                    ..default
+                },
+            ),
+            variant(
+                format!("barriers polling loads {}", on_off(!default.poll_loads)),
+                Tuning {
+                    poll_loads: !default.poll_loads,
+                    ..default
+                },
+            ),
+            variant(
+                format!("prefetching {}", on_off(!default.prefetch)),
+                Tuning {
+                    prefetch: !default.prefetch,
+                    ..default
+                },
+            ),
+            variant(format!("row pairs {}", on_off(row_pairs.row_pairs)), row_pairs),
+            // Last: should its registers leave one block a multiprocessor, its barrier traps.
+            variant(
+                format!("16 loads in flight {}", on_off(!default.deep_loads)),
+                Tuning {
+                    deep_loads: !default.deep_loads,
+                    ..default
+                },
+            ),
+        ]
+    };
     let mut rates = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
@@ -1232,6 +1261,7 @@ fn compare_fused(
         for round in 0..=repeats {
             for (i, s) in sets.iter().enumerate() {
                 set_allowed(s.kernels);
+                post_attention::set_affine4(s.affine4);
                 s.tuning.apply();
                 let mut cache = model.new_cache();
                 let logits = prefill(model, &mut cache, prompt)?;
@@ -1250,7 +1280,7 @@ fn compare_fused(
         Ok(())
     };
     let result = run_all();
-    set_allowed(args.model.fused());
+    args.model.allow_fused_kernels();
     default.apply();
     result?;
     // The one post-attention kernel regroups the same arithmetic, however its barriers poll:
@@ -1258,6 +1288,10 @@ fn compare_fused(
     // no post-attention kernel, the same attention shares). Other share sizes merge softmax
     // shares in another order, which may move a rounding.
     for (i, s) in sets.iter().enumerate() {
+        // The 4-bit kernel sums otherwise than MLX's quantized products: no twin.
+        if s.affine4 {
+            continue;
+        }
         let plain = Fused {
             post_attention: false,
             ..s.kernels

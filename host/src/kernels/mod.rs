@@ -134,6 +134,10 @@ pub struct Tuning {
     pub prefetch: bool,
     /// [`post_attention::set_deep_loads`].
     pub deep_loads: bool,
+    /// [`post_attention::set_row_pairs`].
+    pub row_pairs: bool,
+    /// [`post_attention::set_affine4_in_place`] (4-bit weights only; moves roundings).
+    pub affine4_in_place: bool,
 }
 
 impl Tuning {
@@ -144,6 +148,8 @@ impl Tuning {
             poll_loads: post_attention::poll_loads(),
             prefetch: prefetch(),
             deep_loads: post_attention::deep_loads(),
+            row_pairs: post_attention::row_pairs(),
+            affine4_in_place: post_attention::affine4_in_place(),
         }
     }
 
@@ -153,6 +159,8 @@ impl Tuning {
         post_attention::set_poll_loads(self.poll_loads);
         set_prefetch(self.prefetch);
         post_attention::set_deep_loads(self.deep_loads);
+        post_attention::set_row_pairs(self.row_pairs);
+        post_attention::set_affine4_in_place(self.affine4_in_place);
     }
 }
 

@@ -171,6 +171,24 @@ __device__ inline float nibbles_dot(unsigned int word, const float (&x)[8], floa
   return acc;
 }
 
+// The same sum with one operation less a value (IN_PLACE): value k or k + 4 is masked where
+// it lies (16^k q, k < 4) and or-ed into the bits of 2^23, so no shift is needed; acc[k]
+// then sums 16^k q x, which rows_dot_affine4 scales back by 16^-k. Products and sums scaled
+// by a power of two round as unscaled ones do, but the four partial sums are added last, so
+// the order of the sum differs from nibbles_dot's.
+__device__ inline void nibbles_dot_in_place(unsigned int word, const float (&x)[8],
+                                            float (&acc)[4]) {
+  const unsigned int high = word >> 16;
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    const unsigned int mask = 0xFu << (4 * k);
+    const float low_q = __uint_as_float((word & mask) | 0x4B000000u) - 8388608.f;
+    const float high_q = __uint_as_float((high & mask) | 0x4B000000u) - 8388608.f;
+    acc[k] = fmaf(low_q, x[k], acc[k]);
+    acc[k] = fmaf(high_q, x[k + 4], acc[k]);
+  }
+}
+
 // sums[c] = the sum of the staged input's values 32 c ... 32 c + 31, the bias term of every
 // 4-bit row's chunk c: once a stage rather than once a row. A thread a chunk, its pieces read
 // in the turned order of piece_at. Nothing for dense weights (BITS 0).
@@ -196,7 +214,7 @@ __device__ inline void chunk_sums(const T* xs, float* sums) {
 // takes 16 bytes of a row at a time (32 values, within one group as G is a multiple of 32),
 // about eight such loads in flight across its rows and chunks: per chunk,
 // scale (q . x) + bias (sum of x), in float32, with the sum of x from chunk_sums.
-template <typename T, int K, int R, int G>
+template <typename T, int K, int R, int G, bool IN_PLACE>
 __device__ inline void rows_dot_affine4(const void* const* rows, const T* const* scales,
                                         const T* const* biases, const T* xs, const float* sums,
                                         float* out) {
@@ -233,15 +251,34 @@ __device__ inline void rows_dot_affine4(const void* const* rows, const T* const*
       const int c = lane + 32 * (base + b);
       if (c < CHUNKS) {
         float qx[R];
+        float part[IN_PLACE ? R : 1][4];
 #pragma unroll
         for (int r = 0; r < R; r++) qx[r] = 0.f;
+#pragma unroll
+        for (int r = 0; r < (IN_PLACE ? R : 1); r++) {
+#pragma unroll
+          for (int k = 0; k < 4; k++) part[r][k] = 0.f;
+        }
 #pragma unroll
         for (int j = 0; j < 4; j++) {
           const int p = piece_at(j, lane);
           float x[8];
           load_piece<T>(xs, c, p, x);
 #pragma unroll
-          for (int r = 0; r < R; r++) qx[r] = nibbles_dot(word_at(wc[b][r], p), x, qx[r]);
+          for (int r = 0; r < R; r++) {
+            if constexpr (IN_PLACE) {
+              nibbles_dot_in_place(word_at(wc[b][r], p), x, part[r]);
+            } else {
+              qx[r] = nibbles_dot(word_at(wc[b][r], p), x, qx[r]);
+            }
+          }
+        }
+        if constexpr (IN_PLACE) {
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            qx[r] = part[r][0] + part[r][1] * 0.0625f + part[r][2] * 0.00390625f +
+                    part[r][3] * 0.000244140625f;
+          }
         }
         const float xsum = sums[c];
 #pragma unroll
@@ -256,7 +293,7 @@ __device__ inline void rows_dot_affine4(const void* const* rows, const T* const*
 // Dots of rows r0, r1, ... (R of them) of weights w[0..R) with the staged input: dense rows go
 // through the products' rows_dot, 4-bit ones through rows_dot_affine4. s and b: each weight's
 // scales and biases, [rows, K / G], and sums the input's chunk sums (unused for dense weights).
-template <typename T, int K, int R, int LOADS, int BITS, int G>
+template <typename T, int K, int R, int LOADS, int BITS, int G, bool IN_PLACE>
 __device__ inline void weight_dot(const void* const* w, const T* const* s, const T* const* b,
                                   const int* r, const T* xs, const float* sums, float* out) {
   if constexpr (BITS == 0) {
@@ -275,19 +312,39 @@ __device__ inline void weight_dot(const void* const* w, const T* const* s, const
       sr[i] = s[i] + (size_t)r[i] * GROUPS;
       br[i] = b[i] + (size_t)r[i] * GROUPS;
     }
-    rows_dot_affine4<T, K, R, G>(rows, sr, br, xs, sums, out);
+    rows_dot_affine4<T, K, R, G, IN_PLACE>(rows, sr, br, xs, sums, out);
   }
 }
 
 // o[r] = W[r] . xs, rounded to T as MLX's product rounds it and kept in float32, for the
-// rows r this warp takes (every `warps`-th from `first`); W is [rows, K].
-template <typename T, int K, int LOADS, int BITS, int G>
+// rows r this warp takes (every `warps`-th from `first`); W is [rows, K]. With PAIRS a warp
+// takes two of its rows at a time (twice the loads in flight, and the input read once for
+// both); each row's sum is the same.
+template <typename T, int K, int LOADS, int BITS, int G, bool IN_PLACE, bool PAIRS>
 __device__ inline void product_rows(const void* w, const T* s, const T* b, const T* xs,
                                     const float* sums, float* o, int rows, int first, int warps) {
-  for (int r = first; r < rows; r += warps) {
-    float d;
-    weight_dot<T, K, 1, LOADS, BITS, G>(&w, &s, &b, &r, xs, sums, &d);
-    if ((threadIdx.x & 31) == 0) o[r] = static_cast<float>(static_cast<T>(d));
+  const bool lane0 = (threadIdx.x & 31) == 0;
+  if constexpr (PAIRS) {
+    for (int r = first; r < rows; r += 2 * warps) {
+      // A last row without a partner is paired with itself and written once.
+      const int r2 = r + warps < rows ? r + warps : r;
+      const void* ws[2] = {w, w};
+      const T* ss[2] = {s, s};
+      const T* bs[2] = {b, b};
+      const int rs[2] = {r, r2};
+      float d[2];
+      weight_dot<T, K, 2, LOADS, BITS, G, IN_PLACE>(ws, ss, bs, rs, xs, sums, d);
+      if (lane0) {
+        o[r] = static_cast<float>(static_cast<T>(d[0]));
+        if (r2 != r) o[r2] = static_cast<float>(static_cast<T>(d[1]));
+      }
+    }
+  } else {
+    for (int r = first; r < rows; r += warps) {
+      float d;
+      weight_dot<T, K, 1, LOADS, BITS, G, IN_PLACE>(&w, &s, &b, &r, xs, sums, &d);
+      if (lane0) o[r] = static_cast<float>(static_cast<T>(d));
+    }
   }
 }
 
@@ -326,7 +383,7 @@ const SOURCE: &str = r#"
   if (first < H) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wo) + first * row_bytes<T, Z, BITS>(), ahead(row_bytes<T, Z, BITS>()));
   stage_input<T, Z, false>(z, z, buf, red);
   chunk_sums<T, Z, BITS>(buf, sums);
-  product_rows<T, Z, LOADS, BITS, G>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
+  product_rows<T, Z, LOADS, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
   if (first < N) {
     prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wg) + first * row_bytes<T, H, BITS>(), ahead(2 * row_bytes<T, H, BITS>()) / 2);
     prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wu) + first * row_bytes<T, H, BITS>(), ahead(2 * row_bytes<T, H, BITS>()) / 2);
@@ -348,7 +405,7 @@ const SOURCE: &str = r#"
     const T* bs[2] = {wg_b, wu_b};
     const int rs[2] = {r, r};
     float d[2];
-    weight_dot<T, H, 2, LOADS, BITS, G>(ws, ss, bs, rs, buf, sums, d);
+    weight_dot<T, H, 2, LOADS, BITS, G, IN_PLACE>(ws, ss, bs, rs, buf, sums, d);
     if (lane == 0) {
       const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[0]))));
       a[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(static_cast<T>(d[1])));
@@ -361,7 +418,7 @@ const SOURCE: &str = r#"
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
   chunk_sums<T, N, BITS>(buf, sums);
-  product_rows<T, N, LOADS, BITS, G>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
+  product_rows<T, N, LOADS, BITS, G, IN_PLACE, PAIRS>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
   if (P > 0 && first < P) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)pg) + first * row_bytes<T, H, BITS>(), ahead(row_bytes<T, H, BITS>()));
   __threadfence();
   grid_barrier<POLL_LOADS>(bar);
@@ -385,7 +442,7 @@ const SOURCE: &str = r#"
     for (int r = first; r < P; r += warps) {
       const void* w = pg;
       float d;
-      weight_dot<T, H, 1, LOADS, BITS, G>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
+      weight_dot<T, H, 1, LOADS, BITS, G, IN_PLACE>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
       if (lane == 0) {
         const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
         g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
@@ -398,7 +455,7 @@ const SOURCE: &str = r#"
     // 5. o2 = W_proj g.
     stage_written<T, P>(g, buf);
     chunk_sums<T, P, BITS>(buf, sums);
-    product_rows<T, P, LOADS, BITS, G>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
+    product_rows<T, P, LOADS, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
     __threadfence();
     grid_barrier<POLL_LOADS>(bar);
 
@@ -617,6 +674,35 @@ pub fn affine4() -> bool {
     AFFINE4.load(Ordering::Relaxed)
 }
 
+static IN_PLACE: AtomicBool = AtomicBool::new(false);
+
+/// Makes the 4-bit path unpack each value where it lies in its word, scaled by a power of 16
+/// (one operation a value less than shifting it down first), for the rest of the process;
+/// `bench --compare-fused` on a 4-bit model measures both. Its four partial sums a chunk
+/// are added last, so the sums round in another order.
+pub fn set_affine4_in_place(on: bool) {
+    IN_PLACE.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_affine4_in_place`] setting.
+pub fn affine4_in_place() -> bool {
+    IN_PLACE.load(Ordering::Relaxed)
+}
+
+static ROW_PAIRS: AtomicBool = AtomicBool::new(false);
+
+/// Makes each warp take two rows at a time in the stages of one product (the attention's
+/// output, down, the per-layer projection): twice the loads in flight, the input read once
+/// for both. Each row's sum is unchanged; `bench --compare-fused` measures both.
+pub fn set_row_pairs(on: bool) {
+    ROW_PAIRS.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_row_pairs`] setting.
+pub fn row_pairs() -> bool {
+    ROW_PAIRS.load(Ordering::Relaxed)
+}
+
 static DEEP_LOADS: AtomicBool = AtomicBool::new(false);
 
 /// Makes each lane keep 16 loads of weights in flight instead of 8, in half precision (true),
@@ -786,6 +872,8 @@ pub fn post_attention(
                 (c"LOADS", TemplateArg::Int(loads_in_flight(dtype))),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
+                (c"IN_PLACE", TemplateArg::Bool(affine4_in_place())),
+                (c"PAIRS", TemplateArg::Bool(row_pairs())),
             ],
         )?;
         Ok(out.remove(0))
