@@ -1203,17 +1203,6 @@ fn compare_fused(
                 &format!(", row pairs {}", on_off(row_pairs.row_pairs)),
                 row_pairs,
             ),
-            affine(
-                &format!(
-                    ", unpacking in place {} and row pairs {}",
-                    on_off(in_place.affine4_in_place),
-                    on_off(row_pairs.row_pairs)
-                ),
-                Tuning {
-                    row_pairs: row_pairs.row_pairs,
-                    ..in_place
-                },
-            ),
         ]
     } else {
         vec![
@@ -1243,13 +1232,35 @@ fn compare_fused(
                     ..default
                 },
             ),
-            variant(format!("row pairs {}", on_off(row_pairs.row_pairs)), row_pairs),
+            variant(
+                format!("row pairs {}", on_off(row_pairs.row_pairs)),
+                row_pairs,
+            ),
             // Last: should its registers leave one block a multiprocessor, its barrier traps.
             variant(
                 format!("16 loads in flight {}", on_off(!default.deep_loads)),
                 Tuning {
                     deep_loads: !default.deep_loads,
                     ..default
+                },
+            ),
+            // Three blocks a multiprocessor, alone and with row pairs: last too, as they
+            // trap if the kernel's registers leave room for two.
+            variant(
+                "3 blocks a multiprocessor".into(),
+                Tuning {
+                    post_attention_blocks: 3,
+                    ..default
+                },
+            ),
+            variant(
+                format!(
+                    "3 blocks a multiprocessor, row pairs {}",
+                    on_off(row_pairs.row_pairs)
+                ),
+                Tuning {
+                    post_attention_blocks: 3,
+                    ..row_pairs
                 },
             ),
         ]

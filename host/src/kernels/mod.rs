@@ -138,6 +138,8 @@ pub struct Tuning {
     pub row_pairs: bool,
     /// [`post_attention::set_affine4_in_place`] (4-bit weights only; moves roundings).
     pub affine4_in_place: bool,
+    /// [`post_attention::set_blocks_per_multiprocessor`].
+    pub post_attention_blocks: i32,
 }
 
 impl Tuning {
@@ -150,6 +152,7 @@ impl Tuning {
             deep_loads: post_attention::deep_loads(),
             row_pairs: post_attention::row_pairs(),
             affine4_in_place: post_attention::affine4_in_place(),
+            post_attention_blocks: post_attention::blocks_per_multiprocessor(),
         }
     }
 
@@ -161,6 +164,7 @@ impl Tuning {
         post_attention::set_deep_loads(self.deep_loads);
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
+        post_attention::set_blocks_per_multiprocessor(self.post_attention_blocks);
     }
 }
 

@@ -34,7 +34,7 @@
 //! ([`super::set_prefetch`]), and 16 weight loads in flight per lane ([`set_deep_loads`]).
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
@@ -468,11 +468,28 @@ const SOURCE: &str = r#"
   }
 "#;
 
-/// Blocks per streaming multiprocessor. The kernel's shared memory (at most
+/// Blocks per streaming multiprocessor, by default. The kernel's shared memory (at most
 /// [`MAX_SHARED_BYTES`]) and registers (NVRTC for sm_90a: under 90 a thread for E4B's and
 /// 12B's shapes; 128 would still fit two blocks of 256 threads) let at least this many be
 /// resident.
 const BLOCKS_PER_MULTIPROCESSOR: i32 = 2;
+
+static BLOCKS: AtomicI32 = AtomicI32::new(BLOCKS_PER_MULTIPROCESSOR);
+
+/// Makes the grid `blocks` per multiprocessor (2 by default) for the rest of the process:
+/// more resident warps keep more loads in flight (Nsight Compute finds the dense kernel
+/// waiting on memory with 16 warps a multiprocessor). Three blocks need at most 80 registers
+/// a thread (the dense kernel takes 72 under MLX on the H200, the 4-bit one 104): with more,
+/// some blocks would not be resident and the first barrier would trap. Only
+/// `bench --compare-fused` sets it, for the dense kernel.
+pub fn set_blocks_per_multiprocessor(blocks: i32) {
+    BLOCKS.store(blocks.clamp(1, 3), Ordering::Relaxed);
+}
+
+/// The current [`set_blocks_per_multiprocessor`] setting.
+pub fn blocks_per_multiprocessor() -> i32 {
+    BLOCKS.load(Ordering::Relaxed)
+}
 
 /// The staged vectors must fit a block's static shared memory (48 KB), twice per
 /// multiprocessor with room to spare.
@@ -732,7 +749,7 @@ fn loads_in_flight(dtype: Dtype) -> i32 {
 
 /// Blocks of the grid, or `None` where the device's multiprocessors are unknown.
 pub fn grid_blocks() -> Option<i32> {
-    crate::device::cuda_multiprocessor_count().map(|sms| sms * BLOCKS_PER_MULTIPROCESSOR)
+    crate::device::cuda_multiprocessor_count().map(|sms| sms * blocks_per_multiprocessor())
 }
 
 /// The layer's output for the token `x` (`[1, H]`, the layer's input) and its attention
