@@ -283,7 +283,7 @@ if want sanitize; then
 fi
 
 if want quick; then
-    # Eleven sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
+    # Twelve sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
     # on a cold kernel cache.
     # -v: each set's rate is logged as it comes (bench.err), kept should a set end the process.
     BENCH_TIMEOUT=480 bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused

@@ -14,8 +14,10 @@
 //! * [`decode_attention`]: one query token over a layer's whole K/V buffers and its visible
 //!   slots (scores, mask, softmax, weighted sum, the merge of the blocks' shares);
 //! * [`post_attention`]: everything of a layer after its attention heads (the output product,
-//!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers
-//!   (`post-attention`; on by default: measured faster than the three products it replaces).
+//!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers, over
+//!   dense weights (`post-attention`: opt-in, as the three products it replaces were faster
+//!   in the latest measurements) or 4-bit ones (`affine4`, on by default: faster than MLX's
+//!   quantized products and the operations around them).
 //!
 //! An E4B decode step is 326 operations with all of them. Their source text reaches MLX as
 //! `#include` lines of files ([`source_files`]), because MLX handles a custom kernel's whole

@@ -28,10 +28,24 @@
 //! Each block computes the norm of a whole product itself (a few kilobytes from L2) and keeps
 //! the hidden states it needs in shared memory, which saves a barrier per norm.
 //!
-//! Three ways of running it that change no value are measured against the default before
-//! any becomes it ([`super::Tuning`]): barriers polling with acquire loads
-//! ([`set_poll_loads`]), the next stage's weights prefetched into L2 while the grid waits
-//! ([`super::set_prefetch`]), and 16 weight loads in flight per lane ([`set_deep_loads`]).
+//! Over 4-bit affine weights (`affine4`, MLX's layout: eight values a 32-bit word, a scale and
+//! a bias per group) each lane reads 16 bytes (32 values) of a row at a time and sums
+//! `scale (q . x) + bias (sum of x)` in float32. The values are unpacked without
+//! integer-to-float conversions, the input is read from shared memory in turned 16-byte
+//! pieces (no bank conflicts), and each stage's chunk sums of the input are computed once.
+//!
+//! Where it pays, measured on the H200 (BENCHMARKS.md): over 4-bit weights it replaces MLX's
+//! quantized products and the operations around them, and is the default (`affine4`); over
+//! dense weights the three fused products of [`super::products`] were faster in the latest
+//! measurements, so there it is opt-in (`post-attention`).
+//!
+//! Ways of running it that change no value are measured against the default before any
+//! becomes it ([`super::Tuning`]): barriers polling with acquire loads ([`set_poll_loads`]),
+//! the next stage's weights prefetched into L2 while the grid waits
+//! ([`super::set_prefetch`]), 16 weight loads in flight per lane ([`set_deep_loads`]), two
+//! rows a warp in the single-product stages ([`set_row_pairs`]), three blocks a
+//! multiprocessor ([`set_blocks_per_multiprocessor`]); and, for 4-bit weights, values
+//! unpacked where they lie in the word ([`set_affine4_in_place`]).
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -678,10 +692,11 @@ pub fn poll_loads() -> bool {
 
 static AFFINE4: AtomicBool = AtomicBool::new(false);
 
-/// Lets the kernel take 4-bit affine weights (`--fused-kernels ...,affine4`; off by default
-/// until a GPU run checks it): it sums `scale (q . x) + bias (sum of x)` in float32 per 32
-/// values, where MLX's CUDA product accumulates in the activation dtype, so its tokens may
-/// differ from MLX's operations' while it computes the function more closely.
+/// Lets the kernel take 4-bit affine weights (`--fused-kernels ...,affine4`, on by default),
+/// whether or not it takes dense ones: it sums `scale (q . x) + bias (sum of x)` in float32
+/// per 32 values, where MLX's CUDA product accumulates in the activation dtype, so its tokens
+/// may differ from MLX's operations' while it computes the function more closely (checked
+/// against transformers on the 4-bit fixture).
 pub fn set_affine4(on: bool) {
     AFFINE4.store(on, Ordering::Relaxed);
 }

@@ -180,9 +180,10 @@ impl DecoderLayer {
     }
 
     /// The layer's output from its input `x` and its attention heads' output `z` through
-    /// [`post_attention`] (everything after the heads as one kernel), when
-    /// `fused.post_attention` asks for it and the kernel serves this layer: one token, dense
-    /// weights, no MoE branch, shapes that fit, a known CUDA device. `None` otherwise.
+    /// [`post_attention`] (everything after the heads as one kernel), when the kernel is
+    /// allowed for this layer's weights (dense: `fused.post_attention`; 4-bit in one group
+    /// size: [`post_attention::affine4`]) and serves it: one token, no MoE branch, shapes
+    /// that fit, a known CUDA device. `None` otherwise.
     fn one_kernel_after_attention(
         &self,
         x: &Array,
@@ -190,8 +191,9 @@ impl DecoderLayer {
         per_layer: Option<(&Array, usize)>,
         fused: Fused,
     ) -> Result<Option<Array>> {
-        // The flag first: this runs for every layer of every forward.
-        if !fused.post_attention || self.moe.is_some() {
+        // The flags first: this runs for every layer of every forward.
+        let four_bit_allowed = post_attention::affine4();
+        if !(fused.post_attention || four_bit_allowed) || self.moe.is_some() {
             return Ok(None);
         }
         let one_token = x.ndim() == 2 && x.shape()[0] == 1 && z.ndim() == 2 && z.shape()[0] == 1;
@@ -230,7 +232,15 @@ impl DecoderLayer {
         let all_dense = all().all(|(w, _)| w.is_dense());
         let group = output.group(zw);
         let one_group = group > 0 && all().all(|(w, k)| w.group(*k) == group);
-        if !(all_dense || (post_attention::affine4() && one_group)) {
+        // Dense layers with `post-attention`, 4-bit ones with `affine4`: measured on the H200,
+        // the one kernel loses to the three products over dense weights and wins over 4-bit
+        // ones, where it replaces MLX's quantized products (BENCHMARKS.md).
+        let allowed = if all_dense {
+            fused.post_attention
+        } else {
+            four_bit_allowed && one_group
+        };
+        if !allowed {
             return Ok(None);
         }
         let (h, zw, n, p) = (h as usize, zw as usize, n as usize, p as usize);
