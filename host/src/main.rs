@@ -171,15 +171,13 @@ impl ModelArgs {
             attention: self.fused_kernels.contains(&FusedKernelArg::Attention),
             products: self.fused_kernels.contains(&FusedKernelArg::Products),
             post_attention: self.fused_kernels.contains(&FusedKernelArg::PostAttention),
+            affine4: self.fused_kernels.contains(&FusedKernelArg::Affine4),
         }
     }
 
     /// Puts `--fused-kernels` in force for the rest of the process.
     fn allow_fused_kernels(&self) {
         mlx_spec::kernels::set_allowed(self.fused());
-        mlx_spec::kernels::post_attention::set_affine4(
-            self.fused_kernels.contains(&FusedKernelArg::Affine4),
-        );
     }
 }
 
@@ -1140,30 +1138,28 @@ fn compare_fused(
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
     use mlx_spec::kernels::decode_attention::ONE_ROUND_SHARE_SLOTS;
-    use mlx_spec::kernels::{post_attention, set_allowed, Fused, Tuning};
+    use mlx_spec::kernels::{set_allowed, Fused, Tuning};
     let fused = |attention, products| Fused {
         attention,
         products,
         post_attention: false,
+        affine4: false,
     };
     let all_three = Fused {
         post_attention: true,
         ..fused(true, true)
     };
-    /// One configuration: which kernels run, and how; `affine4`: whether the post-attention
-    /// kernel takes 4-bit weights.
+    /// One configuration: which kernels run, and how.
     struct Set {
         name: String,
         kernels: Fused,
         tuning: Tuning,
-        affine4: bool,
     }
     let default = Tuning::current();
     let set = |name: &str, kernels| Set {
         name: name.to_string(),
         kernels,
         tuning: default,
-        affine4: false,
     };
     // A variant of the default set, named by what it changes.
     let on_off = |on: bool| if on { "on" } else { "off" };
@@ -1171,7 +1167,6 @@ fn compare_fused(
         name: format!("attention,products,post-attention, {change}"),
         kernels: all_three,
         tuning,
-        affine4: false,
     };
     let row_pairs = Tuning {
         row_pairs: !default.row_pairs,
@@ -1183,9 +1178,11 @@ fn compare_fused(
         // 4-bit rows, in each way of running it.
         let affine = |change: &str, tuning| Set {
             name: format!("attention,products,affine4{change}"),
-            kernels: fused(true, true),
+            kernels: Fused {
+                affine4: true,
+                ..fused(true, true)
+            },
             tuning,
-            affine4: true,
         };
         let in_place = Tuning {
             affine4_in_place: !default.affine4_in_place,
@@ -1272,7 +1269,6 @@ fn compare_fused(
         for round in 0..=repeats {
             for (i, s) in sets.iter().enumerate() {
                 set_allowed(s.kernels);
-                post_attention::set_affine4(s.affine4);
                 s.tuning.apply();
                 let mut cache = model.new_cache();
                 let logits = prefill(model, &mut cache, prompt)?;
@@ -1300,7 +1296,7 @@ fn compare_fused(
     // shares in another order, which may move a rounding.
     for (i, s) in sets.iter().enumerate() {
         // The 4-bit kernel sums otherwise than MLX's quantized products: no twin.
-        if s.affine4 {
+        if s.kernels.affine4 {
             continue;
         }
         let plain = Fused {

@@ -75,6 +75,9 @@ pub struct Fused {
     /// [`post_attention`] for single-token steps over dense weights, in place of the
     /// products after the attention heads.
     pub post_attention: bool,
+    /// [`post_attention`] for single-token steps over 4-bit affine weights, in place of
+    /// MLX's quantized products after the attention heads.
+    pub affine4: bool,
 }
 
 impl Fused {
@@ -88,6 +91,7 @@ impl Fused {
             attention: ATTENTION_ALLOWED.load(Ordering::Relaxed),
             products: PRODUCTS_ALLOWED.load(Ordering::Relaxed),
             post_attention: POST_ATTENTION_ALLOWED.load(Ordering::Relaxed),
+            affine4: post_attention::affine4(),
         }
     }
 }
@@ -175,6 +179,7 @@ pub fn set_allowed(allowed: Fused) {
     ATTENTION_ALLOWED.store(allowed.attention, Ordering::Relaxed);
     PRODUCTS_ALLOWED.store(allowed.products, Ordering::Relaxed);
     POST_ATTENTION_ALLOWED.store(allowed.post_attention, Ordering::Relaxed);
+    post_attention::set_affine4(allowed.affine4);
 }
 
 /// A compile-time constant of a kernel's source.
@@ -452,6 +457,24 @@ __device__ inline float block_max(float v, float* red) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn off_a_cuda_gpu_no_fused_kernel_runs_whatever_is_allowed() {
+        // The 4-bit post-attention kernel too: a layer must not launch a CUDA kernel on the
+        // CPU of a CUDA build (`--device cpu`). Tests run on the CPU device.
+        let all = Fused {
+            attention: true,
+            products: true,
+            post_attention: true,
+            affine4: true,
+        };
+        set_allowed(all);
+        let next = Fused::for_next_forward();
+        let affine4 = post_attention::affine4();
+        set_allowed(Fused::default());
+        assert!(affine4, "set_allowed did not allow the 4-bit kernel");
+        assert_eq!(next, Fused::default());
+    }
 
     #[test]
     fn one_array_per_distinct_step_values() {

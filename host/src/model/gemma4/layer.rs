@@ -182,7 +182,7 @@ impl DecoderLayer {
     /// The layer's output from its input `x` and its attention heads' output `z` through
     /// [`post_attention`] (everything after the heads as one kernel), when the kernel is
     /// allowed for this layer's weights (dense: `fused.post_attention`; 4-bit in one group
-    /// size: [`post_attention::affine4`]) and serves it: one token, no MoE branch, shapes
+    /// size: `fused.affine4`) and serves it: one token, no MoE branch, shapes
     /// that fit, a known CUDA device. `None` otherwise.
     fn one_kernel_after_attention(
         &self,
@@ -192,8 +192,7 @@ impl DecoderLayer {
         fused: Fused,
     ) -> Result<Option<Array>> {
         // The flags first: this runs for every layer of every forward.
-        let four_bit_allowed = post_attention::affine4();
-        if !(fused.post_attention || four_bit_allowed) || self.moe.is_some() {
+        if !(fused.post_attention || fused.affine4) || self.moe.is_some() {
             return Ok(None);
         }
         let one_token = x.ndim() == 2 && x.shape()[0] == 1 && z.ndim() == 2 && z.shape()[0] == 1;
@@ -238,7 +237,7 @@ impl DecoderLayer {
         let allowed = if all_dense {
             fused.post_attention
         } else {
-            four_bit_allowed && one_group
+            fused.affine4 && one_group
         };
         if !allowed {
             return Ok(None);
