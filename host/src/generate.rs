@@ -83,7 +83,15 @@ impl GenerateStats {
 
 /// The argmax of `[1, vocab]` logits, computed on the device (only the id is copied back).
 pub fn greedy_token(logits: &Array) -> Result<u32> {
-    Ok(argmax_axis(logits, -1, false)?.item_cast::<u32>())
+    read_token(&argmax_axis(logits, -1, false)?)
+}
+
+/// The token id in the one-element array `token`, evaluating it first. A failure of the
+/// device while computing it (a CUDA error, say) is an error here, not a panic.
+pub fn read_token(token: &Array) -> Result<u32> {
+    token
+        .try_item_cast::<u32>()
+        .map_err(|e| anyhow::anyhow!("computing the next token on the device failed: {e}"))
 }
 
 /// Builds the forward of `token` (a `[1]` id still on the device, possibly not yet computed)
@@ -163,7 +171,7 @@ pub fn generate(
                     let following = queue_greedy_step(model, &mut cache, &next)?;
                     pending = Some(following);
                 }
-                next.item_cast::<u32>()
+                read_token(&next)?
             }
             None => pick_token(&logits, &req.sampling, tokens.len() as u64)?,
         };
@@ -203,4 +211,16 @@ pub fn generate(
         stop_token,
     );
     Ok((tokens, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_that_cannot_be_read_is_an_error_not_a_panic() {
+        assert_eq!(read_token(&Array::from_slice(&[7u32], &[1])).unwrap(), 7);
+        let err = read_token(&Array::from_slice(&[1u32, 2], &[2])).unwrap_err();
+        assert!(err.to_string().contains("next token"), "{err}");
+    }
 }

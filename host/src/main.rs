@@ -1114,14 +1114,14 @@ fn decode_pipelined(
         let t1 = Instant::now();
         mlx_rs::transforms::async_eval([&following])?;
         let t2 = Instant::now();
-        tokens.push(next.item_cast::<u32>());
+        tokens.push(mlx_spec::generate::read_token(&next)?);
         let t3 = Instant::now();
         split.build_ms += (t1 - t0).as_secs_f64();
         split.submit_ms += (t2 - t1).as_secs_f64();
         split.wait_ms += (t3 - t2).as_secs_f64();
         next = following;
     }
-    tokens.push(next.item_cast::<u32>());
+    tokens.push(mlx_spec::generate::read_token(&next)?);
     let per_step = 1e3 / n as f64;
     split.build_ms *= per_step;
     split.submit_ms *= per_step;

@@ -570,7 +570,7 @@ fn plain_burst(
         } else {
             None
         };
-        let token = next.item_cast::<u32>();
+        let token = crate::generate::read_token(&next)?;
         if stop_ids.contains(&token) {
             burst.stop_token = Some(token);
             if queued.is_some() {
