@@ -29,6 +29,7 @@
 //! They run only where MLX's default device is a CUDA GPU; the CPU and Metal use the plain
 //! operations. `--fused-kernels` chooses which run, for comparison.
 
+pub mod affine4;
 pub mod attention_heads;
 pub mod attention_inputs;
 pub mod decode_attention;

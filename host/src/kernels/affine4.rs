@@ -1,0 +1,193 @@
+//! Device helpers for 4-bit affine weights in MLX's layout (eight values a 32-bit word,
+//! lowest bits first; a scale and a bias per group of G values, G a multiple of 32), shared by
+//! the kernels that read such rows ([`super::post_attention`], [`super::attention_heads`]).
+//!
+//! A lane reads 16 bytes of a row at a time: 32 values of one group. It sums
+//! `scale (q . x) + bias (sum of x)` over them in float32, where MLX's CUDA product
+//! accumulates in the activation dtype: the kernels compute the checkpoint's function at
+//! least as closely, and are checked against transformers (the 4-bit fixture), not against
+//! MLX's bits. A 16-byte chunk holds four times the values of a bf16 chunk, so the arithmetic
+//! is kept lean:
+//! * the inputs come from shared memory in 16-byte pieces whose order is turned per lane
+//!   pair ([`HEADER`]'s `piece_at`): no bank conflicts (2-byte reads 64 bytes apart had
+//!   sixteen-way conflicts and made the first version run at 0.30 TB/s);
+//! * a value becomes a float by being or-ed into the bits of 2^23 and 2^23 subtracted: no
+//!   integer-to-float conversion, a quarter-rate instruction;
+//! * the sums of the input over each chunk (the bias term) are made once a stage
+//!   (`chunk_sums`), not once a row;
+//! * a lane keeps up to eight 16-byte loads in flight across its rows and chunks.
+//!
+//! The text needs the products' header ([`super::products::HEADER`]: `warp_sum`,
+//! `BLOCK_THREADS`) before it.
+
+/// The device helpers (CUDA source text).
+pub const HEADER: &str = r#"
+// Bytes of one row of a [rows, K] weight: dense T (BITS 0), or BITS-bit affine values packed
+// into 32-bit words, lowest bits first (MLX's layout), with a scale and a bias per G values.
+template <typename T, int K, int BITS>
+__device__ constexpr size_t row_bytes() {
+  return BITS == 0 ? (size_t)K * sizeof(T) : (size_t)K * BITS / 8;
+}
+
+// Which 16-byte piece (of the four) of a 32-value chunk of the input a lane reads at step j:
+// a chunk's inputs are 64 bytes in half precision, so neighbouring lanes reading the same
+// piece of neighbouring chunks would meet in one bank group of shared memory (a four-way
+// conflict); turning each pair of lanes by one piece puts a quarter-warp's eight reads on
+// eight different groups.
+__device__ inline int piece_at(int j, int lane) { return (j + (lane >> 1)) & 3; }
+
+// Inputs 8p ... 8p + 7 of chunk c of the staged input, as floats.
+template <typename T>
+__device__ inline void load_piece(const T* xs, int c, int p, float (&x)[8]) {
+  constexpr int PER_VEC = 16 / sizeof(T);
+  const uint4* v = reinterpret_cast<const uint4*>(xs + c * 32 + p * 8);
+#pragma unroll
+  for (int i = 0; i < 8 / PER_VEC; i++) {
+    const uint4 u = v[i];
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int k = 0; k < PER_VEC; k++) x[i * PER_VEC + k] = static_cast<float>(e[k]);
+  }
+}
+
+// Word p of a 16-byte chunk, picked with selects (indexing registers by a variable would put
+// them in local memory).
+__device__ inline unsigned int word_at(const uint4& w, int p) {
+  const unsigned int low = (p & 1) ? w.y : w.x;
+  const unsigned int high = (p & 1) ? w.w : w.z;
+  return (p & 2) ? high : low;
+}
+
+// acc += q . x over the eight 4-bit values q of `word` (value n at bits 4n) and their inputs
+// x[n]. A value shifted down and or-ed into the bits of the float 2^23, whose last bit is
+// worth 1, is the float 2^23 + q exactly: one subtraction leaves q, with no integer-to-float
+// conversion (a quarter-rate instruction).
+__device__ inline float nibbles_dot(unsigned int word, const float (&x)[8], float acc) {
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    const float q = __uint_as_float(((word >> (4 * n)) & 0xFu) | 0x4B000000u) - 8388608.f;
+    acc = fmaf(q, x[n], acc);
+  }
+  return acc;
+}
+
+// The same sum with one operation less a value (IN_PLACE): value k or k + 4 is masked where
+// it lies (16^k q, k < 4) and or-ed into the bits of 2^23, so no shift is needed; acc[k]
+// then sums 16^k q x, which rows_dot_affine4 scales back by 16^-k. Products and sums scaled
+// by a power of two round as unscaled ones do, but the four partial sums are added last, so
+// the order of the sum differs from nibbles_dot's.
+__device__ inline void nibbles_dot_in_place(unsigned int word, const float (&x)[8],
+                                            float (&acc)[4]) {
+  const unsigned int high = word >> 16;
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    const unsigned int mask = 0xFu << (4 * k);
+    const float low_q = __uint_as_float((word & mask) | 0x4B000000u) - 8388608.f;
+    const float high_q = __uint_as_float((high & mask) | 0x4B000000u) - 8388608.f;
+    acc[k] = fmaf(low_q, x[k], acc[k]);
+    acc[k] = fmaf(high_q, x[k + 4], acc[k]);
+  }
+}
+
+// sums[c] = the sum of the staged input's values 32 c ... 32 c + 31, the bias term of every
+// 4-bit row's chunk c: once a stage rather than once a row. A thread a chunk, its pieces read
+// in the turned order of piece_at. Nothing for dense weights (BITS 0).
+template <typename T, int K, int BITS>
+__device__ inline void chunk_sums(const T* xs, float* sums) {
+  if constexpr (BITS != 0) {
+    for (int c = threadIdx.x; c < K / 32; c += BLOCK_THREADS) {
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        float x[8];
+        load_piece<T>(xs, c, piece_at(j, c), x);
+#pragma unroll
+        for (int k = 0; k < 8; k++) s += x[k];
+      }
+      sums[c] = s;
+    }
+    __syncthreads();
+  }
+}
+
+// Dots of R rows of 4-bit affine weights with the staged input, summed over the warp. A lane
+// takes 16 bytes of a row at a time (32 values, within one group as G is a multiple of 32),
+// about eight such loads in flight across its rows and chunks: per chunk,
+// scale (q . x) + bias (sum of x), in float32, with the sum of x from chunk_sums.
+template <typename T, int K, int R, int G, bool IN_PLACE>
+__device__ inline void rows_dot_affine4(const void* const* rows, const T* const* scales,
+                                        const T* const* biases, const T* xs, const float* sums,
+                                        float* out) {
+  constexpr int CHUNKS = K / 32;
+  constexpr int PER_LANE = (CHUNKS + 31) / 32;
+  constexpr int WANT = 8 / R > 0 ? 8 / R : 1;
+  constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
+  const int lane = threadIdx.x & 31;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = 0.f;
+  for (int base = 0; base < PER_LANE; base += BATCH) {
+    // The batch's loads first, all in flight together; chunks past the row are not read.
+    uint4 wc[BATCH][R];
+    float sc[BATCH][R], bi[BATCH][R];
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const int c = lane + 32 * (base + b);
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        if (c < CHUNKS) {
+          wc[b][r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
+          sc[b][r] = static_cast<float>(__ldg(scales[r] + c * 32 / G));
+          bi[b][r] = static_cast<float>(__ldg(biases[r] + c * 32 / G));
+        } else {
+          wc[b][r] = make_uint4(0, 0, 0, 0);
+          sc[b][r] = 0.f;
+          bi[b][r] = 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const int c = lane + 32 * (base + b);
+      if (c < CHUNKS) {
+        float qx[R];
+        float part[IN_PLACE ? R : 1][4];
+#pragma unroll
+        for (int r = 0; r < R; r++) qx[r] = 0.f;
+#pragma unroll
+        for (int r = 0; r < (IN_PLACE ? R : 1); r++) {
+#pragma unroll
+          for (int k = 0; k < 4; k++) part[r][k] = 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const int p = piece_at(j, lane);
+          float x[8];
+          load_piece<T>(xs, c, p, x);
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            if constexpr (IN_PLACE) {
+              nibbles_dot_in_place(word_at(wc[b][r], p), x, part[r]);
+            } else {
+              qx[r] = nibbles_dot(word_at(wc[b][r], p), x, qx[r]);
+            }
+          }
+        }
+        if constexpr (IN_PLACE) {
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            qx[r] = part[r][0] + part[r][1] * 0.0625f + part[r][2] * 0.00390625f +
+                    part[r][3] * 0.000244140625f;
+          }
+        }
+        const float xsum = sums[c];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] += sc[b][r] * qx[r] + bi[b][r] * xsum;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
+}
+
+"#;
