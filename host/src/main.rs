@@ -143,7 +143,8 @@ struct ModelArgs {
     /// (a decode token's matrix-vector products fused with the norms, gates and residual
     /// updates around them), `post-attention` (everything of a layer after its attention heads
     /// as one kernel, over dense weights), `affine4` (that kernel over 4-bit affine weights),
-    /// or `none` (MLX's operations only). Default: the fastest measured on an H200 for each
+    /// `affine4-heads` (the q/k/v products of `attention` over 4-bit weights too;
+    /// experimental, not yet run on a GPU), or `none` (MLX's operations only). Default: the fastest measured on an H200 for each
     /// kind of weight: `attention,products,affine4`.
     #[arg(
         long,
@@ -162,6 +163,9 @@ enum FusedKernelArg {
     PostAttention,
     /// Everything of a layer after its attention heads as one kernel, over 4-bit weights.
     Affine4,
+    /// The attention-heads kernel over 4-bit projection weights (experimental: not yet run
+    /// on a GPU).
+    Affine4Heads,
     None,
 }
 
@@ -172,6 +176,7 @@ impl ModelArgs {
             products: self.fused_kernels.contains(&FusedKernelArg::Products),
             post_attention: self.fused_kernels.contains(&FusedKernelArg::PostAttention),
             affine4: self.fused_kernels.contains(&FusedKernelArg::Affine4),
+            affine4_heads: self.fused_kernels.contains(&FusedKernelArg::Affine4Heads),
         }
     }
 
@@ -1144,6 +1149,7 @@ fn compare_fused(
         products,
         post_attention: false,
         affine4: false,
+        affine4_heads: false,
     };
     let all_three = Fused {
         post_attention: true,
@@ -1200,6 +1206,16 @@ fn compare_fused(
                 &format!(", row pairs {}", on_off(row_pairs.row_pairs)),
                 row_pairs,
             ),
+            // Last: the attention-heads kernel over 4-bit rows, not yet run on a GPU.
+            Set {
+                name: "attention,products,affine4,affine4-heads".into(),
+                kernels: Fused {
+                    affine4: true,
+                    affine4_heads: true,
+                    ..fused(true, true)
+                },
+                tuning: default,
+            },
         ]
     } else {
         vec![

@@ -21,9 +21,13 @@
 
 use std::cell::RefCell;
 
-use anyhow::{bail, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
 
+use super::affine4::HEADER as AFFINE4_HEADER;
+use super::post_attention::Weight;
 use super::products::{HEADER as PRODUCTS_HEADER, THREADS, WARPS};
 use super::{step_ints, PerEpsilon, TemplateArg};
 
@@ -31,29 +35,45 @@ const SOURCE: &str = r#"
   constexpr int WARPS = 8;
   __shared__ __align__(16) T xs[K];
   __shared__ float red[32];
+  // The input's chunk sums, for 4-bit rows (BITS 4; see chunk_sums).
+  __shared__ float sums[BITS != 0 ? K / 32 : 1];
   __shared__ bool is_last;
   constexpr int NQ = NH * D;
   constexpr int NK = NKV * D;
   constexpr int NV = K_EQ_V ? 0 : NK;
-  {
-    // This warp's row, asked of L2 while the block stages the input (PREFETCH).
-    const int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    constexpr int ROW_BYTES = K * sizeof(T);
-    if (r < NQ + NK + NV) {
-      const T* w = r < NQ ? wq + (size_t)r * K : r < NQ + NK ? wk + (size_t)(r - NQ) * K : wv + (size_t)(r - NQ - NK) * K;
-      prefetch_l2<PREFETCH>(w, ROW_BYTES < 8192 ? ROW_BYTES : 8192);
-    }
-  }
-  stage_input<T, K, true>(x, nw, xs, red);
+  constexpr size_t ROW_BYTES = row_bytes<T, K, BITS>();
+  constexpr int GROUPS = BITS != 0 ? K / G : 1;
+  // Row r of the q, k and v rows stacked: where its values start, and (4-bit) its first
+  // scale and bias.
+  auto row_of = [&](int r, const T*& scale, const T*& bias) -> const void* {
+    const int i = r < NQ ? r : r < NQ + NK ? r - NQ : r - NQ - NK;
+    const void* w = r < NQ ? (const void*)wq : r < NQ + NK ? (const void*)wk : (const void*)wv;
+    scale = (r < NQ ? wq_s : r < NQ + NK ? wk_s : wv_s) + (size_t)i * GROUPS;
+    bias = (r < NQ ? wq_b : r < NQ + NK ? wk_b : wv_b) + (size_t)i * GROUPS;
+    return static_cast<const char*>(w) + (size_t)i * ROW_BYTES;
+  };
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * WARPS + warp;
   if (row < NQ + NK + NV) {
-    const T* wrow = row < NQ ? wq + (size_t)row * K
-        : row < NQ + NK ? wk + (size_t)(row - NQ) * K
-        : wv + (size_t)(row - NQ - NK) * K;
+    // This warp's row, asked of L2 while the block stages the input (PREFETCH).
+    const T* s;
+    const T* b;
+    prefetch_l2<PREFETCH>(row_of(row, s, b), ROW_BYTES < 8192 ? (int)ROW_BYTES : 8192);
+  }
+  stage_input<T, K, true>(x, nw, xs, red);
+  chunk_sums<T, K, BITS>(xs, sums);
+  if (row < NQ + NK + NV) {
+    const T* s;
+    const T* b;
+    const void* wrow = row_of(row, s, b);
     float d;
-    rows_dot<T, K, 1>(&wrow, xs, &d);
+    if constexpr (BITS == 0) {
+      const T* dense = static_cast<const T*>(wrow);
+      rows_dot<T, K, 1>(&dense, xs, &d);
+    } else {
+      rows_dot_affine4<T, K, 1, G, false>(&wrow, &s, &b, xs, sums, &d);
+    }
     if (lane == 0) raw[row] = static_cast<T>(d);
   }
 
@@ -122,11 +142,24 @@ thread_local! {
         "attention_heads",
         &[
             "x", "nw", "wq", "wk", "wv", "q_w", "k_w", "periods", "position", "cache_slot",
-            "counter", "k_cache", "v_cache",
+            "counter", "k_cache", "v_cache", "wq_s", "wq_b", "wk_s", "wk_b", "wv_s", "wv_b",
         ],
         &["q", "raw"],
         SOURCE,
-    ).with_header(PRODUCTS_HEADER));
+    ).with_header(Box::leak(format!("{PRODUCTS_HEADER}{AFFINE4_HEADER}").into_boxed_str())));
+}
+
+static AFFINE4_HEADS: AtomicBool = AtomicBool::new(false);
+
+/// Lets the kernel take 4-bit affine projection weights (`--fused-kernels ...,affine4-heads`;
+/// off by default until a GPU run checks it), summed as [`super::affine4`] describes.
+pub fn set_affine4_heads(on: bool) {
+    AFFINE4_HEADS.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_affine4_heads`] setting.
+pub fn affine4_heads() -> bool {
+    AFFINE4_HEADS.load(Ordering::Relaxed)
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
@@ -137,12 +170,13 @@ pub fn serves(head_dim: usize, dtype: Dtype) -> bool {
         && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
 }
 
-/// A layer's projection weights (`[rows, hidden]`, dense) and head norms.
+/// A layer's projection weights (`[rows, hidden]`, all dense or all 4-bit in one group size)
+/// and head norms.
 pub struct HeadWeights<'a> {
-    pub q: &'a Array,
+    pub q: Weight<'a>,
     /// Key and value projections with the key norm, on a KV-owning layer; `v` is `None` when
     /// the value is the key projection (K = V layers).
-    pub kv: Option<(&'a Array, Option<&'a Array>, &'a Array)>,
+    pub kv: Option<(Weight<'a>, Option<Weight<'a>>, &'a Array)>,
     pub q_norm: &'a Array,
     /// RoPE periods `[D / 2]` (float32; infinite for pairs that are not rotated).
     pub periods: &'a Array,
@@ -186,27 +220,27 @@ pub fn attention_heads(
         (None, None) => 0,
         _ => bail!("attention_heads: a KV-owning layer needs both its weights and its cache"),
     };
-    let expect = |w: &Array, rows: i32, what: &str| -> Result<()> {
-        if w.shape() != [rows, k] || w.dtype() != dtype {
-            bail!(
-                "attention_heads: {what} weight is {:?} {:?}, expected [{rows}, {k}] {dtype:?}",
-                w.shape(),
-                w.dtype()
-            );
-        }
-        Ok(())
+    let layout = |w: &Weight, rows: i32, what: &str| -> Result<(i32, i32)> {
+        w.layout(rows, k, dtype, what)
+            .map_err(|e| anyhow!("attention_heads: {e}"))
     };
-    expect(weights.q, shape.heads * d, "q")?;
+    let (bits, group) = layout(&weights.q, shape.heads * d, "the q weight")?;
     let (wk, wv, k_norm, k_eq_v) = match weights.kv {
         Some((wk, wv, k_norm)) => {
-            expect(wk, nkv * d, "k")?;
-            if let Some(wv) = wv {
-                expect(wv, nkv * d, "v")?;
+            let mut layouts = vec![layout(&wk, nkv * d, "the k weight")?];
+            if let Some(wv) = &wv {
+                layouts.push(layout(wv, nkv * d, "the v weight")?);
+            }
+            if layouts.iter().any(|l| *l != (bits, group)) {
+                bail!("attention_heads: the q, k and v weights mix layouts (dense, or 4-bit in groups)");
             }
             (wk, wv.unwrap_or(wk), k_norm, wv.is_none())
         }
         None => (weights.q, weights.q, weights.q_norm, false),
     };
+    if bits != 0 && !affine4_heads() {
+        bail!("attention_heads: 4-bit weights need the affine4-heads fused kernels to be allowed");
+    }
     let (k_cache, v_cache, slot) = match &cache {
         Some(c) => {
             let capacity = c.keys.shape()[2];
@@ -240,11 +274,14 @@ pub fn attention_heads(
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
+        let [wq, wq_s, wq_b] = weights.q.inputs();
+        let [wk, wk_s, wk_b] = wk.inputs();
+        let [wv, wv_s, wv_b] = wv.inputs();
         let mut out = kernel.apply(
             &[
                 x,
                 input_norm,
-                weights.q,
+                wq,
                 wk,
                 wv,
                 weights.q_norm,
@@ -255,6 +292,12 @@ pub fn attention_heads(
                 counter,
                 k_cache,
                 v_cache,
+                wq_s,
+                wq_b,
+                wk_s,
+                wk_b,
+                wv_s,
+                wv_b,
             ],
             &[(&[1, shape.heads, 1, d], dtype), (&[rows.max(1)], dtype)],
             ((rows + WARPS - 1) / WARPS * THREADS, 1, 1),
@@ -267,6 +310,8 @@ pub fn attention_heads(
                 (c"NKV", TemplateArg::Int(nkv)),
                 (c"K_EQ_V", TemplateArg::Bool(k_eq_v)),
                 (c"PREFETCH", TemplateArg::Bool(super::prefetch())),
+                (c"BITS", TemplateArg::Int(bits)),
+                (c"G", TemplateArg::Int(group)),
             ],
         )?;
         Ok(out.swap_remove(0))
@@ -320,8 +365,8 @@ mod tests {
         let norm = Array::ones::<f32>(&[64]).unwrap();
         let periods = Array::ones::<f32>(&[32]).unwrap();
         let weights = HeadWeights {
-            q: &wq,
-            kv: Some((&wk, None, &norm)),
+            q: Weight::Dense(&wq),
+            kv: Some((Weight::Dense(&wk), None, &norm)),
             q_norm: &norm,
             periods: &periods,
         };
@@ -334,5 +379,59 @@ mod tests {
         let err =
             attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, None, &counter).unwrap_err();
         assert!(err.to_string().contains("needs both"), "{err}");
+    }
+
+    #[test]
+    fn dense_and_4bit_projections_are_not_mixed_in_one_call() {
+        let x = Array::zeros::<f32>(&[1, 64]).unwrap();
+        let wq = Array::zeros::<f32>(&[128, 64]).unwrap();
+        // k as 4-bit [64, 64] in groups of 32: 8 words and 2 scales a row.
+        let packed = Array::zeros::<u32>(&[64, 8]).unwrap();
+        let scales = Array::zeros::<f32>(&[64, 2]).unwrap();
+        let norm = Array::ones::<f32>(&[64]).unwrap();
+        let periods = Array::ones::<f32>(&[32]).unwrap();
+        let weights = HeadWeights {
+            q: Weight::Dense(&wq),
+            kv: Some((
+                Weight::Affine4 {
+                    packed: &packed,
+                    scales: &scales,
+                    biases: &scales,
+                },
+                None,
+                &norm,
+            )),
+            q_norm: &norm,
+            periods: &periods,
+        };
+        let shape = HeadShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 64,
+        };
+        let buffer = Array::zeros::<f32>(&[1, 1, 8, 64]).unwrap();
+        let cache = CacheSlot {
+            keys: &buffer,
+            values: &buffer,
+            slot: 0,
+        };
+        let counter = Array::zeros::<u32>(&[16]).unwrap();
+        let err = attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, Some(cache), &counter)
+            .unwrap_err();
+        assert!(err.to_string().contains("mix layouts"), "{err}");
+        // A k weight of the wrong shape is named.
+        let narrow = Array::zeros::<f32>(&[32, 64]).unwrap();
+        let weights = HeadWeights {
+            kv: Some((Weight::Dense(&narrow), None, &norm)),
+            ..weights
+        };
+        let cache = CacheSlot {
+            keys: &buffer,
+            values: &buffer,
+            slot: 0,
+        };
+        let err = attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, Some(cache), &counter)
+            .unwrap_err();
+        assert!(err.to_string().contains("the k weight"), "{err}");
     }
 }

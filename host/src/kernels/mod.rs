@@ -79,6 +79,9 @@ pub struct Fused {
     /// [`post_attention`] for single-token steps over 4-bit affine weights, in place of
     /// MLX's quantized products after the attention heads.
     pub affine4: bool,
+    /// [`attention_heads`] for single-token steps over 4-bit affine projections, in place of
+    /// MLX's quantized products before the heads.
+    pub affine4_heads: bool,
 }
 
 impl Fused {
@@ -93,6 +96,7 @@ impl Fused {
             products: PRODUCTS_ALLOWED.load(Ordering::Relaxed),
             post_attention: POST_ATTENTION_ALLOWED.load(Ordering::Relaxed),
             affine4: post_attention::affine4(),
+            affine4_heads: attention_heads::affine4_heads(),
         }
     }
 }
@@ -181,6 +185,7 @@ pub fn set_allowed(allowed: Fused) {
     PRODUCTS_ALLOWED.store(allowed.products, Ordering::Relaxed);
     POST_ATTENTION_ALLOWED.store(allowed.post_attention, Ordering::Relaxed);
     post_attention::set_affine4(allowed.affine4);
+    attention_heads::set_affine4_heads(allowed.affine4_heads);
 }
 
 /// A compile-time constant of a kernel's source.
@@ -468,12 +473,13 @@ mod tests {
             products: true,
             post_attention: true,
             affine4: true,
+            affine4_heads: true,
         };
         set_allowed(all);
         let next = Fused::for_next_forward();
-        let affine4 = post_attention::affine4();
+        let affine4 = post_attention::affine4() && attention_heads::affine4_heads();
         set_allowed(Fused::default());
-        assert!(affine4, "set_allowed did not allow the 4-bit kernel");
+        assert!(affine4, "set_allowed did not allow the 4-bit kernels");
         assert_eq!(next, Fused::default());
     }
 

@@ -50,7 +50,7 @@
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::affine4::HEADER as AFFINE4_HEADER;
@@ -401,12 +401,12 @@ impl<'a> Weight<'a> {
 
     /// Checks the matrix is `[rows, k]` of `dtype` (the scales and biases too when 4-bit,
     /// in groups of a multiple of 32 values); returns the kernel's (BITS, G).
-    fn layout(&self, rows: i32, k: i32, dtype: Dtype, what: &str) -> Result<(i32, i32)> {
+    pub(crate) fn layout(&self, rows: i32, k: i32, dtype: Dtype, what: &str) -> Result<(i32, i32)> {
         match self {
             Weight::Dense(w) => {
                 if w.shape() != [rows, k] || w.dtype() != dtype {
                     bail!(
-                        "post_attention: {what} is {:?} {:?}, expected [{rows}, {k}] {dtype:?}",
+                        "{what} is {:?} {:?}, expected [{rows}, {k}] {dtype:?}",
                         w.shape(),
                         w.dtype()
                     );
@@ -430,7 +430,7 @@ impl<'a> Weight<'a> {
                     || biases.dtype() != dtype
                 {
                     bail!(
-                        "post_attention: {what} is not a 4-bit affine [{rows}, {k}] weight with {dtype:?} scales in groups of a multiple of 32: packed {:?} {:?}, scales {:?} {:?}, biases {:?} {:?}",
+                        "{what} is not a 4-bit affine [{rows}, {k}] weight with {dtype:?} scales in groups of a multiple of 32: packed {:?} {:?}, scales {:?} {:?}, biases {:?} {:?}",
                         packed.shape(),
                         packed.dtype(),
                         scales.shape(),
@@ -446,7 +446,7 @@ impl<'a> Weight<'a> {
 
     /// The kernel's three inputs for this matrix: values, scales, biases (a dense matrix
     /// stands in for its own scales and biases, which the kernel then never reads).
-    fn inputs(&self) -> [&'a Array; 3] {
+    pub(crate) fn inputs(&self) -> [&'a Array; 3] {
         match *self {
             Weight::Dense(w) => [w, w, w],
             Weight::Affine4 {
@@ -629,20 +629,22 @@ pub fn post_attention(
             );
         }
     }
+    let layout = |w: &Weight, rows: i32, k: i32, what: &str| -> Result<(i32, i32)> {
+        w.layout(rows, k, dtype, what)
+            .map_err(|e| anyhow!("post_attention: {e}"))
+    };
     let core = [
-        w.output
-            .layout(h, zw, dtype, "the attention output weight")?,
-        w.gate.layout(n, h, dtype, "the gate weight")?,
-        w.up.layout(n, h, dtype, "the up weight")?,
-        w.down.layout(h, n, dtype, "the down weight")?,
+        layout(&w.output, h, zw, "the attention output weight")?,
+        layout(&w.gate, n, h, "the gate weight")?,
+        layout(&w.up, n, h, "the up weight")?,
+        layout(&w.down, h, n, "the down weight")?,
     ];
     let (p, per_layer) = match ple {
         Some(v) => {
             let p = v.gate.rows();
             let layouts = [
-                v.gate.layout(p, h, dtype, "the per-layer input gate")?,
-                v.projection
-                    .layout(h, p, dtype, "the per-layer projection")?,
+                layout(&v.gate, p, h, "the per-layer input gate")?,
+                layout(&v.projection, h, p, "the per-layer projection")?,
             ];
             if v.offset.dtype() != Dtype::Int32 {
                 bail!("post_attention: the per-layer input offset must be int32");

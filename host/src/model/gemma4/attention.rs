@@ -195,8 +195,9 @@ impl Attention {
         Ok((out, produced))
     }
 
-    /// The dense weights [`attention_heads`] needs, when it serves this call: one token,
-    /// both fused kernel sets on, dense weights, a head size it takes.
+    /// The weights [`attention_heads`] needs, when it serves this call: one token, both
+    /// fused kernel sets on, a head size it takes, and weights all dense, or (with
+    /// `fused.affine4_heads`) all 4-bit in one group size.
     fn fused_head_weights(&self, x: &Array, owning: bool, fused: Fused) -> Option<HeadWeights<'_>> {
         if !(fused.attention
             && serves_token(fused, x)
@@ -204,18 +205,30 @@ impl Attention {
         {
             return None;
         }
+        let q = self.q_proj.kernel_weight()?;
         let kv = match self.kv.as_ref().filter(|_| owning) {
             Some(kv) => {
                 let v = match &kv.v_proj {
-                    Some(v_proj) => Some(v_proj.dense_weight()?),
+                    Some(v_proj) => Some(v_proj.kernel_weight()?),
                     None => None,
                 };
-                Some((kv.k_proj.dense_weight()?, v, &kv.k_norm))
+                Some((kv.k_proj.kernel_weight()?, v, &kv.k_norm))
             }
             None => None,
         };
-        Some(HeadWeights {
-            q: self.q_proj.dense_weight()?,
+        let hidden = x.shape()[x.ndim() - 1];
+        let mut all = std::iter::once(q).chain(
+            kv.iter()
+                .flat_map(|(k, v, _)| std::iter::once(*k).chain(*v)),
+        );
+        let allowed = if q.is_dense() {
+            all.all(|w| w.is_dense())
+        } else {
+            let group = q.group(hidden);
+            fused.affine4_heads && group > 0 && all.all(|w| w.group(hidden) == group)
+        };
+        allowed.then_some(HeadWeights {
+            q,
             kv,
             q_norm: &self.q_norm,
             periods: self.rope.device_periods(),
