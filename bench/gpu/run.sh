@@ -9,8 +9,8 @@
 #   fixtures   greedy tokens of every test fixture on the GPU == transformers' (f32, TF32 off)
 #   fixtures-pa  the same with the one-kernel post-attention path named explicitly
 #   fixtures-affine4  the same with the post-attention kernel over 4-bit weights named explicitly
-#   fixtures-affine4-heads  the same with the attention-heads kernel over 4-bit weights too
-#              (experimental)
+#   fixtures-affine4-heads  the same with the attention-heads kernel over 4-bit weights too,
+#              then with it and the product kernels over 4-bit weights (experimental)
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
@@ -111,6 +111,8 @@ fi
 if want fixtures-affine4-heads; then
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,affine4,affine4-heads" \
         --fused-kernels attention,products,affine4,affine4-heads
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,affine4-heads,affine4-products" \
+        --fused-kernels attention,products,affine4-heads,affine4-products
 fi
 unset MLX_ENABLE_TF32
 
@@ -161,7 +163,7 @@ if want q4check; then
     # Which kernel set makes pipelined and step-by-step greedy decoding of the 4-bit E4B shape
     # disagree (the bench refuses to report a speed when they do).
     # Q4_SETS: the sets to run (default: all of them).
-    for fused in ${Q4_SETS:-none attention products attention,products attention,products,affine4 attention,products,affine4,affine4-heads}; do
+    for fused in ${Q4_SETS:-none attention products attention,products attention,products,affine4 attention,products,affine4,affine4-heads attention,products,affine4-heads,affine4-products}; do
         bench "mlx-spec E4B 4-bit g64, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --fused-kernels "$fused"
     done
@@ -205,7 +207,8 @@ if want profile-q4; then
     # The same for E4B with 4-bit weights: the default set, where MLX's quantized products do
     # the layer's products, and the post-attention kernel over 4-bit rows (affine4).
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in attention,products attention,products,affine4 attention,products,affine4,affine4-heads; do
+    for fused in attention,products attention,products,affine4 attention,products,affine4,affine4-heads \
+        attention,products,affine4-heads,affine4-products; do
         tag="profile-q4-${fused//,/+}"
         MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --csv --profile-from-start off --clock-control none \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \

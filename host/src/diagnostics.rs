@@ -178,12 +178,20 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
         kinds.push((
             "gated_product (ours)",
             Box::new(|x: &Array| {
-                gated_product(x, Some(&norm), 1e-6, &weight, GateUp::Product(&weight))
+                gated_product(
+                    x,
+                    Some(&norm),
+                    1e-6,
+                    Weight::Dense(&weight),
+                    GateUp::Product(Weight::Dense(&weight)),
+                )
             }),
         ));
         kinds.push((
             "product_residual (ours)",
-            Box::new(|x: &Array| product_residual(x, &weight, x, &norm, 1e-6, None, &counter)),
+            Box::new(|x: &Array| {
+                product_residual(x, Weight::Dense(&weight), x, &norm, 1e-6, None, &counter)
+            }),
         ));
     }
     let mut costs = Vec::new();
@@ -348,12 +356,21 @@ pub fn feed_forward_speed(
                         h,
                         Some(norm),
                         eps,
-                        &w.gate,
-                        GateUp::Product(&w.up),
+                        Weight::Dense(&w.gate),
+                        GateUp::Product(Weight::Dense(&w.up)),
                         rows,
                     )?;
                     let counter = &w.counters[0];
-                    product_residual_rows(&act, &w.down, h, norm, eps, None, counter, rows)
+                    product_residual_rows(
+                        &act,
+                        Weight::Dense(&w.down),
+                        h,
+                        norm,
+                        eps,
+                        None,
+                        counter,
+                        rows,
+                    )
                 }),
             ));
         }
@@ -362,9 +379,31 @@ pub fn feed_forward_speed(
             with_output_bytes,
             Box::new(|h: &Array, l: usize| {
                 let w = &weights[l];
-                let x1 = product_residual(heads, &w.output, h, norm, eps, None, &w.counters[1])?;
-                let act = gated_product(&x1, Some(norm), eps, &w.gate, GateUp::Product(&w.up))?;
-                product_residual(&act, &w.down, &x1, norm, eps, Some(scale), &w.counters[0])
+                let x1 = product_residual(
+                    heads,
+                    Weight::Dense(&w.output),
+                    h,
+                    norm,
+                    eps,
+                    None,
+                    &w.counters[1],
+                )?;
+                let act = gated_product(
+                    &x1,
+                    Some(norm),
+                    eps,
+                    Weight::Dense(&w.gate),
+                    GateUp::Product(Weight::Dense(&w.up)),
+                )?;
+                product_residual(
+                    &act,
+                    Weight::Dense(&w.down),
+                    &x1,
+                    norm,
+                    eps,
+                    Some(scale),
+                    &w.counters[0],
+                )
             }),
         ));
     }

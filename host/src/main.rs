@@ -143,8 +143,9 @@ struct ModelArgs {
     /// (a decode token's matrix-vector products fused with the norms, gates and residual
     /// updates around them), `post-attention` (everything of a layer after its attention heads
     /// as one kernel, over dense weights), `affine4` (that kernel over 4-bit affine weights),
-    /// `affine4-heads` (the q/k/v products of `attention` over 4-bit weights too;
-    /// experimental, not yet run on a GPU), or `none` (MLX's operations only). Default: the fastest measured on an H200 for each
+    /// `affine4-heads` and `affine4-products` (the q/k/v products of `attention` and the
+    /// products of `products` over 4-bit weights too; experimental, not yet run on a GPU), or
+    /// `none` (MLX's operations only). Default: the fastest measured on an H200 for each
     /// kind of weight: `attention,products,affine4`.
     #[arg(
         long,
@@ -166,6 +167,8 @@ enum FusedKernelArg {
     /// The attention-heads kernel over 4-bit projection weights (experimental: not yet run
     /// on a GPU).
     Affine4Heads,
+    /// The product kernels over 4-bit weights (experimental: not yet run on a GPU).
+    Affine4Products,
     None,
 }
 
@@ -177,6 +180,9 @@ impl ModelArgs {
             post_attention: self.fused_kernels.contains(&FusedKernelArg::PostAttention),
             affine4: self.fused_kernels.contains(&FusedKernelArg::Affine4),
             affine4_heads: self.fused_kernels.contains(&FusedKernelArg::Affine4Heads),
+            affine4_products: self
+                .fused_kernels
+                .contains(&FusedKernelArg::Affine4Products),
         }
     }
 
@@ -1150,6 +1156,7 @@ fn compare_fused(
         post_attention: false,
         affine4: false,
         affine4_heads: false,
+        affine4_products: false,
     };
     let all_three = Fused {
         post_attention: true,
@@ -1206,12 +1213,22 @@ fn compare_fused(
                 &format!(", row pairs {}", on_off(row_pairs.row_pairs)),
                 row_pairs,
             ),
-            // Last: the attention-heads kernel over 4-bit rows, not yet run on a GPU.
+            // Last: the attention-heads and product kernels over 4-bit rows, not yet run on a
+            // GPU (a fault would end the process).
             Set {
                 name: "attention,products,affine4,affine4-heads".into(),
                 kernels: Fused {
                     affine4: true,
                     affine4_heads: true,
+                    ..fused(true, true)
+                },
+                tuning: default,
+            },
+            Set {
+                name: "attention,products,affine4-heads,affine4-products".into(),
+                kernels: Fused {
+                    affine4_heads: true,
+                    affine4_products: true,
                     ..fused(true, true)
                 },
                 tuning: default,
@@ -1311,8 +1328,8 @@ fn compare_fused(
     // no post-attention kernel, the same attention shares). Other share sizes merge softmax
     // shares in another order, which may move a rounding.
     for (i, s) in sets.iter().enumerate() {
-        // The 4-bit kernel sums otherwise than MLX's quantized products: no twin.
-        if s.kernels.affine4 {
+        // The 4-bit kernels sum otherwise than MLX's quantized products: no twin.
+        if s.kernels.affine4 || s.kernels.affine4_heads || s.kernels.affine4_products {
             continue;
         }
         let plain = Fused {

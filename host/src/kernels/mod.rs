@@ -82,6 +82,9 @@ pub struct Fused {
     /// [`attention_heads`] for single-token steps over 4-bit affine projections, in place of
     /// MLX's quantized products before the heads.
     pub affine4_heads: bool,
+    /// [`products`] for single-token steps over 4-bit affine weights, in place of MLX's
+    /// quantized products.
+    pub affine4_products: bool,
 }
 
 impl Fused {
@@ -97,6 +100,7 @@ impl Fused {
             post_attention: POST_ATTENTION_ALLOWED.load(Ordering::Relaxed),
             affine4: post_attention::affine4(),
             affine4_heads: attention_heads::affine4_heads(),
+            affine4_products: products::affine4_products(),
         }
     }
 }
@@ -186,6 +190,7 @@ pub fn set_allowed(allowed: Fused) {
     POST_ATTENTION_ALLOWED.store(allowed.post_attention, Ordering::Relaxed);
     post_attention::set_affine4(allowed.affine4);
     attention_heads::set_affine4_heads(allowed.affine4_heads);
+    products::set_affine4_products(allowed.affine4_products);
 }
 
 /// A compile-time constant of a kernel's source.
@@ -474,10 +479,13 @@ mod tests {
             post_attention: true,
             affine4: true,
             affine4_heads: true,
+            affine4_products: true,
         };
         set_allowed(all);
         let next = Fused::for_next_forward();
-        let affine4 = post_attention::affine4() && attention_heads::affine4_heads();
+        let affine4 = post_attention::affine4()
+            && attention_heads::affine4_heads()
+            && products::affine4_products();
         set_allowed(Fused::default());
         assert!(affine4, "set_allowed did not allow the 4-bit kernels");
         assert_eq!(next, Fused::default());

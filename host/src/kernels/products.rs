@@ -27,12 +27,13 @@
 //! rounded before the gating product.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
+use super::post_attention::Weight;
 use super::{Fused, PerEpsilon, TemplateArg};
 
 /// Device helpers of the three kernels (placed after the reduction helpers and `EPS`).
@@ -180,28 +181,28 @@ const GATED_SOURCE: &str = r#"
   constexpr int WARPS = 8;
   __shared__ __align__(16) T xs[K];
   __shared__ float red[32];
+  // The input's chunk sums, for 4-bit rows (BITS 4; see chunk_sums).
+  __shared__ float sums[BITS != 0 ? K / 32 : 1];
   stage_input<T, K, NORM>(x, nw, xs, red);
+  chunk_sums<T, K, BITS>(xs, sums);
   // A warp computes RPW consecutive rows (past the end: the last row again, not written).
   const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
   if (first >= N) return;
   float g[RPW];
   T u[RPW];
   if (BY_VECTOR) {
-    const T* rows[RPW];
-#pragma unroll
-    for (int i = 0; i < RPW; i++) rows[i] = wg + (size_t)min(first + i, N - 1) * K;
-    rows_dot<T, K, RPW>(rows, xs, g);
+    const decltype(wg) ws[1] = {wg};
+    const T* const ss[1] = {wg_s};
+    const T* const bs[1] = {wg_b};
+    weight_rows<T, K, RPW, BITS, G, 1>(ws, ss, bs, first, N, xs, sums, g);
 #pragma unroll
     for (int i = 0; i < RPW; i++) u[i] = mul[mul_offset[0] + min(first + i, N - 1)];
   } else {
-    const T* rows[2 * RPW];
-#pragma unroll
-    for (int i = 0; i < RPW; i++) {
-      rows[i] = wg + (size_t)min(first + i, N - 1) * K;
-      rows[RPW + i] = wu + (size_t)min(first + i, N - 1) * K;
-    }
     float d[2 * RPW];
-    rows_dot<T, K, 2 * RPW>(rows, xs, d);
+    const decltype(wg) ws[2] = {wg, wu};
+    const T* const ss[2] = {wg_s, wu_s};
+    const T* const bs[2] = {wg_b, wu_b};
+    weight_rows<T, K, RPW, BITS, G, 2>(ws, ss, bs, first, N, xs, sums, d);
 #pragma unroll
     for (int i = 0; i < RPW; i++) {
       g[i] = d[i];
@@ -225,15 +226,18 @@ const RESIDUAL_SOURCE: &str = r#"
   __shared__ float red[32];
   __shared__ bool is_last;
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
+  // The input's chunk sums, for 4-bit rows (BITS 4; see chunk_sums).
+  __shared__ float sums[BITS != 0 ? K / 32 : 1];
   stage_input<T, K, false>(a, a, xs, red);
+  chunk_sums<T, K, BITS>(xs, sums);
   // A warp computes RPW consecutive rows (past the end: the last row again, not written).
   const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
   if (first < N) {
-    const T* rows[RPW];
-#pragma unroll
-    for (int i = 0; i < RPW; i++) rows[i] = w + (size_t)min(first + i, N - 1) * K;
     float d[RPW];
-    rows_dot<T, K, RPW>(rows, xs, d);
+    const decltype(w) ws[1] = {w};
+    const T* const ss[1] = {w_s};
+    const T* const bs[1] = {w_b};
+    weight_rows<T, K, RPW, BITS, G, 1>(ws, ss, bs, first, N, xs, sums, d);
     // The product as MLX rounds it, kept in float32 for the last block.
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
@@ -281,6 +285,42 @@ const RESIDUAL_SOURCE: &str = r#"
   if (threadIdx.x == 0) *done = 0u;
 "#;
 
+/// Rows of a dense or 4-bit weight for the gated and closing products, after [`HEADER`] and
+/// [`super::affine4::HEADER`].
+const WEIGHT_ROWS_HEADER: &str = r#"
+// Dots of rows first ... first + R - 1 (the last row again past N) of each of the M weights
+// ws with the staged input: out[m R + i] for weight m, row first + i. Dense rows (BITS 0) go
+// through rows_dot, 4-bit ones (scales ss and biases bs, [N, K / G]) through rows_dot_affine4
+// with the input's chunk sums.
+template <typename T, int K, int R, int BITS, int G, int M, typename W>
+__device__ inline void weight_rows(const W* const (&ws)[M], const T* const (&ss)[M],
+                                   const T* const (&bs)[M], int first, int N, const T* xs,
+                                   const float* sums, float* out) {
+  constexpr int GROUPS = BITS != 0 ? K / G : 1;
+  constexpr size_t ROW_BYTES = row_bytes<T, K, BITS>();
+  if constexpr (BITS == 0) {
+    const T* rows[M * R];
+#pragma unroll
+    for (int i = 0; i < M * R; i++) {
+      rows[i] = reinterpret_cast<const T*>(ws[i / R]) + (size_t)min(first + i % R, N - 1) * K;
+    }
+    rows_dot<T, K, M * R>(rows, xs, out);
+  } else {
+    const void* rows[M * R];
+    const T* sr[M * R];
+    const T* br[M * R];
+#pragma unroll
+    for (int i = 0; i < M * R; i++) {
+      const size_t r = min(first + i % R, N - 1);
+      rows[i] = reinterpret_cast<const char*>(ws[i / R]) + r * ROW_BYTES;
+      sr[i] = ss[i / R] + r * GROUPS;
+      br[i] = bs[i / R] + r * GROUPS;
+    }
+    rows_dot_affine4<T, K, M * R, G, false>(rows, sr, br, xs, sums, out);
+  }
+}
+"#;
+
 /// Threads per block of these kernels; the device code's `BLOCK_THREADS` (in [`HEADER`]) says
 /// the same.
 pub(crate) const THREADS: i32 = 256;
@@ -298,16 +338,31 @@ thread_local! {
     ).with_header(HEADER));
     static GATED: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
         "gated_product",
-        &["x", "nw", "wg", "wu", "mul", "mul_offset"],
+        &["x", "nw", "wg", "wu", "mul", "mul_offset", "wg_s", "wg_b", "wu_s", "wu_b"],
         &["y"],
         GATED_SOURCE,
-    ).with_header(HEADER));
+    ).with_header(weight_rows_header()));
     static RESIDUAL: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
         "product_residual",
-        &["a", "w", "h", "pw", "scale", "counter"],
+        &["a", "w", "h", "pw", "scale", "counter", "w_s", "w_b"],
         &["out", "o"],
         RESIDUAL_SOURCE,
-    ).with_header(HEADER));
+    ).with_header(weight_rows_header()));
+}
+
+/// The header of the gated and closing products: the products' helpers, the 4-bit ones and
+/// `weight_rows`, joined once for the process.
+fn weight_rows_header() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| format!("{HEADER}{}{WEIGHT_ROWS_HEADER}", super::affine4::HEADER))
+}
+
+/// A weight's rows, or an error naming the kernel and the weight: a dense `[rows, k]` matrix
+/// or a 4-bit affine one ([`Weight`]). Returns (rows, BITS, G).
+fn weight_layout(w: &Weight, k: i32, dtype: Dtype, what: &str) -> Result<(i32, i32, i32)> {
+    let rows = w.rows();
+    let (bits, group) = w.layout(rows, k, dtype, what)?;
+    Ok((rows, bits, group))
 }
 
 pub(crate) fn element_bytes(dtype: Dtype) -> Option<usize> {
@@ -451,8 +506,9 @@ pub fn normed_products(
 
 /// What multiplies the GELU of the gate product in [`gated_product`].
 pub enum GateUp<'a> {
-    /// A second product with the same input (the feed-forward's up projection, `[N, K]`).
-    Product(&'a Array),
+    /// A second product with the same input (the feed-forward's up projection, `[N, K]`),
+    /// in the gate's layout.
+    Product(Weight<'a>),
     /// `values[offset .. offset + N]` of a contiguous array (the per-layer input of one
     /// layer), `offset` held by an int32 array from [`device_array`] (a template constant
     /// would compile one kernel per layer).
@@ -462,13 +518,13 @@ pub enum GateUp<'a> {
     },
 }
 
-/// `gelu_tanh(W_g · x') * up`, `x'` = `rms_norm(x, norm)` or `x` (`[1, K]`), `W_g`: `[N, K]`.
-/// Returns `[1, N]`. Check [`serves`].
+/// `gelu_tanh(W_g · x') * up`, `x'` = `rms_norm(x, norm)` or `x` (`[1, K]`), `W_g`: `[N, K]`,
+/// dense or 4-bit affine. Returns `[1, N]`. Check [`serves`].
 pub fn gated_product(
     x: &Array,
     norm: Option<&Array>,
     eps: f32,
-    gate: &Array,
+    gate: Weight,
     up: GateUp,
 ) -> Result<Array> {
     gated_product_rows(x, norm, eps, gate, up, rows_per_warp())
@@ -479,18 +535,18 @@ pub fn gated_product_rows(
     x: &Array,
     norm: Option<&Array>,
     eps: f32,
-    gate: &Array,
+    gate: Weight,
     up: GateUp,
     rows_per_warp: i32,
 ) -> Result<Array> {
     check_rows_per_warp(rows_per_warp)?;
     let k = x.shape()[x.ndim() - 1];
-    let n = rows_of(gate, k)?;
     let dtype = x.dtype();
+    let (n, bits, group) = weight_layout(&gate, k, dtype, "gated_product: the gate weight")?;
     let (up_weight, mul, offset, by_vector) = match up {
         GateUp::Product(w) => {
-            if rows_of(w, k)? != n {
-                bail!("gate and up products differ in rows");
+            if weight_layout(&w, k, dtype, "gated_product: the up weight")? != (n, bits, group) {
+                bail!("gated_product: the gate and up weights differ in rows or layout");
             }
             // The offset is not read; it must still be int32 for the kernel's signature.
             (w, x, NO_OFFSET.with(Array::clone), false)
@@ -502,11 +558,25 @@ pub fn gated_product_rows(
             (gate, values, offset.clone(), true)
         }
     };
+    check_bits(bits)?;
+    let [wg, wg_s, wg_b] = gate.inputs();
+    let [wu, wu_s, wu_b] = up_weight.inputs();
     GATED.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
         let mut out = kernel.apply(
-            &[x, norm.unwrap_or(x), gate, up_weight, mul, &offset],
+            &[
+                x,
+                norm.unwrap_or(x),
+                wg,
+                wu,
+                mul,
+                &offset,
+                wg_s,
+                wg_b,
+                wu_s,
+                wu_b,
+            ],
             &[(&[1, n], dtype)],
             (blocks_for_rows_per_warp(n, rows_per_warp) * THREADS, 1, 1),
             (THREADS, 1, 1),
@@ -517,6 +587,8 @@ pub fn gated_product_rows(
                 (c"NORM", TemplateArg::Bool(norm.is_some())),
                 (c"BY_VECTOR", TemplateArg::Bool(by_vector)),
                 (c"RPW", TemplateArg::Int(rows_per_warp)),
+                (c"BITS", TemplateArg::Int(bits)),
+                (c"G", TemplateArg::Int(group)),
             ],
         )?;
         Ok(out.remove(0))
@@ -524,11 +596,11 @@ pub fn gated_product_rows(
 }
 
 /// `h + rms_norm(W · a, post_norm)`, times `scale` (a one-element array) when given: `a` is
-/// `[1, K]`, `W` `[N, K]`, `h` `[1, N]`. `counter` comes from [`new_counter`], one per call
-/// site. Check [`serves`].
+/// `[1, K]`, `W` `[N, K]` (dense or 4-bit affine), `h` `[1, N]`. `counter` comes from
+/// [`new_counter`], one per call site. Check [`serves`].
 pub fn product_residual(
     a: &Array,
-    w: &Array,
+    w: Weight,
     h: &Array,
     post_norm: &Array,
     eps: f32,
@@ -543,7 +615,7 @@ pub fn product_residual(
 #[allow(clippy::too_many_arguments)]
 pub fn product_residual_rows(
     a: &Array,
-    w: &Array,
+    w: Weight,
     h: &Array,
     post_norm: &Array,
     eps: f32,
@@ -553,13 +625,24 @@ pub fn product_residual_rows(
 ) -> Result<Array> {
     check_rows_per_warp(rows_per_warp)?;
     let k = a.shape()[a.ndim() - 1];
-    let n = rows_of(w, k)?;
     let dtype = a.dtype();
+    let (n, bits, group) = weight_layout(&w, k, dtype, "product_residual: the weight")?;
+    check_bits(bits)?;
+    let [w, w_s, w_b] = w.inputs();
     RESIDUAL.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
         let mut out = kernel.apply(
-            &[a, w, h, post_norm, scale.unwrap_or(post_norm), counter],
+            &[
+                a,
+                w,
+                h,
+                post_norm,
+                scale.unwrap_or(post_norm),
+                counter,
+                w_s,
+                w_b,
+            ],
             &[(&[1, n], dtype), (&[n], Dtype::Float32)],
             (blocks_for_rows_per_warp(n, rows_per_warp) * THREADS, 1, 1),
             (THREADS, 1, 1),
@@ -569,10 +652,35 @@ pub fn product_residual_rows(
                 (c"N", TemplateArg::Int(n)),
                 (c"SCALED", TemplateArg::Bool(scale.is_some())),
                 (c"RPW", TemplateArg::Int(rows_per_warp)),
+                (c"BITS", TemplateArg::Int(bits)),
+                (c"G", TemplateArg::Int(group)),
             ],
         )?;
         Ok(out.remove(0))
     })
+}
+
+static AFFINE4_PRODUCTS: AtomicBool = AtomicBool::new(false);
+
+/// Lets [`gated_product`] and [`product_residual`] take 4-bit affine weights
+/// (`--fused-kernels ...,affine4-products`; off by default until a GPU run checks it),
+/// summed as [`super::affine4`] describes.
+pub fn set_affine4_products(on: bool) {
+    AFFINE4_PRODUCTS.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_affine4_products`] setting.
+pub fn affine4_products() -> bool {
+    AFFINE4_PRODUCTS.load(Ordering::Relaxed)
+}
+
+fn check_bits(bits: i32) -> Result<()> {
+    if bits != 0 && !affine4_products() {
+        bail!(
+            "4-bit weights in the fused products need the affine4-products kernels to be allowed"
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -608,7 +716,8 @@ mod tests {
         assert_eq!(rows_per_warp(), 1, "a refused count changes nothing");
         let x = Array::zeros::<f32>(&[1, 8]).unwrap();
         let w = Array::zeros::<f32>(&[4, 8]).unwrap();
-        let err = gated_product_rows(&x, None, 1e-6, &w, GateUp::Product(&w), 8).unwrap_err();
+        let dense = Weight::Dense(&w);
+        let err = gated_product_rows(&x, None, 1e-6, dense, GateUp::Product(dense), 8).unwrap_err();
         assert!(err.to_string().contains("rows per warp"), "{err}");
     }
 
@@ -629,5 +738,40 @@ mod tests {
         assert_eq!(a.as_slice::<i32>(), &[7, 9, 0, 0]);
         assert_eq!(a.dtype(), Dtype::Int32);
         assert!(device_array(&Array::from_slice(&[1i32; 5], &[5]), 4).is_err());
+    }
+
+    #[test]
+    fn gate_and_up_weights_of_different_layouts_are_refused() {
+        let x = Array::zeros::<f32>(&[1, 64]).unwrap();
+        let dense = Array::zeros::<f32>(&[16, 64]).unwrap();
+        // [16, 64] in 4 bits, groups of 32: 8 words and 2 scales a row.
+        let packed = Array::zeros::<u32>(&[16, 8]).unwrap();
+        let scales = Array::zeros::<f32>(&[16, 2]).unwrap();
+        let quantized = Weight::Affine4 {
+            packed: &packed,
+            scales: &scales,
+            biases: &scales,
+        };
+        let err = gated_product(
+            &x,
+            None,
+            1e-6,
+            Weight::Dense(&dense),
+            GateUp::Product(quantized),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("differ in rows or layout"),
+            "{err}"
+        );
+        // A 4-bit weight of the wrong input width is named.
+        let wide = Array::zeros::<f32>(&[1, 128]).unwrap();
+        let counter = new_counter().unwrap();
+        let err =
+            product_residual(&wide, quantized, &wide, &wide, 1e-6, None, &counter).unwrap_err();
+        assert!(
+            err.to_string().contains("product_residual: the weight"),
+            "{err}"
+        );
     }
 }

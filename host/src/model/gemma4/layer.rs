@@ -134,8 +134,9 @@ impl DecoderLayer {
     }
 
     /// `x + rms_norm(proj(a), w)` (times the layer scalar when `last`): the product that
-    /// closes a block, with its residual update. One CUDA kernel for a single token over a
-    /// dense weight with `fused.products`; `counter` is the call site's.
+    /// closes a block, with its residual update. One CUDA kernel for a single token with
+    /// `fused.products` (over a dense weight, or a 4-bit one with `fused.affine4_products`);
+    /// `counter` is the call site's.
     #[allow(clippy::too_many_arguments)]
     fn closing_product(
         &self,
@@ -148,7 +149,7 @@ impl DecoderLayer {
         fused: Fused,
     ) -> Result<Array> {
         if serves_token(fused, a) {
-            if let Some(weight) = proj.dense_weight() {
+            if let Some(weight) = proj.product_weight(a, fused) {
                 let scale = last.then_some(&self.layer_scalar_device);
                 return product_residual(a, weight, x, w, self.eps, scale, counter);
             }
@@ -166,7 +167,7 @@ impl DecoderLayer {
         fused: Fused,
     ) -> Result<Array> {
         if serves_token(fused, x) {
-            if let Some(weight) = gate.input_gate.dense_weight() {
+            if let Some(weight) = gate.input_gate.product_weight(x, fused) {
                 // `per_layer` is `[1, layers, width]`: this layer's inputs are one run of it.
                 let up = GateUp::Slice {
                     values: per_layer,

@@ -26,13 +26,18 @@ impl Mlp {
     }
 
     /// `gelu_tanh(gate(x')) * up(x')` with `x' = rms_norm(x, pre_norm)`: the input of the
-    /// down projection. One CUDA kernel for a single token with `fused.products`.
+    /// down projection. One CUDA kernel for a single token with `fused.products` (dense
+    /// weights, or 4-bit ones in one layout with `fused.affine4_products`).
     pub fn activation(&self, x: &Array, pre_norm: &Array, eps: f32, fused: Fused) -> Result<Array> {
         if serves_token(fused, x) {
-            if let (Some(gate), Some(up)) =
-                (self.gate_proj.dense_weight(), self.up_proj.dense_weight())
-            {
-                return gated_product(x, Some(pre_norm), eps, gate, GateUp::Product(up));
+            if let (Some(gate), Some(up)) = (
+                self.gate_proj.product_weight(x, fused),
+                self.up_proj.product_weight(x, fused),
+            ) {
+                let k = x.shape()[x.ndim() - 1];
+                if gate.is_dense() == up.is_dense() && gate.group(k) == up.group(k) {
+                    return gated_product(x, Some(pre_norm), eps, gate, GateUp::Product(up));
+                }
             }
         }
         let x = rms_norm(x, Some(pre_norm), eps)?;
