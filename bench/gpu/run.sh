@@ -19,6 +19,7 @@
 #              static cache + torch.compile; `peer-static`: the second alone). PEER_TIMEOUT
 #              bounds each in seconds (default 400).
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
+#   cpu-check-q4  the same with 4-bit weights, for each set of 4-bit kernels
 #   host       where a pipelined E4B decode step's time goes, with and without our fused kernels
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
@@ -395,6 +396,19 @@ if want cpu-check; then
         --model "$ROOT/configs/gemma-4-e4b.json" --prompt-tokens 16 --gen-tokens 2 --repeats 1 --check-cpu 8 \
         2>"$RES/cpu-check.err" | tail -n 1)"
     row "E4B shape, f32 random weights: GPU (TF32 off) vs CPU | ${line:-failed: $(tail -n 1 "$RES/cpu-check.err")}"
+fi
+
+if want cpu-check-q4; then
+    # The 4-bit kernels at a real shape: E4B with 4-bit weights (groups of 64) and float32
+    # activations, greedy on the GPU with each set of 4-bit kernels == greedy on the CPU
+    # (MLX's quantized products there), the same weight arrays.
+    for fused in attention,products,affine4 attention,products,affine4,affine4-heads \
+        attention,products,affine4-heads,affine4-products; do
+        line="$(MLX_ENABLE_TF32=0 timeout 300 "$BIN" bench --device gpu --random-weights --random-bits 4 --dtype f32 \
+            --model "$ROOT/configs/gemma-4-e4b.json" --prompt-tokens 16 --gen-tokens 2 --repeats 1 --check-cpu 8 \
+            --fused-kernels "$fused" 2>"$RES/cpu-check-q4.err" | tail -n 1)"
+        row "E4B shape, 4-bit weights, f32: GPU (TF32 off, --fused-kernels $fused) vs CPU | ${line:-failed: $(tail -n 1 "$RES/cpu-check-q4.err")}"
+    done
 fi
 
 echo
