@@ -17,6 +17,7 @@ use crate::kernels::attention_heads::{
 };
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
 use crate::kernels::decode_attention::{decode_attention, new_counters, splits_for};
+use crate::kernels::post_attention::Weight;
 use crate::kernels::products::{new_counter, normed_products, serves_token};
 use crate::kernels::Fused;
 
@@ -225,7 +226,11 @@ impl Attention {
             all.all(|w| w.is_dense())
         } else {
             let group = q.group(hidden);
-            fused.affine4_heads && group > 0 && all.all(|w| w.group(hidden) == group)
+            // Of a layout the kernel takes, or MLX's products run (an error would end the step).
+            let fits = |w: &Weight| {
+                w.group(hidden) == group && w.layout(w.rows(), hidden, x.dtype(), "").is_ok()
+            };
+            fused.affine4_heads && group > 0 && all.all(|w| fits(&w))
         };
         allowed.then_some(HeadWeights {
             q,
