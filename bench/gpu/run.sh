@@ -38,7 +38,7 @@
 #              kind's real time a step, and how long the device sits idle between kernels
 #   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
 #              memcheck of our kernels with the post-attention path
-#   quick      E4B bf16 decode with each set of fused kernels and each variant of the
+#   quick      E4B bf16 decode with each set of fused kernels and the variants still in question of the
 #              default, alternated in one process (~2 minutes)
 #   quick-q4   the same for the 4-bit E4B: MLX's quantized products vs the 4-bit post-attention
 #              kernel's ways of running
@@ -293,7 +293,7 @@ if want sanitize; then
 fi
 
 if want quick; then
-    # Twelve sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
+    # Seven sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
     # on a cold kernel cache.
     # -v: each set's rate is logged as it comes (bench.err), kept should a set end the process.
     BENCH_TIMEOUT=480 bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused
