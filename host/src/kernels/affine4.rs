@@ -1,6 +1,7 @@
 //! Device helpers for 4-bit affine weights in MLX's layout (eight values a 32-bit word,
 //! lowest bits first; a scale and a bias per group of G values, G a multiple of 32), shared by
-//! the kernels that read such rows ([`super::post_attention`], [`super::attention_heads`]).
+//! the kernels that read such rows ([`super::post_attention`], [`super::attention_heads`],
+//! the gated and closing products of [`super::products`]).
 //!
 //! A lane reads 16 bytes of a row at a time: 32 values of one group. It sums
 //! `scale (q . x) + bias (sum of x)` over them in float32, where MLX's CUDA product
