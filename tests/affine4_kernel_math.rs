@@ -5,7 +5,8 @@
 //! MLX packs a random matrix (`quantize`); MLX's `dequantize` then gives the reference product
 //! with a random input. The device helpers are compiled for the host with stand-ins for the
 //! few CUDA built-ins they use, and run lane by lane (a warp's sum is the lanes' partial sums
-//! added). Needs a C++17 compiler (`c++`, or `$CXX`); `scripts/setup.sh` installs clang.
+//! added). Needs a C++17 compiler (`$CXX`, `c++`, `clang++` or `g++`); `scripts/setup.sh`
+//! installs clang.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -269,13 +270,23 @@ fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
     let cpp = dir.path().join("affine4.cpp");
     let exe = dir.path().join("affine4");
     std::fs::write(&cpp, &source).unwrap();
-    let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let build = Command::new(&compiler)
-        .args(["-std=c++17", "-O1", "-w", "-o"])
-        .arg(&exe)
-        .arg(&cpp)
-        .output()
-        .unwrap_or_else(|e| panic!("a C++17 compiler ({compiler}) is needed: {e}"));
+    // $CXX, else the first of the usual names that runs (setup.sh installs clang).
+    let candidates: Vec<String> = std::env::var("CXX")
+        .into_iter()
+        .chain(["c++", "clang++", "g++"].map(String::from))
+        .collect();
+    let (compiler, build) = candidates
+        .iter()
+        .find_map(|c| {
+            Command::new(c)
+                .args(["-std=c++17", "-O1", "-w", "-o"])
+                .arg(&exe)
+                .arg(&cpp)
+                .output()
+                .ok()
+                .map(|out| (c.clone(), out))
+        })
+        .unwrap_or_else(|| panic!("a C++17 compiler is needed, none of {candidates:?} runs"));
     assert!(
         build.status.success(),
         "{compiler} could not compile the 4-bit helpers:\n{}",
