@@ -32,8 +32,9 @@
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
 #              fused kernels and without
 #   profile-q4 the same for E4B with 4-bit weights
-#   stalls     the post-attention kernel (bf16, and 4-bit with affine4) in Nsight Compute's
-#              occupancy, scheduler and warp-state sections: why it runs at the speed it does
+#   stalls     the post-attention kernel (bf16, and 4-bit with affine4) and the default's
+#              feed-forward kernels in Nsight Compute's occupancy, scheduler and warp-state
+#              sections: why they run at the speed they do
 #   timeline   a pipelined E4B decode step as the device runs it (Nsight Systems): each kernel
 #              kind's real time a step, and how long the device sits idle between kernels
 #   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
@@ -227,21 +228,24 @@ if want stalls; then
     # scheduler and warp-state sections for one call of it, over dense bf16 and over 4-bit
     # weights (affine4): registers, issue-slot use, and where warps wait.
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for spec in "bf16 attention,products,post-attention" "4-bit attention,products,post-attention,affine4"; do
-        read -r kind fused <<<"$spec"
+    # Then the default's two feed-forward kernels (gate/up and down), for comparison.
+    for spec in "bf16 attention,products,post-attention post_attention 1" \
+        "4-bit attention,products,affine4 post_attention 1" \
+        "bf16 attention,products gated_product|product_residual 2"; do
+        read -r kind fused kernels count <<<"$spec"
         quant=(); [[ "$kind" == 4-bit ]] && quant=(--random-bits 4)
-        tag="stalls-$kind"
-        echo "## post-attention kernel, E4B $kind: Nsight Compute sections"
+        tag="stalls-$kind-${fused//,/_}"
+        echo "## $kernels, E4B $kind, --fused-kernels $fused: Nsight Compute sections"
         MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --profile-from-start off --clock-control none \
-            -k regex:post_attention -s 10 -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+            -k "regex:$kernels" -s 10 -c "$count" --section SpeedOfLight --section Occupancy --section LaunchStats \
             --section SchedulerStats --section WarpStateStats --print-details all \
             "$BIN" generate --device gpu --random-weights "${quant[@]}" --model "$ROOT/configs/gemma-4-e4b.json" \
             --dtype bf16 --prompt-ids "$(seq -s, 2 513)" --max-tokens 3 --ignore-eos --json --fused-kernels "$fused" \
             >"$RES/$tag.txt" 2>"$RES/$tag.err"
         grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issue Slots Busy|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Stall|stall|Memory Throughput|Compute \(SM\)" \
-            "$RES/$tag.txt" | sed 's/^ *//' | cut -c1-220 | head -n 60 || tail -n 5 "$RES/$tag.err"
+            "$RES/$tag.txt" | sed 's/^ *//' | cut -c1-220 | head -n $((60 * count)) || tail -n 5 "$RES/$tag.err"
     done
-    row "post-attention kernel stalls (Nsight Compute) | printed above, kept in stalls-*.txt"
+    row "post-attention and feed-forward kernel stalls (Nsight Compute) | printed above, kept in stalls-*.txt"
 fi
 
 if want timeline; then
