@@ -15,6 +15,7 @@ use std::process::Command;
 use mlx_rs::ops::{dequantize, quantize};
 use mlx_rs::{Array, Dtype};
 use mlx_spec::kernels::affine4::HEADER;
+use mlx_spec::kernels::products::WEIGHT_ROWS_HEADER;
 
 /// CUDA built-ins the helpers use, for a host compiler. `threadIdx.x` is the lane (or thread)
 /// being run; `warp_sum` returns the lane's own value, and the driver adds the lanes.
@@ -23,6 +24,7 @@ const HOST_SHIM: &str = r#"
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <vector>
 #define __device__
 struct uint4 { unsigned int x, y, z, w; };
@@ -34,6 +36,10 @@ static ThreadIndex threadIdx;
 constexpr int BLOCK_THREADS = 256;
 inline float warp_sum(float v) { return v; }
 inline void __syncthreads() {}
+inline int min(int a, int b) { return a < b ? a : b; }
+// The products' dense row helper, declared so that weight_rows parses; 4-bit rows never
+// call it.
+template <typename T, int K, int R> void rows_dot(const T* const*, const T*, float*) {}
 // bfloat16 as the kernels see it: the high half of a float.
 struct bf16 {
   uint16_t bits;
@@ -54,43 +60,95 @@ template <typename T> T from_float(float f);
 template <> float from_float<float>(float f) { return f; }
 template <> bf16 from_float<bf16>(float f) { uint32_t u; std::memcpy(&u, &f, 4); return bf16{uint16_t(u >> 16)}; }
 
+// One case file: the rows of a 4-bit matrix, its scales and biases as T, and the input.
+template <typename T, int K, int G>
+struct Loaded {
+  uint32_t rows = 0;
+  std::vector<uint4> packed;
+  std::vector<T> s, b;
+  std::vector<float> x;
+  bool ok = false;
+  explicit Loaded(const char* path) {
+    FILE* f = std::fopen(path, "rb");
+    if (!f || std::fread(&rows, 4, 1, f) != 1) { std::printf("error cannot read %s\n", path); return; }
+    packed.resize(rows * K / 32);
+    std::vector<float> scales(rows * K / G), biases(rows * K / G);
+    x.resize(K);
+    size_t got = std::fread(packed.data(), 16, packed.size(), f);
+    got += std::fread(scales.data(), 4, scales.size(), f);
+    got += std::fread(biases.data(), 4, biases.size(), f);
+    got += std::fread(x.data(), 4, x.size(), f);
+    std::fclose(f);
+    if (got != packed.size() + scales.size() + biases.size() + x.size()) { std::printf("error short %s\n", path); return; }
+    for (size_t i = 0; i < scales.size(); i++) { s.push_back(from_float<T>(scales[i])); b.push_back(from_float<T>(biases[i])); }
+    ok = true;
+  }
+  const void* row(int r) const { return packed.data() + r * (K / 32); }
+  const T* scales(int r) const { return s.data() + r * (K / G); }
+  const T* biases(int r) const { return b.data() + r * (K / G); }
+};
+
+// The input staged as T, and its chunk sums made thread by thread.
+template <typename T, int K>
+struct Staged {
+  alignas(16) T xs[K];
+  float sums[K / 32];
+  explicit Staged(const std::vector<float>& x) {
+    for (int i = 0; i < K; i++) xs[i] = from_float<T>(x[i]);
+    for (int t = 0; t < BLOCK_THREADS; t++) { threadIdx.x = t; chunk_sums<T, K, 4>(xs, sums); }
+  }
+};
+
+// rows_dot_affine4 over all rows of a case, R at a time; prints "case row value".
 template <typename T, int K, int G, int R, bool IN_PLACE>
 void run(int index, const char* path) {
-  FILE* f = std::fopen(path, "rb");
-  if (!f) { std::printf("error cannot open %s\n", path); return; }
-  uint32_t rows;
-  if (std::fread(&rows, 4, 1, f) != 1) return;
-  std::vector<uint4> packed(rows * K / 32);
-  std::vector<float> scales(rows * K / G), biases(rows * K / G), x(K);
-  size_t got = std::fread(packed.data(), 16, packed.size(), f);
-  got += std::fread(scales.data(), 4, scales.size(), f);
-  got += std::fread(biases.data(), 4, biases.size(), f);
-  got += std::fread(x.data(), 4, x.size(), f);
-  std::fclose(f);
-  if (got != packed.size() + scales.size() + biases.size() + x.size()) { std::printf("error short %s\n", path); return; }
-  std::vector<T> s(scales.size()), b(biases.size());
-  for (size_t i = 0; i < s.size(); i++) { s[i] = from_float<T>(scales[i]); b[i] = from_float<T>(biases[i]); }
-  alignas(16) static T xs[K];
-  for (int i = 0; i < K; i++) xs[i] = from_float<T>(x[i]);
-  static float sums[K / 32];
-  for (int t = 0; t < BLOCK_THREADS; t++) { threadIdx.x = t; chunk_sums<T, K, 4>(xs, sums); }
-  for (uint32_t r0 = 0; r0 < rows; r0 += R) {
+  const Loaded<T, K, G> m(path);
+  if (!m.ok) return;
+  const auto in = std::make_unique<Staged<T, K>>(m.x);
+  for (uint32_t r0 = 0; r0 < m.rows; r0 += R) {
     const void* row_ptr[R];
     const T* scale_ptr[R];
     const T* bias_ptr[R];
     for (int i = 0; i < R; i++) {
-      row_ptr[i] = packed.data() + (r0 + i) * (K / 32);
-      scale_ptr[i] = s.data() + (r0 + i) * (K / G);
-      bias_ptr[i] = b.data() + (r0 + i) * (K / G);
+      row_ptr[i] = m.row(r0 + i);
+      scale_ptr[i] = m.scales(r0 + i);
+      bias_ptr[i] = m.biases(r0 + i);
     }
     float total[R] = {};
     for (int lane = 0; lane < 32; lane++) {
       threadIdx.x = lane;
       float out[R];
-      rows_dot_affine4<T, K, R, G, IN_PLACE>(row_ptr, scale_ptr, bias_ptr, xs, sums, out);
+      rows_dot_affine4<T, K, R, G, IN_PLACE>(row_ptr, scale_ptr, bias_ptr, in->xs, in->sums, out);
       for (int i = 0; i < R; i++) total[i] += out[i];
     }
     for (int i = 0; i < R; i++) std::printf("%d %u %.9g\n", index, r0 + i, total[i]);
+  }
+}
+
+// The products' weight_rows over two 4-bit weights (gate and up, one input), R rows from
+// `first`, lane by lane; prints "index weight row value", rows past the end read as the
+// last one.
+template <typename T, int K, int G, int R>
+void run_pair(int index, const char* gate_path, const char* up_path, int first) {
+  const Loaded<T, K, G> g(gate_path), u(up_path);
+  if (!g.ok || !u.ok) return;
+  const auto in = std::make_unique<Staged<T, K>>(g.x);
+  const int n = int(g.rows);
+  const uint32_t* const ws[2] = {reinterpret_cast<const uint32_t*>(g.packed.data()),
+                                 reinterpret_cast<const uint32_t*>(u.packed.data())};
+  const T* const ss[2] = {g.s.data(), u.s.data()};
+  const T* const bs[2] = {g.b.data(), u.b.data()};
+  float total[2 * R] = {};
+  for (int lane = 0; lane < 32; lane++) {
+    threadIdx.x = lane;
+    float out[2 * R];
+    weight_rows<T, K, R, 4, G, 2>(ws, ss, bs, first, n, in->xs, in->sums, out);
+    for (int i = 0; i < 2 * R; i++) total[i] += out[i];
+  }
+  for (int m = 0; m < 2; m++) {
+    for (int i = 0; i < R; i++) {
+      std::printf("%d %d %d %.9g\n", index, m, min(first + i, n - 1), total[m * R + i]);
+    }
   }
 }
 "#;
@@ -188,7 +246,7 @@ fn round_to_bf16(values: &[f32]) -> Vec<f32> {
 
 /// Writes the case's inputs; returns the reference products and the sums of |w x| per row
 /// (the scale of a float32 rounding error).
-fn write_case(case: &Case, seed: u64, path: &Path) -> (Vec<f64>, Vec<f64>) {
+fn write_case(case: &Case, seed: u64, x_seed: u64, path: &Path) -> (Vec<f64>, Vec<f64>) {
     let (rows, k, g) = (case.rows, case.k, case.group);
     let w = Array::from_slice(&pseudo_random(seed, (rows * k) as usize), &[rows, k]);
     let (packed, scales, biases) = quantize(&w, g, 4).unwrap();
@@ -202,7 +260,7 @@ fn write_case(case: &Case, seed: u64, path: &Path) -> (Vec<f64>, Vec<f64>) {
         .unwrap()
         .as_slice::<f32>()
         .to_vec();
-    let mut x = pseudo_random(seed + 1, k as usize);
+    let mut x = pseudo_random(x_seed, k as usize);
     if case.bf16 {
         scales_f = round_to_bf16(&scales_f);
         biases_f = round_to_bf16(&biases_f);
@@ -245,31 +303,11 @@ fn write_case(case: &Case, seed: u64, path: &Path) -> (Vec<f64>, Vec<f64>) {
     (want, magnitude)
 }
 
-#[test]
-fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut source = format!("{HOST_SHIM}{HEADER}{DRIVER}\nint main() {{\n");
-    let mut expected = Vec::new();
-    for (i, case) in CASES.iter().enumerate() {
-        assert_eq!(case.rows % case.rows_per_call, 0);
-        let path = dir.path().join(format!("case-{i}.bin"));
-        expected.push(write_case(case, 17 + i as u64, &path));
-        let t = if case.bf16 { "bf16" } else { "float" };
-        writeln!(
-            source,
-            "  run<{t}, {}, {}, {}, {}>({i}, \"{}\");",
-            case.k,
-            case.group,
-            case.rows_per_call,
-            case.in_place,
-            path.display()
-        )
-        .unwrap();
-    }
-    source.push_str("  return 0;\n}\n");
-    let cpp = dir.path().join("affine4.cpp");
-    let exe = dir.path().join("affine4");
-    std::fs::write(&cpp, &source).unwrap();
+/// Compiles the C++ `source` in `dir` and returns what the program prints.
+fn compile_and_run(dir: &Path, source: &str) -> String {
+    let cpp = dir.join("affine4.cpp");
+    let exe = dir.join("affine4");
+    std::fs::write(&cpp, source).unwrap();
     // $CXX, else the first of the usual names that runs (setup.sh installs clang).
     let candidates: Vec<String> = std::env::var("CXX")
         .into_iter()
@@ -294,7 +332,32 @@ fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
     );
     let run = Command::new(&exe).output().unwrap();
     assert!(run.status.success());
-    let printed = String::from_utf8(run.stdout).unwrap();
+    String::from_utf8(run.stdout).unwrap()
+}
+
+#[test]
+fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut source = format!("{HOST_SHIM}{HEADER}{WEIGHT_ROWS_HEADER}{DRIVER}\nint main() {{\n");
+    let mut expected = Vec::new();
+    for (i, case) in CASES.iter().enumerate() {
+        assert_eq!(case.rows % case.rows_per_call, 0);
+        let path = dir.path().join(format!("case-{i}.bin"));
+        expected.push(write_case(case, 17 + i as u64, 100 + i as u64, &path));
+        let t = if case.bf16 { "bf16" } else { "float" };
+        writeln!(
+            source,
+            "  run<{t}, {}, {}, {}, {}>({i}, \"{}\");",
+            case.k,
+            case.group,
+            case.rows_per_call,
+            case.in_place,
+            path.display()
+        )
+        .unwrap();
+    }
+    source.push_str("  return 0;\n}\n");
+    let printed = compile_and_run(dir.path(), &source);
     let mut checked = 0;
     for line in printed.lines() {
         let parts: Vec<&str> = line.split_whitespace().collect();
@@ -315,4 +378,58 @@ fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
     }
     let rows: i32 = CASES.iter().map(|c| c.rows).sum();
     assert_eq!(checked, rows as usize, "every row of every case: {printed}");
+}
+
+#[test]
+fn the_products_read_gate_and_up_rows_of_4bit_weights_and_repeat_the_last_past_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Case {
+        bf16: true,
+        k: 2560,
+        group: 64,
+        rows_per_call: 2,
+        in_place: false,
+        rows: 6,
+    };
+    let (gate_path, up_path) = (dir.path().join("gate.bin"), dir.path().join("up.bin"));
+    // Two matrices, one input.
+    let gate = write_case(&shape, 41, 7, &gate_path);
+    let up = write_case(&shape, 42, 7, &up_path);
+    let mut source = format!("{HOST_SHIM}{HEADER}{WEIGHT_ROWS_HEADER}{DRIVER}\nint main() {{\n");
+    // Rows 0-1, rows 4-5, and row 5 twice (the second past the end).
+    for (index, first) in [0, 4, 5].into_iter().enumerate() {
+        writeln!(
+            source,
+            "  run_pair<bf16, 2560, 64, 2>({index}, \"{}\", \"{}\", {first});",
+            gate_path.display(),
+            up_path.display()
+        )
+        .unwrap();
+    }
+    source.push_str("  return 0;\n}\n");
+    let printed = compile_and_run(dir.path(), &source);
+    let mut seen = Vec::new();
+    for line in printed.lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(parts.len(), 4, "unexpected driver output: {line}");
+        let index: usize = parts[0].parse().unwrap();
+        let weight: usize = parts[1].parse().unwrap();
+        let row: usize = parts[2].parse().unwrap();
+        let got: f64 = parts[3].parse().unwrap();
+        let (want, magnitude) = if weight == 0 { &gate } else { &up };
+        let tolerance = 1e-5 * magnitude[row];
+        assert!(
+            (got - want[row]).abs() <= tolerance,
+            "call {index}, weight {weight}, row {row}: {got} vs MLX's {}",
+            want[row]
+        );
+        seen.push((index, weight, row));
+    }
+    let expected: Vec<(usize, usize, usize)> = [(0, [0, 1]), (1, [4, 5]), (2, [5, 5])]
+        .into_iter()
+        .flat_map(|(index, rows)| {
+            (0..2).flat_map(move |weight| rows.map(|row| (index, weight, row)))
+        })
+        .collect();
+    assert_eq!(seen, expected, "{printed}");
 }

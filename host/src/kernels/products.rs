@@ -286,8 +286,9 @@ const RESIDUAL_SOURCE: &str = r#"
 "#;
 
 /// Rows of a dense or 4-bit weight for the gated and closing products, after [`HEADER`] and
-/// [`super::affine4::HEADER`].
-const WEIGHT_ROWS_HEADER: &str = r#"
+/// [`super::affine4::HEADER`] (public for `tests/affine4_kernel_math.rs`, which runs it on the
+/// host).
+pub const WEIGHT_ROWS_HEADER: &str = r#"
 // Dots of rows first ... first + R - 1 (the last row again past N) of each of the M weights
 // ws with the staged input: out[m R + i] for weight m, row first + i. Dense rows (BITS 0) go
 // through rows_dot, 4-bit ones (scales ss and biases bs, [N, K / G]) through rows_dot_affine4
