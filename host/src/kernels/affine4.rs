@@ -18,8 +18,8 @@
 //!   (`chunk_sums`), not once a row;
 //! * a lane keeps up to eight 16-byte loads in flight across its rows and chunks.
 //!
-//! The text needs the products' header ([`super::products::HEADER`]: `warp_sum`,
-//! `BLOCK_THREADS`) before it.
+//! The text needs the products' header (`products::HEADER`: `warp_sum`, `BLOCK_THREADS`)
+//! before it.
 
 /// The device helpers (CUDA source text).
 pub const HEADER: &str = r#"

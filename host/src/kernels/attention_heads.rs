@@ -21,8 +21,6 @@
 
 use std::cell::RefCell;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
 
@@ -149,19 +147,6 @@ thread_local! {
     ).with_header(Box::leak(format!("{PRODUCTS_HEADER}{AFFINE4_HEADER}").into_boxed_str())));
 }
 
-static AFFINE4_HEADS: AtomicBool = AtomicBool::new(false);
-
-/// Lets the kernel take 4-bit affine projection weights (`--fused-kernels ...,affine4-heads`;
-/// off by default until a GPU run checks it), summed as [`super::affine4`] describes.
-pub fn set_affine4_heads(on: bool) {
-    AFFINE4_HEADS.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_affine4_heads`] setting.
-pub fn affine4_heads() -> bool {
-    AFFINE4_HEADS.load(Ordering::Relaxed)
-}
-
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
 /// rotate-half pairs per lane.
 pub fn serves(head_dim: usize, dtype: Dtype) -> bool {
@@ -238,9 +223,6 @@ pub fn attention_heads(
         }
         None => (weights.q, weights.q, weights.q_norm, false),
     };
-    if bits != 0 && !affine4_heads() {
-        bail!("attention_heads: 4-bit weights need the affine4-heads fused kernels to be allowed");
-    }
     let (k_cache, v_cache, slot) = match &cache {
         Some(c) => {
             let capacity = c.keys.shape()[2];

@@ -46,9 +46,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
+// What `--fused-kernels` allows; until it is set, its default set.
 static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
 static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
-static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
+static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(false);
+static AFFINE4_ALLOWED: AtomicBool = AtomicBool::new(true);
+static AFFINE4_HEADS_ALLOWED: AtomicBool = AtomicBool::new(false);
+static AFFINE4_PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(false);
 static PREFETCH: AtomicBool = AtomicBool::new(false);
 
 /// Makes the attention kernels and the post-attention kernel ask L2 for data before work its
@@ -98,9 +102,9 @@ impl Fused {
             attention: ATTENTION_ALLOWED.load(Ordering::Relaxed),
             products: PRODUCTS_ALLOWED.load(Ordering::Relaxed),
             post_attention: POST_ATTENTION_ALLOWED.load(Ordering::Relaxed),
-            affine4: post_attention::affine4(),
-            affine4_heads: attention_heads::affine4_heads(),
-            affine4_products: products::affine4_products(),
+            affine4: AFFINE4_ALLOWED.load(Ordering::Relaxed),
+            affine4_heads: AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed),
+            affine4_products: AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed),
         }
     }
 }
@@ -188,9 +192,9 @@ pub fn set_allowed(allowed: Fused) {
     ATTENTION_ALLOWED.store(allowed.attention, Ordering::Relaxed);
     PRODUCTS_ALLOWED.store(allowed.products, Ordering::Relaxed);
     POST_ATTENTION_ALLOWED.store(allowed.post_attention, Ordering::Relaxed);
-    post_attention::set_affine4(allowed.affine4);
-    attention_heads::set_affine4_heads(allowed.affine4_heads);
-    products::set_affine4_products(allowed.affine4_products);
+    AFFINE4_ALLOWED.store(allowed.affine4, Ordering::Relaxed);
+    AFFINE4_HEADS_ALLOWED.store(allowed.affine4_heads, Ordering::Relaxed);
+    AFFINE4_PRODUCTS_ALLOWED.store(allowed.affine4_products, Ordering::Relaxed);
 }
 
 /// A compile-time constant of a kernel's source.
@@ -483,9 +487,9 @@ mod tests {
         };
         set_allowed(all);
         let next = Fused::for_next_forward();
-        let affine4 = post_attention::affine4()
-            && attention_heads::affine4_heads()
-            && products::affine4_products();
+        let affine4 = AFFINE4_ALLOWED.load(Ordering::Relaxed)
+            && AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed)
+            && AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed);
         set_allowed(Fused::default());
         assert!(affine4, "set_allowed did not allow the 4-bit kernels");
         assert_eq!(next, Fused::default());

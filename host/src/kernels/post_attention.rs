@@ -525,22 +525,6 @@ pub fn poll_loads() -> bool {
     POLL_LOADS.load(Ordering::Relaxed)
 }
 
-static AFFINE4: AtomicBool = AtomicBool::new(false);
-
-/// Lets the kernel take 4-bit affine weights (`--fused-kernels ...,affine4`, on by default),
-/// whether or not it takes dense ones: it sums `scale (q . x) + bias (sum of x)` in float32
-/// per 32 values, where MLX's CUDA product accumulates in the activation dtype, so its tokens
-/// may differ from MLX's operations' while it computes the function more closely (checked
-/// against transformers on the 4-bit fixture).
-pub fn set_affine4(on: bool) {
-    AFFINE4.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_affine4`] setting.
-pub fn affine4() -> bool {
-    AFFINE4.load(Ordering::Relaxed)
-}
-
 static IN_PLACE: AtomicBool = AtomicBool::new(false);
 
 /// Makes the 4-bit path unpack each value where it lies in its word, scaled by a power of 16
@@ -662,9 +646,6 @@ pub fn post_attention(
         bail!(
             "post_attention: the weights mix layouts (dense, or 4-bit in groups): {core:?} {per_layer:?}"
         );
-    }
-    if bits != 0 && !affine4() {
-        bail!("post_attention: 4-bit weights need the affine4 fused kernels to be allowed");
     }
     if !serves(h as usize, zw as usize, n as usize, p as usize, dtype) {
         bail!(

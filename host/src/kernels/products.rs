@@ -27,7 +27,7 @@
 //! rounded before the gating product.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::ops::{concatenate, zeros_dtype};
@@ -285,8 +285,8 @@ const RESIDUAL_SOURCE: &str = r#"
   if (threadIdx.x == 0) *done = 0u;
 "#;
 
-/// Rows of a dense or 4-bit weight for the gated and closing products, after [`HEADER`] and
-/// [`super::affine4::HEADER`] (public for `tests/affine4_kernel_math.rs`, which runs it on the
+/// Rows of a dense or 4-bit weight for the gated and closing products, after this module's
+/// device helpers and [`super::affine4::HEADER`] (public for `tests/affine4_kernel_math.rs`, which runs it on the
 /// host).
 pub const WEIGHT_ROWS_HEADER: &str = r#"
 // Dots of rows first ... first + R - 1 (the last row again past N) of each of the M weights
@@ -559,7 +559,6 @@ pub fn gated_product_rows(
             (gate, values, offset.clone(), true)
         }
     };
-    check_bits(bits)?;
     let [wg, wg_s, wg_b] = gate.inputs();
     let [wu, wu_s, wu_b] = up_weight.inputs();
     GATED.with(|cell| {
@@ -628,7 +627,6 @@ pub fn product_residual_rows(
     let k = a.shape()[a.ndim() - 1];
     let dtype = a.dtype();
     let (n, bits, group) = weight_layout(&w, k, dtype, "product_residual: the weight")?;
-    check_bits(bits)?;
     let [w, w_s, w_b] = w.inputs();
     RESIDUAL.with(|cell| {
         let mut kernels = cell.borrow_mut();
@@ -659,29 +657,6 @@ pub fn product_residual_rows(
         )?;
         Ok(out.remove(0))
     })
-}
-
-static AFFINE4_PRODUCTS: AtomicBool = AtomicBool::new(false);
-
-/// Lets [`gated_product`] and [`product_residual`] take 4-bit affine weights
-/// (`--fused-kernels ...,affine4-products`; off by default until a GPU run checks it),
-/// summed as [`super::affine4`] describes.
-pub fn set_affine4_products(on: bool) {
-    AFFINE4_PRODUCTS.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_affine4_products`] setting.
-pub fn affine4_products() -> bool {
-    AFFINE4_PRODUCTS.load(Ordering::Relaxed)
-}
-
-fn check_bits(bits: i32) -> Result<()> {
-    if bits != 0 && !affine4_products() {
-        bail!(
-            "4-bit weights in the fused products need the affine4-products kernels to be allowed"
-        );
-    }
-    Ok(())
 }
 
 #[cfg(test)]
