@@ -279,10 +279,10 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
     /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
-    /// products, both, all three) and variants of the default (decode attention in 32- and
-    /// 64-slot shares; the post-attention kernel's barriers polling the other way, its
-    /// prefetch switched, both, 16 loads in flight), alternating between them round by round in this process; fails if the
-    /// post-attention kernel changes the greedy tokens of its twin.
+    /// products, both, with post-attention; on a 4-bit model, each set of 4-bit kernels) and
+    /// variants (decode attention in 32-slot shares, the post-attention kernel with row pairs,
+    /// 4-bit values unpacked in place), alternating between them round by round in this
+    /// process; fails if the post-attention kernel changes the greedy tokens of its twin.
     #[arg(long)]
     compare_fused: bool,
     /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
@@ -1235,9 +1235,9 @@ fn compare_fused(
             },
         ]
     } else {
-        // The variants measured before that lost in several leases (barriers polling with
-        // acquire loads, L2 prefetch, 16 loads in flight, three blocks a multiprocessor;
-        // BENCHMARKS.md) are no longer sets; their knobs stay in `Tuning`.
+        // Variants that lost in several leases (barriers polling with acquire loads, L2
+        // prefetch, 16 loads in flight, three blocks a multiprocessor) were removed; their
+        // figures are in BENCHMARKS.md.
         vec![
             set("none", fused(false, false)),
             set("attention", fused(true, false)),

@@ -18,8 +18,8 @@
 //!   (`chunk_sums`), not once a row;
 //! * a lane keeps up to eight 16-byte loads in flight across its rows and chunks.
 //!
-//! The text needs the products' header (`products::HEADER`: `warp_sum`, `BLOCK_THREADS`)
-//! before it.
+//! The text needs the products' header (`products::HEADER`: `warp_sum`, `BLOCK_THREADS`,
+//! `rows_dot`) before it. `weight_dot` reads rows of either kind by index.
 
 /// The device helpers (CUDA source text).
 pub const HEADER: &str = r#"
@@ -191,4 +191,31 @@ __device__ inline void rows_dot_affine4(const void* const* rows, const T* const*
   for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
 }
 
+
+// Dots of rows r[0], r[1], ... (R of them) of weights w[0..R) with the staged input, summed
+// over the warp: dense rows (BITS 0) through the products' rows_dot, 4-bit ones through
+// rows_dot_affine4. s and b: each weight's scales and biases, [rows, K / G], and sums the
+// input's chunk sums (unused for dense weights).
+template <typename T, int K, int R, int BITS, int G, bool IN_PLACE>
+__device__ inline void weight_dot(const void* const* w, const T* const* s, const T* const* b,
+                                  const int* r, const T* xs, const float* sums, float* out) {
+  if constexpr (BITS == 0) {
+    const T* rows[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) rows[i] = static_cast<const T*>(w[i]) + (size_t)r[i] * K;
+    rows_dot<T, K, R>(rows, xs, out);
+  } else {
+    constexpr int GROUPS = K / (G > 0 ? G : 1);
+    const void* rows[R];
+    const T* sr[R];
+    const T* br[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+      rows[i] = static_cast<const char*>(w[i]) + (size_t)r[i] * row_bytes<T, K, BITS>();
+      sr[i] = s[i] + (size_t)r[i] * GROUPS;
+      br[i] = b[i] + (size_t)r[i] * GROUPS;
+    }
+    rows_dot_affine4<T, K, R, G, IN_PLACE>(rows, sr, br, xs, sums, out);
+  }
+}
 "#;

@@ -53,12 +53,6 @@ const SOURCE: &str = r#"
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * WARPS + warp;
-  if (row < NQ + NK + NV) {
-    // This warp's row, asked of L2 while the block stages the input (PREFETCH).
-    const T* s;
-    const T* b;
-    prefetch_l2<PREFETCH>(row_of(row, s, b), ROW_BYTES < 8192 ? (int)ROW_BYTES : 8192);
-  }
   stage_input<T, K, true>(x, nw, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
   if (row < NQ + NK + NV) {
@@ -291,7 +285,6 @@ pub fn attention_heads(
                 (c"NH", TemplateArg::Int(shape.heads)),
                 (c"NKV", TemplateArg::Int(nkv)),
                 (c"K_EQ_V", TemplateArg::Bool(k_eq_v)),
-                (c"PREFETCH", TemplateArg::Bool(super::prefetch())),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
             ],

@@ -29,7 +29,7 @@ use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::products::device_array;
-use super::{prefetch, step_ints, CudaKernel, TemplateArg, REDUCE_HEADER};
+use super::{step_ints, CudaKernel, TemplateArg, REDUCE_HEADER};
 
 const SOURCE: &str = r#"
   // A lane loads 16 bytes (VEC elements) at a time; a row of D elements is CH such chunks
@@ -55,13 +55,6 @@ const SOURCE: &str = r#"
   const int warp = threadIdx.x >> 5;
   const T* kb = k + (size_t)kv_head * SLOTS * D;
   const T* vb = v + (size_t)kv_head * SLOTS * D;
-
-  // With PREFETCH, warp 0 asks L2 for the share's key and value rows first: the rounds below
-  // then wait on L2, not on device memory.
-  if (PREFETCH && warp == 0 && lo < hi) {
-    prefetch_l2<PREFETCH>(kb + (size_t)lo * D, (hi - lo) * D * (int)sizeof(T));
-    prefetch_l2<PREFETCH>(vb + (size_t)lo * D, (hi - lo) * D * (int)sizeof(T));
-  }
 
   // The slots this query sees, [first, last + 1): requested first, used last.
   int first_seen = 0, end_seen = 0;
@@ -369,7 +362,6 @@ pub fn decode_attention(
                 (c"SPLITS", TemplateArg::Int(splits)),
                 (c"SLOTS", TemplateArg::Int(slots)),
                 (c"MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
-                (c"PREFETCH", TemplateArg::Bool(prefetch())),
             ],
         )?;
         Ok(out.remove(1))

@@ -53,23 +53,6 @@ static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(false);
 static AFFINE4_ALLOWED: AtomicBool = AtomicBool::new(true);
 static AFFINE4_HEADS_ALLOWED: AtomicBool = AtomicBool::new(false);
 static AFFINE4_PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(false);
-static PREFETCH: AtomicBool = AtomicBool::new(false);
-
-/// Makes the attention kernels and the post-attention kernel ask L2 for data before work its
-/// loads do not depend on, so that it arrives meanwhile (true), or not (false, the default
-/// until measured); `bench --compare-fused` measures both. A prefetch changes no value. Where:
-/// a warp's first weight row of the attention heads, before the input's staging; a block's
-/// key and value rows in decode attention, before the visible range's read across the bus;
-/// each warp's first weights of the next post-attention stage, before the grid barrier.
-pub fn set_prefetch(on: bool) {
-    PREFETCH.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_prefetch`] setting.
-pub fn prefetch() -> bool {
-    PREFETCH.load(Ordering::Relaxed)
-}
-
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fused {
@@ -147,18 +130,10 @@ pub(crate) fn step_ints(values: &[i32]) -> Array {
 pub struct Tuning {
     /// Slots a block of [`decode_attention`] takes ([`decode_attention::set_share_slots`]).
     pub attention_share: usize,
-    /// [`post_attention::set_poll_loads`].
-    pub poll_loads: bool,
-    /// [`set_prefetch`].
-    pub prefetch: bool,
-    /// [`post_attention::set_deep_loads`].
-    pub deep_loads: bool,
     /// [`post_attention::set_row_pairs`].
     pub row_pairs: bool,
     /// [`post_attention::set_affine4_in_place`] (4-bit weights only; moves roundings).
     pub affine4_in_place: bool,
-    /// [`post_attention::set_blocks_per_multiprocessor`].
-    pub post_attention_blocks: i32,
 }
 
 impl Tuning {
@@ -166,24 +141,16 @@ impl Tuning {
     pub fn current() -> Tuning {
         Tuning {
             attention_share: decode_attention::share_slots(),
-            poll_loads: post_attention::poll_loads(),
-            prefetch: prefetch(),
-            deep_loads: post_attention::deep_loads(),
             row_pairs: post_attention::row_pairs(),
             affine4_in_place: post_attention::affine4_in_place(),
-            post_attention_blocks: post_attention::blocks_per_multiprocessor(),
         }
     }
 
     /// Puts these settings in force.
     pub fn apply(self) {
         decode_attention::set_share_slots(self.attention_share);
-        post_attention::set_poll_loads(self.poll_loads);
-        set_prefetch(self.prefetch);
-        post_attention::set_deep_loads(self.deep_loads);
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
-        post_attention::set_blocks_per_multiprocessor(self.post_attention_blocks);
     }
 }
 
@@ -419,26 +386,8 @@ impl PerEpsilon {
 }
 
 /// Device helpers shared by the kernels: block-wide sum and max over `float`, with `red`
-/// a `__shared__ float[32]` scratch, and the L2 prefetch.
+/// a `__shared__ float[32]` scratch.
 const REDUCE_HEADER: &str = r#"
-// With ON, asks L2 for `bytes` (a multiple of 16) from `p` without waiting: data a warp will
-// read, requested before work it does not depend on (a barrier, the input's staging, a read
-// across the bus), so that it arrives meanwhile. Called by a whole warp: lane 0 issues one
-// bulk prefetch (sm_90 and later); older devices prefetch a 128-byte line a lane.
-template <bool ON>
-__device__ inline void prefetch_l2(const void* p, int bytes) {
-  if constexpr (ON) {
-    const int lane = threadIdx.x & 31;
-#if __CUDA_ARCH__ >= 900
-    if (lane == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(bytes) : "memory");
-#else
-    for (int off = lane * 128; off < bytes; off += 32 * 128) {
-      asm volatile("prefetch.global.L2 [%0];" : : "l"(static_cast<const char*>(p) + off));
-    }
-#endif
-  }
-}
-
 __device__ inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

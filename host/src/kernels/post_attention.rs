@@ -39,16 +39,15 @@
 //! dense weights the three fused products of [`super::products`] were faster in the latest
 //! measurements, so there it is opt-in (`post-attention`).
 //!
-//! Ways of running it that change no value are measured against the default before any
-//! becomes it ([`super::Tuning`]): barriers polling with acquire loads ([`set_poll_loads`]),
-//! the next stage's weights prefetched into L2 while the grid waits
-//! ([`super::set_prefetch`]), 16 weight loads in flight per lane ([`set_deep_loads`]), two
-//! rows a warp in the single-product stages ([`set_row_pairs`]), three blocks a
-//! multiprocessor ([`set_blocks_per_multiprocessor`]); and, for 4-bit weights, values
-//! unpacked where they lie in the word ([`set_affine4_in_place`]).
+//! Two ways of running it are measured against the default before either becomes it
+//! ([`super::Tuning`]): two rows a warp in the single-product stages ([`set_row_pairs`]),
+//! and, for 4-bit weights, values unpacked where they lie in the word
+//! ([`set_affine4_in_place`]). Others lost on the H200 in several leases and were removed
+//! (BENCHMARKS.md): barriers polling with acquire loads, the next stage's weights prefetched
+//! into L2, 16 loads in flight a lane, three blocks a multiprocessor.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
@@ -59,26 +58,14 @@ use super::{PerEpsilon, TemplateArg};
 
 /// Device helpers added to the products' ones.
 const BARRIER_HEADER: &str = r#"
-// A load of a flag other blocks write, ordered before this thread's later reads (acquire, at
-// device scope: it goes to L2, never to a stale L1 line).
-__device__ inline unsigned int load_acquire(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Grid-wide barrier of a grid whose blocks are all resident. bar[0] counts the blocks that
-// arrived; the barrier's generation is bar[1] (POLL_LOADS false) or bar[32] (true): the last
-// block to arrive resets the count and opens the next generation, which the others wait for.
-// With POLL_LOADS the waiting blocks poll with plain acquire loads, back to back, on a cache
-// line of its own, instead of atomic reads every 64 ns on the line of the arrival count,
-// which the arrivals' atomics then share with the polls.
-template <bool POLL_LOADS>
+// arrived, bar[1] is the barrier's generation: the last block to arrive resets the count and
+// opens the next generation, which the others wait for, reading it atomically every 64 ns.
 __device__ inline void grid_barrier(unsigned int* bar) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned int* generation = bar + (POLL_LOADS ? 32 : 1);
-    const unsigned int mine = POLL_LOADS ? load_acquire(generation) : atomicAdd(generation, 0u);
+    unsigned int* generation = bar + 1;
+    const unsigned int mine = atomicAdd(generation, 0u);
     __threadfence();
     if (atomicAdd(bar, 1u) == gridDim.x - 1) {
       atomicExch(bar, 0u);
@@ -86,8 +73,8 @@ __device__ inline void grid_barrier(unsigned int* bar) {
       atomicAdd(generation, 1u);
     } else {
       const long long start = clock64();
-      while ((POLL_LOADS ? load_acquire(generation) : atomicAdd(generation, 0u)) == mine) {
-        if (!POLL_LOADS) __nanosleep(64);
+      while (atomicAdd(generation, 0u) == mine) {
+        __nanosleep(64);
         // About a second at the H200's clock: some block never ran, abort rather than hang.
         if (clock64() - start > (1ll << 31)) __trap();
       }
@@ -137,37 +124,11 @@ __device__ inline float product_rms(const float* o, float* red) {
   return rsqrtf(block_sum(ss, red) / N + EPS);
 }
 
-// Dots of rows r0, r1, ... (R of them) of weights w[0..R) with the staged input: dense rows go
-// through the products' rows_dot, 4-bit ones through rows_dot_affine4. s and b: each weight's
-// scales and biases, [rows, K / G], and sums the input's chunk sums (unused for dense weights).
-template <typename T, int K, int R, int LOADS, int BITS, int G, bool IN_PLACE>
-__device__ inline void weight_dot(const void* const* w, const T* const* s, const T* const* b,
-                                  const int* r, const T* xs, const float* sums, float* out) {
-  if constexpr (BITS == 0) {
-    const T* rows[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) rows[i] = static_cast<const T*>(w[i]) + (size_t)r[i] * K;
-    rows_dot<T, K, R, LOADS>(rows, xs, out);
-  } else {
-    constexpr int GROUPS = K / (G > 0 ? G : 1);
-    const void* rows[R];
-    const T* sr[R];
-    const T* br[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-      rows[i] = static_cast<const char*>(w[i]) + (size_t)r[i] * row_bytes<T, K, BITS>();
-      sr[i] = s[i] + (size_t)r[i] * GROUPS;
-      br[i] = b[i] + (size_t)r[i] * GROUPS;
-    }
-    rows_dot_affine4<T, K, R, G, IN_PLACE>(rows, sr, br, xs, sums, out);
-  }
-}
-
 // o[r] = W[r] . xs, rounded to T as MLX's product rounds it and kept in float32, for the
 // rows r this warp takes (every `warps`-th from `first`); W is [rows, K]. With PAIRS a warp
 // takes two of its rows at a time (twice the loads in flight, and the input read once for
 // both); each row's sum is the same.
-template <typename T, int K, int LOADS, int BITS, int G, bool IN_PLACE, bool PAIRS>
+template <typename T, int K, int BITS, int G, bool IN_PLACE, bool PAIRS>
 __device__ inline void product_rows(const void* w, const T* s, const T* b, const T* xs,
                                     const float* sums, float* o, int rows, int first, int warps) {
   const bool lane0 = (threadIdx.x & 31) == 0;
@@ -180,7 +141,7 @@ __device__ inline void product_rows(const void* w, const T* s, const T* b, const
       const T* bs[2] = {b, b};
       const int rs[2] = {r, r2};
       float d[2];
-      weight_dot<T, K, 2, LOADS, BITS, G, IN_PLACE>(ws, ss, bs, rs, xs, sums, d);
+      weight_dot<T, K, 2, BITS, G, IN_PLACE>(ws, ss, bs, rs, xs, sums, d);
       if (lane0) {
         o[r] = static_cast<float>(static_cast<T>(d[0]));
         if (r2 != r) o[r2] = static_cast<float>(static_cast<T>(d[1]));
@@ -189,7 +150,7 @@ __device__ inline void product_rows(const void* w, const T* s, const T* b, const
   } else {
     for (int r = first; r < rows; r += warps) {
       float d;
-      weight_dot<T, K, 1, LOADS, BITS, G, IN_PLACE>(&w, &s, &b, &r, xs, sums, &d);
+      weight_dot<T, K, 1, BITS, G, IN_PLACE>(&w, &s, &b, &r, xs, sums, &d);
       if (lane0) o[r] = static_cast<float>(static_cast<T>(d));
     }
   }
@@ -222,21 +183,13 @@ const SOURCE: &str = r#"
   const int warps = gridDim.x * WARPS;
   const int first = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const float s = static_cast<float>(scale[0]);
-  // Bytes of a warp's first row (or pair of rows) of a stage to prefetch (PREFETCH).
-  constexpr int AHEAD = 8192;
-  auto ahead = [](size_t bytes) { return bytes < AHEAD ? (int)bytes : AHEAD; };
 
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
-  if (first < H) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wo) + first * row_bytes<T, Z, BITS>(), ahead(row_bytes<T, Z, BITS>()));
   stage_input<T, Z, false>(z, z, buf, red);
   chunk_sums<T, Z, BITS>(buf, sums);
-  product_rows<T, Z, LOADS, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
-  if (first < N) {
-    prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wg) + first * row_bytes<T, H, BITS>(), ahead(2 * row_bytes<T, H, BITS>()) / 2);
-    prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wu) + first * row_bytes<T, H, BITS>(), ahead(2 * row_bytes<T, H, BITS>()) / 2);
-  }
+  product_rows<T, Z, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
   __threadfence();
-  grid_barrier<POLL_LOADS>(bar);
+  grid_barrier(bar);
   const float r0 = product_rms<H>(o0, red);
   for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
     x1s[i] = closed<T, false>(__ldcg(o0 + i), r0, x[i], post_attention_norm[i], s);
@@ -252,23 +205,21 @@ const SOURCE: &str = r#"
     const T* bs[2] = {wg_b, wu_b};
     const int rs[2] = {r, r};
     float d[2];
-    weight_dot<T, H, 2, LOADS, BITS, G, IN_PLACE>(ws, ss, bs, rs, buf, sums, d);
+    weight_dot<T, H, 2, BITS, G, IN_PLACE>(ws, ss, bs, rs, buf, sums, d);
     if (lane == 0) {
       const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[0]))));
       a[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(static_cast<T>(d[1])));
     }
   }
-  if (first < H) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)wd) + first * row_bytes<T, N, BITS>(), ahead(row_bytes<T, N, BITS>()));
   __threadfence();
-  grid_barrier<POLL_LOADS>(bar);
+  grid_barrier(bar);
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
   chunk_sums<T, N, BITS>(buf, sums);
-  product_rows<T, N, LOADS, BITS, G, IN_PLACE, PAIRS>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
-  if (P > 0 && first < P) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)pg) + first * row_bytes<T, H, BITS>(), ahead(row_bytes<T, H, BITS>()));
+  product_rows<T, N, BITS, G, IN_PLACE, PAIRS>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
   __threadfence();
-  grid_barrier<POLL_LOADS>(bar);
+  grid_barrier(bar);
 
   // 3. h = x1 + rms_norm(o, post_norm): the output without a per-layer input (times the
   // layer scalar; the blocks write it in turns), else every block keeps all of h.
@@ -289,22 +240,21 @@ const SOURCE: &str = r#"
     for (int r = first; r < P; r += warps) {
       const void* w = pg;
       float d;
-      weight_dot<T, H, 1, LOADS, BITS, G, IN_PLACE>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
+      weight_dot<T, H, 1, BITS, G, IN_PLACE>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
       if (lane == 0) {
         const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
         g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
       }
     }
-    if (first < H) prefetch_l2<PREFETCH>(static_cast<const char*>((const void*)pp) + first * row_bytes<T, P, BITS>(), ahead(row_bytes<T, P, BITS>()));
     __threadfence();
-    grid_barrier<POLL_LOADS>(bar);
+    grid_barrier(bar);
 
     // 5. o2 = W_proj g.
     stage_written<T, P>(g, buf);
     chunk_sums<T, P, BITS>(buf, sums);
-    product_rows<T, P, LOADS, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
+    product_rows<T, P, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
     __threadfence();
-    grid_barrier<POLL_LOADS>(bar);
+    grid_barrier(bar);
 
     // 6. out = (h + rms_norm(o2, post_norm_2)) * layer scalar, written in turns.
     if (blockIdx.x * BLOCK_THREADS >= H) return;
@@ -320,23 +270,6 @@ const SOURCE: &str = r#"
 /// 12B's shapes; 128 would still fit two blocks of 256 threads) let at least this many be
 /// resident.
 const BLOCKS_PER_MULTIPROCESSOR: i32 = 2;
-
-static BLOCKS: AtomicI32 = AtomicI32::new(BLOCKS_PER_MULTIPROCESSOR);
-
-/// Makes the grid `blocks` per multiprocessor (2 by default) for the rest of the process:
-/// more resident warps keep more loads in flight (Nsight Compute finds the dense kernel
-/// waiting on memory with 16 warps a multiprocessor). Three blocks need at most 80 registers
-/// a thread (the dense kernel takes 72 under MLX on the H200, the 4-bit one 104): with more,
-/// some blocks would not be resident and the first barrier would trap. Only
-/// `bench --compare-fused` sets it, for the dense kernel.
-pub fn set_blocks_per_multiprocessor(blocks: i32) {
-    BLOCKS.store(blocks.clamp(1, 3), Ordering::Relaxed);
-}
-
-/// The current [`set_blocks_per_multiprocessor`] setting.
-pub fn blocks_per_multiprocessor() -> i32 {
-    BLOCKS.load(Ordering::Relaxed)
-}
 
 /// The staged vectors must fit a block's static shared memory (48 KB), twice per
 /// multiprocessor with room to spare.
@@ -504,25 +437,11 @@ pub fn serves(h: usize, z: usize, n: usize, p: usize, dtype: Dtype) -> bool {
         && kept * e + sums <= MAX_SHARED_BYTES
 }
 
-/// The barrier state a call site owns (counters in device memory: the arrival count, and the
-/// generation at two places, one per way of polling, the second on a cache line of its
-/// own). Calls of one site never overlap: each step's depends on the previous step's token.
+/// The barrier state a call site owns (the arrival count and the generation, in device
+/// memory: [`device_array`] pads it past the 8 bytes MLX would keep in host-visible memory).
+/// Calls of one site never overlap: each step's depends on the previous step's token.
 pub fn new_barrier() -> Result<Array> {
-    device_array(&Array::from_slice(&[0u32], &[1]), 64)
-}
-
-static POLL_LOADS: AtomicBool = AtomicBool::new(false);
-
-/// Makes the grid-wide barriers poll with acquire loads on a line of their own (true) or with
-/// atomic reads every 64 ns (false, the default until measured) for the rest of the process;
-/// `bench --compare-fused` measures both. The arithmetic is the same.
-pub fn set_poll_loads(on: bool) {
-    POLL_LOADS.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_poll_loads`] setting.
-pub fn poll_loads() -> bool {
-    POLL_LOADS.load(Ordering::Relaxed)
+    device_array(&Array::from_slice(&[0u32], &[1]), 16)
 }
 
 static IN_PLACE: AtomicBool = AtomicBool::new(false);
@@ -554,36 +473,9 @@ pub fn row_pairs() -> bool {
     ROW_PAIRS.load(Ordering::Relaxed)
 }
 
-static DEEP_LOADS: AtomicBool = AtomicBool::new(false);
-
-/// Makes each lane keep 16 loads of weights in flight instead of 8, in half precision (true),
-/// or not (false, the default until measured); `bench --compare-fused` measures both. Why it
-/// may pay: two resident blocks a multiprocessor are 16 warps, too few to cover the memory's
-/// latency at 8 loads each, where a standalone product kernel runs many more. The order of
-/// the sums is the same. Registers (NVRTC, sm_90a): at most 114 a thread for E4B's and 12B's
-/// shapes, under the 128 that two resident blocks of 256 threads allow; float32 stays at 8
-/// (146 there).
-pub fn set_deep_loads(on: bool) {
-    DEEP_LOADS.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_deep_loads`] setting.
-pub fn deep_loads() -> bool {
-    DEEP_LOADS.load(Ordering::Relaxed)
-}
-
-/// 16-byte weight loads a lane keeps in flight, for `dtype`.
-fn loads_in_flight(dtype: Dtype) -> i32 {
-    if deep_loads() && element_bytes(dtype) == Some(2) {
-        16
-    } else {
-        8
-    }
-}
-
 /// Blocks of the grid, or `None` where the device's multiprocessors are unknown.
 pub fn grid_blocks() -> Option<i32> {
-    crate::device::cuda_multiprocessor_count().map(|sms| sms * blocks_per_multiprocessor())
+    crate::device::cuda_multiprocessor_count().map(|sms| sms * BLOCKS_PER_MULTIPROCESSOR)
 }
 
 /// The layer's output for the token `x` (`[1, H]`, the layer's input) and its attention
@@ -717,9 +609,6 @@ pub fn post_attention(
                 (c"Z", TemplateArg::Int(zw)),
                 (c"N", TemplateArg::Int(n)),
                 (c"P", TemplateArg::Int(p)),
-                (c"POLL_LOADS", TemplateArg::Bool(poll_loads())),
-                (c"PREFETCH", TemplateArg::Bool(super::prefetch())),
-                (c"LOADS", TemplateArg::Int(loads_in_flight(dtype))),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
                 (c"IN_PLACE", TemplateArg::Bool(affine4_in_place())),
@@ -759,9 +648,9 @@ mod tests {
     }
 
     #[test]
-    fn a_barrier_starts_at_zero_with_its_generations_on_separate_lines() {
-        // The arrival count at 0, the generations at 1 and 32 (128 bytes further).
-        assert_eq!(new_barrier().unwrap().as_slice::<u32>(), &[0; 64]);
+    fn a_barrier_starts_at_zero_in_device_memory_sized() {
+        // The arrival count and the generation at 0, padded to more than 8 bytes.
+        assert_eq!(new_barrier().unwrap().as_slice::<u32>(), &[0; 16]);
     }
 
     #[test]

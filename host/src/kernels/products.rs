@@ -290,35 +290,23 @@ const RESIDUAL_SOURCE: &str = r#"
 /// host).
 pub const WEIGHT_ROWS_HEADER: &str = r#"
 // Dots of rows first ... first + R - 1 (the last row again past N) of each of the M weights
-// ws with the staged input: out[m R + i] for weight m, row first + i. Dense rows (BITS 0) go
-// through rows_dot, 4-bit ones (scales ss and biases bs, [N, K / G]) through rows_dot_affine4
-// with the input's chunk sums.
+// ws with the staged input: out[m R + i] for weight m, row first + i, through weight_dot.
 template <typename T, int K, int R, int BITS, int G, int M, typename W>
 __device__ inline void weight_rows(const W* const (&ws)[M], const T* const (&ss)[M],
                                    const T* const (&bs)[M], int first, int N, const T* xs,
                                    const float* sums, float* out) {
-  constexpr int GROUPS = BITS != 0 ? K / G : 1;
-  constexpr size_t ROW_BYTES = row_bytes<T, K, BITS>();
-  if constexpr (BITS == 0) {
-    const T* rows[M * R];
+  const void* w[M * R];
+  const T* s[M * R];
+  const T* b[M * R];
+  int r[M * R];
 #pragma unroll
-    for (int i = 0; i < M * R; i++) {
-      rows[i] = reinterpret_cast<const T*>(ws[i / R]) + (size_t)min(first + i % R, N - 1) * K;
-    }
-    rows_dot<T, K, M * R>(rows, xs, out);
-  } else {
-    const void* rows[M * R];
-    const T* sr[M * R];
-    const T* br[M * R];
-#pragma unroll
-    for (int i = 0; i < M * R; i++) {
-      const size_t r = min(first + i % R, N - 1);
-      rows[i] = reinterpret_cast<const char*>(ws[i / R]) + r * ROW_BYTES;
-      sr[i] = ss[i / R] + r * GROUPS;
-      br[i] = bs[i / R] + r * GROUPS;
-    }
-    rows_dot_affine4<T, K, M * R, G, false>(rows, sr, br, xs, sums, out);
+  for (int i = 0; i < M * R; i++) {
+    w[i] = ws[i / R];
+    s[i] = ss[i / R];
+    b[i] = bs[i / R];
+    r[i] = min(first + i % R, N - 1);
   }
+  weight_dot<T, K, M * R, BITS, G, false>(w, s, b, r, xs, sums, out);
 }
 "#;
 
