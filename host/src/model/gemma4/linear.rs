@@ -83,9 +83,15 @@ impl Linear {
         if weight.is_dense() {
             return Some(weight);
         }
+        // The flag first: this runs for every product of every step.
+        if !fused.affine4_products {
+            return None;
+        }
         let k = x.shape()[x.ndim() - 1];
-        let fits = weight.layout(weight.rows(), k, x.dtype(), "").is_ok();
-        (fused.affine4_products && fits).then_some(weight)
+        weight
+            .layout(weight.rows(), k, x.dtype(), "")
+            .is_ok()
+            .then_some(weight)
     }
 
     /// `x @ W.T`
