@@ -10,7 +10,8 @@
 #   fixtures-pa  the same with the one-kernel post-attention path named explicitly
 #   fixtures-affine4  the same with the post-attention kernel over 4-bit weights named explicitly
 #   fixtures-affine4-heads  the same with the attention-heads kernel over 4-bit weights too,
-#              then with it and the product kernels over 4-bit weights (experimental)
+#              then with it and the product kernels over 4-bit weights (the default)
+#   fixtures-head  the same with the output head kernel added to the default set
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
@@ -19,7 +20,8 @@
 #              static cache + torch.compile; `peer-static`: the second alone). PEER_TIMEOUT
 #              bounds each in seconds (default 400).
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
-#   cpu-check-q4  the same with 4-bit weights, for each set of 4-bit kernels
+#   cpu-check-q4  the same with 4-bit weights, for each set of 4-bit kernels in CPU_Q4_SETS
+#              (default: the default set, then with the output head kernel)
 #   host       where a pipelined E4B decode step's time goes, with and without our fused kernels
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
@@ -41,8 +43,9 @@
 #              memcheck of our kernels with the post-attention path
 #   quick      E4B bf16 decode with each set of fused kernels and the variants still in question of the
 #              default, alternated in one process (~2 minutes)
-#   quick-q4   the same for the 4-bit E4B: MLX's quantized products vs the 4-bit post-attention
-#              kernel's ways of running
+#   quick-q4   the same for the 4-bit E4B: MLX's quantized products, the 4-bit post-attention
+#              kernel, the 4-bit attention-heads and product kernels at 1, 2, 4 rows a warp, and
+#              with the output head kernel
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
@@ -116,6 +119,10 @@ if want fixtures-affine4-heads; then
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,affine4-heads,affine4-products" \
         --fused-kernels attention,products,affine4-heads,affine4-products
 fi
+if want fixtures-head; then
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,output-head" \
+        --fused-kernels attention,products,affine4-heads,affine4-products,output-head
+fi
 unset MLX_ENABLE_TF32
 
 # 2. The memory floor's denominator: device-to-device copy bandwidth (bytes read + written).
@@ -165,7 +172,7 @@ if want q4check; then
     # Which kernel set makes pipelined and step-by-step greedy decoding of the 4-bit E4B shape
     # disagree (the bench refuses to report a speed when they do).
     # Q4_SETS: the sets to run (default: all of them).
-    for fused in ${Q4_SETS:-none attention products attention,products attention,products,affine4 attention,products,affine4,affine4-heads attention,products,affine4-heads,affine4-products}; do
+    for fused in ${Q4_SETS:-none attention products attention,products attention,products,affine4 attention,products,affine4,affine4-heads attention,products,affine4-heads,affine4-products attention,products,affine4-heads,affine4-products,output-head}; do
         bench "mlx-spec E4B 4-bit g64, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --fused-kernels "$fused"
     done
@@ -198,9 +205,9 @@ if want profile; then
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \
             "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" \
-            >"$RES/profile-${fused//,/+}.csv" 2>"$RES/profile-${fused//,/+}.err"
-        python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-${fused//,/+}.csv" "E4B bf16, --fused-kernels $fused" \
-            | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/+}.err"
+            >"$RES/profile-${fused//,/_}.csv" 2>"$RES/profile-${fused//,/_}.err"
+        python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-${fused//,/_}.csv" "E4B bf16, --fused-kernels $fused" \
+            | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/_}.err"
     done
     row "device time of one E4B decode step (Nsight Compute) | printed above, kept in profile.md"
 fi
@@ -209,9 +216,9 @@ if want profile-q4; then
     # The same for E4B with 4-bit weights: the default set, where MLX's quantized products do
     # the layer's products, and the post-attention kernel over 4-bit rows (affine4).
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in attention,products attention,products,affine4 attention,products,affine4,affine4-heads \
-        attention,products,affine4-heads,affine4-products; do
-        tag="profile-q4-${fused//,/+}"
+    for fused in attention,products attention,products,affine4 attention,products,affine4-heads,affine4-products \
+        attention,products,affine4-heads,affine4-products,output-head; do
+        tag="profile-q4-${fused//,/_}"
         MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --csv --profile-from-start off --clock-control none \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \
             "$BIN" generate --device gpu --random-weights --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
@@ -304,8 +311,8 @@ if want quick; then
 fi
 
 if want quick-q4; then
-    # The 4-bit E4B: MLX's quantized products against the post-attention kernel over 4-bit
-    # rows in each of its ways, alternated in one process.
+    # The 4-bit E4B: MLX's quantized products against our kernels over 4-bit rows, in each
+    # of their ways, alternated in one process.
     BENCH_TIMEOUT=400 bench "mlx-spec E4B 4-bit g64 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
         --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused
 fi
@@ -406,8 +413,8 @@ if want cpu-check-q4; then
     # The 4-bit kernels at a real shape: E4B with 4-bit weights (groups of 64) and float32
     # activations, greedy on the GPU with each set of 4-bit kernels == greedy on the CPU
     # (MLX's quantized products there), the same weight arrays.
-    for fused in attention,products,affine4 attention,products,affine4,affine4-heads \
-        attention,products,affine4-heads,affine4-products; do
+    for fused in ${CPU_Q4_SETS:-attention,products,affine4-heads,affine4-products \
+        attention,products,affine4-heads,affine4-products,output-head}; do
         line="$(MLX_ENABLE_TF32=0 timeout 300 "$BIN" bench --device gpu --random-weights --random-bits 4 --dtype f32 \
             --model "$ROOT/configs/gemma-4-e4b.json" --prompt-tokens 16 --gen-tokens 2 --repeats 1 --check-cpu 8 \
             --fused-kernels "$fused" 2>"$RES/cpu-check-q4.err" | tail -n 1)"

@@ -144,14 +144,15 @@ struct ModelArgs {
     /// updates around them), `post-attention` (everything of a layer after its attention heads
     /// as one kernel, over dense weights), `affine4` (that kernel over 4-bit affine weights),
     /// `affine4-heads` and `affine4-products` (the q/k/v products of `attention` and the
-    /// products of `products` over 4-bit weights too; experimental, not yet run on a GPU), or
-    /// `none` (MLX's operations only). Default: the fastest measured on an H200 for each
-    /// kind of weight: `attention,products,affine4`.
+    /// products of `products` over 4-bit weights too), `output-head` (the final norm, the
+    /// output head's product and the logit soft-cap as one kernel), or `none` (MLX's
+    /// operations only). Default: the fastest measured on an H200 for each kind of weight:
+    /// `attention,products,affine4-heads,affine4-products`.
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "attention,products,affine4"
+        default_value = "attention,products,affine4-heads,affine4-products"
     )]
     fused_kernels: Vec<FusedKernelArg>,
 }
@@ -164,11 +165,12 @@ enum FusedKernelArg {
     PostAttention,
     /// Everything of a layer after its attention heads as one kernel, over 4-bit weights.
     Affine4,
-    /// The attention-heads kernel over 4-bit projection weights (experimental: not yet run
-    /// on a GPU).
+    /// The attention-heads kernel over 4-bit projection weights.
     Affine4Heads,
-    /// The product kernels over 4-bit weights (experimental: not yet run on a GPU).
+    /// The product kernels over 4-bit weights.
     Affine4Products,
+    /// The final norm, the output head and the soft-cap of a decode token as one kernel.
+    OutputHead,
     None,
 }
 
@@ -183,6 +185,7 @@ impl ModelArgs {
             affine4_products: self
                 .fused_kernels
                 .contains(&FusedKernelArg::Affine4Products),
+            output_head: self.fused_kernels.contains(&FusedKernelArg::OutputHead),
         }
     }
 
@@ -937,9 +940,9 @@ fn check_against_cpu(
         attention_share: ONE_ROUND_SHARE_SLOTS,
         ..tuning
     }
-    .apply();
+    .apply()?;
     let other_shares = run();
-    tuning.apply();
+    tuning.apply()?;
     let (device_tokens_other_shares, _) = other_shares?;
     // A CUDA build of libmlx cannot JIT-compile fused CPU kernels (it has no host compiler
     // setup), so the CPU reference runs every operation unfused.
@@ -1153,14 +1156,15 @@ fn compare_fused(
     let fused = |attention, products| Fused {
         attention,
         products,
-        post_attention: false,
-        affine4: false,
-        affine4_heads: false,
-        affine4_products: false,
+        ..Fused::default()
     };
     let all_three = Fused {
         post_attention: true,
         ..fused(true, true)
+    };
+    let with_head = |kernels: Fused| Fused {
+        output_head: true,
+        ..kernels
     };
     /// One configuration: which kernels run, and how.
     struct Set {
@@ -1174,65 +1178,51 @@ fn compare_fused(
         kernels,
         tuning: default,
     };
-    // A variant of the default set, named by what it changes.
     let on_off = |on: bool| if on { "on" } else { "off" };
-    let variant = |change: String, tuning| Set {
-        name: format!("attention,products,post-attention, {change}"),
-        kernels: all_three,
-        tuning,
-    };
     let row_pairs = Tuning {
         row_pairs: !default.row_pairs,
         ..default
     };
     let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
     let sets: Vec<Set> = if four_bit {
-        // A 4-bit model: MLX's quantized products against the post-attention kernel over
-        // 4-bit rows, in each way of running it.
-        let affine = |change: &str, tuning| Set {
-            name: format!("attention,products,affine4{change}"),
-            kernels: Fused {
-                affine4: true,
-                ..fused(true, true)
+        // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows,
+        // and the attention-heads and product kernels over 4-bit rows at each row count a
+        // warp, with and without the output head kernel.
+        let post_attention = Fused {
+            affine4: true,
+            ..fused(true, true)
+        };
+        let products = Fused {
+            affine4_heads: true,
+            affine4_products: true,
+            ..fused(true, true)
+        };
+        let rows = |n: i32, kernels: Fused, name: &str| Set {
+            name: format!("{name}, {n} rows a warp"),
+            kernels,
+            tuning: Tuning {
+                affine4_rows_per_warp: n,
+                ..default
             },
-            tuning,
         };
-        let in_place = Tuning {
-            affine4_in_place: !default.affine4_in_place,
-            ..default
-        };
+        let products_name = "attention,products,affine4-heads,affine4-products";
+        let head_name = "attention,products,affine4-heads,affine4-products,output-head";
         vec![
             set("none", fused(false, false)),
             set("attention,products", fused(true, true)),
-            affine("", default),
-            affine(
-                &format!(", unpacking in place {}", on_off(in_place.affine4_in_place)),
-                in_place,
-            ),
-            affine(
-                &format!(", row pairs {}", on_off(row_pairs.row_pairs)),
-                row_pairs,
-            ),
-            // Last: the attention-heads and product kernels over 4-bit rows, not yet run on a
-            // GPU (a fault would end the process).
-            Set {
-                name: "attention,products,affine4,affine4-heads".into(),
-                kernels: Fused {
-                    affine4: true,
+            set("attention,products,affine4", post_attention),
+            set(
+                "attention,products,affine4,affine4-heads",
+                Fused {
                     affine4_heads: true,
-                    ..fused(true, true)
+                    ..post_attention
                 },
-                tuning: default,
-            },
-            Set {
-                name: "attention,products,affine4-heads,affine4-products".into(),
-                kernels: Fused {
-                    affine4_heads: true,
-                    affine4_products: true,
-                    ..fused(true, true)
-                },
-                tuning: default,
-            },
+            ),
+            rows(1, products, products_name),
+            rows(2, products, products_name),
+            rows(4, products, products_name),
+            rows(2, with_head(products), head_name),
+            rows(4, with_head(products), head_name),
         ]
     } else {
         // Variants that lost in several leases (barriers polling with acquire loads, L2
@@ -1243,6 +1233,7 @@ fn compare_fused(
             set("attention", fused(true, false)),
             set("products", fused(false, true)),
             set("attention,products", fused(true, true)),
+            set("attention,products,output-head", with_head(fused(true, true))),
             Set {
                 name: format!("attention,products, {ONE_ROUND_SHARE_SLOTS}-slot attention shares"),
                 kernels: fused(true, true),
@@ -1252,10 +1243,14 @@ fn compare_fused(
                 },
             },
             set("attention,products,post-attention", all_three),
-            variant(
-                format!("row pairs {}", on_off(row_pairs.row_pairs)),
-                row_pairs,
-            ),
+            Set {
+                name: format!(
+                    "attention,products,post-attention, row pairs {}",
+                    on_off(row_pairs.row_pairs)
+                ),
+                kernels: all_three,
+                tuning: row_pairs,
+            },
         ]
     };
     let mut rates = vec![Vec::new(); sets.len()];
@@ -1265,7 +1260,7 @@ fn compare_fused(
         for round in 0..=repeats {
             for (i, s) in sets.iter().enumerate() {
                 set_allowed(s.kernels);
-                s.tuning.apply();
+                s.tuning.apply()?;
                 let mut cache = model.new_cache();
                 let logits = prefill(model, &mut cache, prompt)?;
                 let (got, seconds, _) =
@@ -1284,23 +1279,29 @@ fn compare_fused(
     };
     let result = run_all();
     args.model.allow_fused_kernels();
-    default.apply();
+    default.apply()?;
     result?;
-    // The one post-attention kernel regroups the same arithmetic, however its barriers poll:
-    // its tokens must equal those of its plain twin (the same attention and product kernels,
-    // no post-attention kernel, the same attention shares). Other share sizes merge softmax
-    // shares in another order, which may move a rounding.
+    // Twins must decode the same tokens:
+    // * the one post-attention kernel regroups the arithmetic of its plain twin (the same
+    //   attention and product kernels, no post-attention kernel, the same attention shares);
+    // * the rows a warp takes change no row's sum: sets that differ only in them.
+    // Other share sizes merge softmax shares in another order, which may move a rounding; the
+    // 4-bit kernels sum otherwise than MLX's quantized products, and the output head
+    // otherwise than MLX's product.
     for (i, s) in sets.iter().enumerate() {
-        // The 4-bit kernels sum otherwise than MLX's quantized products: no twin.
-        if s.kernels.affine4 || s.kernels.affine4_heads || s.kernels.affine4_products {
-            continue;
-        }
         let plain = Fused {
             post_attention: false,
             ..s.kernels
         };
+        let mlx_sums = !(s.kernels.affine4
+            || s.kernels.affine4_heads
+            || s.kernels.affine4_products
+            || s.kernels.output_head);
         let Some(twin) = sets.iter().position(|t| {
-            t.kernels == plain && t.tuning.attention_share == s.tuning.attention_share
+            t.tuning.attention_share == s.tuning.attention_share
+                && ((mlx_sums && t.kernels == plain)
+                    || (t.kernels == s.kernels
+                        && t.tuning.affine4_rows_per_warp != s.tuning.affine4_rows_per_warp))
         }) else {
             continue;
         };
@@ -1600,8 +1601,8 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         if let Some(c) = &check {
             println!();
             println!(
-                "{:?} vs CPU, same weights: {} greedy tokens {} (again with 32-slot attention shares: {}); logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
-                args.model.device,
+                "{} vs CPU, same weights: {} greedy tokens {} (again with 32-slot attention shares: {}); logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
+                format!("{:?}", args.model.device).to_uppercase(),
                 c.cpu_tokens.len(),
                 if c.device_tokens == c.cpu_tokens { "identical" } else { "DIFFER" },
                 if c.device_tokens_other_shares == c.cpu_tokens { "identical" } else { "DIFFER" },

@@ -13,11 +13,14 @@
 //!   products are MLX's (`attention` alone, or quantized weights);
 //! * [`decode_attention`]: one query token over a layer's whole K/V buffers and its visible
 //!   slots (scores, mask, softmax, weighted sum, the merge of the blocks' shares);
+//! * [`output_head`]: the final norm, the output head's product and the logit soft-cap of a
+//!   decode token (`output-head`);
 //! * [`post_attention`]: everything of a layer after its attention heads (the output product,
 //!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers, over
 //!   dense weights (`post-attention`: opt-in, as the three products it replaces were faster
-//!   in the latest measurements) or 4-bit ones (`affine4`, on by default: faster than MLX's
-//!   quantized products and the operations around them).
+//!   in the latest measurements) or 4-bit ones (`affine4`: faster than MLX's quantized
+//!   products, slower than `affine4-heads,affine4-products`, the default for 4-bit weights,
+//!   which runs [`attention_heads`] and [`products`] over 4-bit rows).
 //!
 //! An E4B decode step is 326 operations with all of them. Their source text reaches MLX as
 //! `#include` lines of files ([`source_files`]), because MLX handles a custom kernel's whole
@@ -33,6 +36,7 @@ pub mod affine4;
 pub mod attention_heads;
 pub mod attention_inputs;
 pub mod decode_attention;
+pub mod output_head;
 pub mod post_attention;
 pub mod products;
 pub mod source_files;
@@ -50,9 +54,10 @@ use mlx_rs::{Array, Dtype};
 static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
 static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(false);
-static AFFINE4_ALLOWED: AtomicBool = AtomicBool::new(true);
-static AFFINE4_HEADS_ALLOWED: AtomicBool = AtomicBool::new(false);
-static AFFINE4_PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(false);
+static AFFINE4_ALLOWED: AtomicBool = AtomicBool::new(false);
+static AFFINE4_HEADS_ALLOWED: AtomicBool = AtomicBool::new(true);
+static AFFINE4_PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
+static OUTPUT_HEAD_ALLOWED: AtomicBool = AtomicBool::new(false);
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fused {
@@ -72,6 +77,9 @@ pub struct Fused {
     /// [`products`] for single-token steps over 4-bit affine weights, in place of MLX's
     /// quantized products.
     pub affine4_products: bool,
+    /// [`output_head`] for single-token steps: the final norm, the head's product (dense or
+    /// 4-bit) and the soft-cap as one kernel.
+    pub output_head: bool,
 }
 
 impl Fused {
@@ -88,6 +96,7 @@ impl Fused {
             affine4: AFFINE4_ALLOWED.load(Ordering::Relaxed),
             affine4_heads: AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed),
             affine4_products: AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed),
+            output_head: OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed),
         }
     }
 }
@@ -134,6 +143,9 @@ pub struct Tuning {
     pub row_pairs: bool,
     /// [`post_attention::set_affine4_in_place`] (4-bit weights only; moves roundings).
     pub affine4_in_place: bool,
+    /// [`products::set_affine4_rows_per_warp`]: rows a warp of the product kernels takes
+    /// over 4-bit weights.
+    pub affine4_rows_per_warp: i32,
 }
 
 impl Tuning {
@@ -143,14 +155,17 @@ impl Tuning {
             attention_share: decode_attention::share_slots(),
             row_pairs: post_attention::row_pairs(),
             affine4_in_place: post_attention::affine4_in_place(),
+            affine4_rows_per_warp: products::affine4_rows_per_warp(),
         }
     }
 
-    /// Puts these settings in force.
-    pub fn apply(self) {
+    /// Puts these settings in force (a row count per warp that is not a compiled choice is
+    /// refused).
+    pub fn apply(self) -> Result<()> {
         decode_attention::set_share_slots(self.attention_share);
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
+        products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)
     }
 }
 
@@ -162,6 +177,7 @@ pub fn set_allowed(allowed: Fused) {
     AFFINE4_ALLOWED.store(allowed.affine4, Ordering::Relaxed);
     AFFINE4_HEADS_ALLOWED.store(allowed.affine4_heads, Ordering::Relaxed);
     AFFINE4_PRODUCTS_ALLOWED.store(allowed.affine4_products, Ordering::Relaxed);
+    OUTPUT_HEAD_ALLOWED.store(allowed.output_head, Ordering::Relaxed);
 }
 
 /// A compile-time constant of a kernel's source.
@@ -387,7 +403,7 @@ impl PerEpsilon {
 
 /// Device helpers shared by the kernels: block-wide sum and max over `float`, with `red`
 /// a `__shared__ float[32]` scratch.
-const REDUCE_HEADER: &str = r#"
+pub(crate) const REDUCE_HEADER: &str = r#"
 __device__ inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -424,7 +440,7 @@ mod tests {
 
     #[test]
     fn off_a_cuda_gpu_no_fused_kernel_runs_whatever_is_allowed() {
-        // The 4-bit post-attention kernel too: a layer must not launch a CUDA kernel on the
+        // The 4-bit kernels and the output head too: a layer must not launch a CUDA kernel on the
         // CPU of a CUDA build (`--device cpu`). Tests run on the CPU device.
         let all = Fused {
             attention: true,
@@ -433,12 +449,14 @@ mod tests {
             affine4: true,
             affine4_heads: true,
             affine4_products: true,
+            output_head: true,
         };
         set_allowed(all);
         let next = Fused::for_next_forward();
         let affine4 = AFFINE4_ALLOWED.load(Ordering::Relaxed)
             && AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed)
-            && AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed);
+            && AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed)
+            && OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed);
         set_allowed(Fused::default());
         assert!(affine4, "set_allowed did not allow the 4-bit kernels");
         assert_eq!(next, Fused::default());

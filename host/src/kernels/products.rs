@@ -341,7 +341,7 @@ thread_local! {
 
 /// The header of the gated and closing products: the products' helpers, the 4-bit ones and
 /// `weight_rows`, joined once for the process.
-fn weight_rows_header() -> &'static str {
+pub(crate) fn weight_rows_header() -> &'static str {
     static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     TEXT.get_or_init(|| format!("{HEADER}{}{WEIGHT_ROWS_HEADER}", super::affine4::HEADER))
 }
@@ -418,8 +418,14 @@ fn blocks_for_rows_per_warp(rows: i32, rows_per_warp: i32) -> i32 {
 }
 
 /// Rows one warp computes in [`gated_product`] and [`product_residual`] (the feed-forward
-/// and closing products) for the rest of the process; see [`set_rows_per_warp`].
+/// and closing products) over dense weights, for the rest of the process; see
+/// [`set_rows_per_warp`].
 static ROWS_PER_WARP: AtomicI32 = AtomicI32::new(1);
+
+/// The same over 4-bit weights ([`set_affine4_rows_per_warp`]). A 4-bit row of E4B's width
+/// is 1.25 KB, two or three 16-byte loads a lane: one row a warp leaves most of a lane's
+/// eight loads in flight unused.
+static AFFINE4_ROWS_PER_WARP: AtomicI32 = AtomicI32::new(1);
 
 /// Row counts per warp the kernels accept (each is a compiled variant).
 pub const ROWS_PER_WARP_CHOICES: [i32; 3] = [1, 2, 4];
@@ -434,9 +440,31 @@ pub fn set_rows_per_warp(rows: i32) -> Result<()> {
     Ok(())
 }
 
-/// The current row count per warp ([`set_rows_per_warp`]).
+/// The current row count per warp over dense weights ([`set_rows_per_warp`]).
 pub fn rows_per_warp() -> i32 {
     ROWS_PER_WARP.load(Ordering::Relaxed)
+}
+
+/// Sets the rows one warp computes over 4-bit weights, as [`set_rows_per_warp`] does over
+/// dense ones.
+pub fn set_affine4_rows_per_warp(rows: i32) -> Result<()> {
+    check_rows_per_warp(rows)?;
+    AFFINE4_ROWS_PER_WARP.store(rows, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The current row count per warp over 4-bit weights ([`set_affine4_rows_per_warp`]).
+pub fn affine4_rows_per_warp() -> i32 {
+    AFFINE4_ROWS_PER_WARP.load(Ordering::Relaxed)
+}
+
+/// The row count per warp in force for a weight of this kind.
+pub(crate) fn rows_per_warp_for(w: &Weight) -> i32 {
+    if w.is_dense() {
+        rows_per_warp()
+    } else {
+        affine4_rows_per_warp()
+    }
 }
 
 fn check_rows_per_warp(rows_per_warp: i32) -> Result<()> {
@@ -516,7 +544,8 @@ pub fn gated_product(
     gate: Weight,
     up: GateUp,
 ) -> Result<Array> {
-    gated_product_rows(x, norm, eps, gate, up, rows_per_warp())
+    let rows = rows_per_warp_for(&gate);
+    gated_product_rows(x, norm, eps, gate, up, rows)
 }
 
 /// [`gated_product`] with `rows_per_warp` rows per warp (one of [`ROWS_PER_WARP_CHOICES`]).
@@ -595,7 +624,8 @@ pub fn product_residual(
     scale: Option<&Array>,
     counter: &Array,
 ) -> Result<Array> {
-    product_residual_rows(a, w, h, post_norm, eps, scale, counter, rows_per_warp())
+    let rows = rows_per_warp_for(&w);
+    product_residual_rows(a, w, h, post_norm, eps, scale, counter, rows)
 }
 
 /// [`product_residual`] with `rows_per_warp` rows per warp (one of
@@ -678,6 +708,8 @@ mod tests {
         assert!(set_rows_per_warp(3).is_err());
         assert!(set_rows_per_warp(0).is_err());
         assert_eq!(rows_per_warp(), 1, "a refused count changes nothing");
+        assert!(set_affine4_rows_per_warp(5).is_err());
+        assert_eq!(affine4_rows_per_warp(), 1, "a refused count changes nothing");
         let x = Array::zeros::<f32>(&[1, 8]).unwrap();
         let w = Array::zeros::<f32>(&[4, 8]).unwrap();
         let dense = Weight::Dense(&w);

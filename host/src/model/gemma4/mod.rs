@@ -304,6 +304,26 @@ impl Gemma4Model {
         }
         cache.advance(t as usize);
 
+        // One decode token whose hidden state nobody asked for: the head as one kernel.
+        if fused.output_head && t == 1 && !capture_hidden {
+            let head = match &self.head {
+                Some(head) => head,
+                None => &self.embed.0,
+            };
+            if let Some(weight) = head.kernel_weight() {
+                if crate::kernels::output_head::serves_head(&x, &weight) {
+                    let logits = crate::kernels::output_head::output_head(
+                        &x,
+                        &self.final_norm,
+                        self.config.rms_norm_eps,
+                        weight,
+                        self.config.final_logit_softcapping,
+                    )?;
+                    return Ok(ForwardOutput { logits, hidden });
+                }
+            }
+        }
+
         let x = rms_norm(&x, Some(&self.final_norm), self.config.rms_norm_eps)?;
         if capture_hidden {
             hidden.push(x.clone());
