@@ -147,12 +147,12 @@ struct ModelArgs {
     /// products of `products` over 4-bit weights too), `output-head` (the final norm, the
     /// output head's product and the logit soft-cap as one kernel), or `none` (MLX's
     /// operations only). Default: the fastest measured on an H200 for each kind of weight:
-    /// `attention,products,affine4-heads,affine4-products`.
+    /// `attention,products,affine4-heads,affine4-products,output-head`.
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "attention,products,affine4-heads,affine4-products"
+        default_value = "attention,products,affine4-heads,affine4-products,output-head"
     )]
     fused_kernels: Vec<FusedKernelArg>,
 }
@@ -1233,7 +1233,10 @@ fn compare_fused(
             set("attention", fused(true, false)),
             set("products", fused(false, true)),
             set("attention,products", fused(true, true)),
-            set("attention,products,output-head", with_head(fused(true, true))),
+            set(
+                "attention,products,output-head",
+                with_head(fused(true, true)),
+            ),
             Set {
                 name: format!("attention,products, {ONE_ROUND_SHARE_SLOTS}-slot attention shares"),
                 kernels: fused(true, true),

@@ -72,7 +72,10 @@ pub fn output_head(
     softcap: Option<f32>,
 ) -> Result<Array> {
     if x.ndim() != 2 || x.shape()[0] != 1 {
-        bail!("output_head: the input must be one token [1, K], got {:?}", x.shape());
+        bail!(
+            "output_head: the input must be one token [1, K], got {:?}",
+            x.shape()
+        );
     }
     let k = x.shape()[1];
     let dtype = x.dtype();
