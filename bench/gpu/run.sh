@@ -12,6 +12,7 @@
 #   fixtures-affine4-heads  the same with the attention-heads kernel over 4-bit weights too,
 #              then with it and the product kernels over 4-bit weights (the default)
 #   fixtures-head  the same with the output head kernel added to the default set
+#   fixtures-ple   the same with the per-layer-input kernel added too (experimental)
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
@@ -45,7 +46,7 @@
 #              default, alternated in one process (~2 minutes)
 #   quick-q4   the same for the 4-bit E4B: MLX's quantized products, the 4-bit post-attention
 #              kernel, the 4-bit attention-heads and product kernels at 1, 2, 4 rows a warp, and
-#              with the output head kernel
+#              with the output head kernel, then with the per-layer-input kernel
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
@@ -122,6 +123,10 @@ fi
 if want fixtures-head; then
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,output-head" \
         --fused-kernels attention,products,affine4-heads,affine4-products,output-head
+fi
+if want fixtures-ple; then
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,output-head,per-layer-input" \
+        --fused-kernels attention,products,affine4-heads,affine4-products,output-head,per-layer-input
 fi
 unset MLX_ENABLE_TF32
 
@@ -304,7 +309,7 @@ if want sanitize; then
 fi
 
 if want quick; then
-    # Seven sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
+    # Nine sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
     # on a cold kernel cache.
     # -v: each set's rate is logged as it comes (bench.err), kept should a set end the process.
     BENCH_TIMEOUT=480 bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused

@@ -145,7 +145,8 @@ struct ModelArgs {
     /// as one kernel, over dense weights), `affine4` (that kernel over 4-bit affine weights),
     /// `affine4-heads` and `affine4-products` (the q/k/v products of `attention` and the
     /// products of `products` over 4-bit weights too), `output-head` (the final norm, the
-    /// output head's product and the logit soft-cap as one kernel), or `none` (MLX's
+    /// output head's product and the logit soft-cap as one kernel), `per-layer-input` (a
+    /// layer's per-layer-input block as one kernel; not yet run on a GPU), or `none` (MLX's
     /// operations only). Default: the fastest measured on an H200 for each kind of weight:
     /// `attention,products,affine4-heads,affine4-products,output-head`.
     #[arg(
@@ -171,6 +172,9 @@ enum FusedKernelArg {
     Affine4Products,
     /// The final norm, the output head and the soft-cap of a decode token as one kernel.
     OutputHead,
+    /// A layer's per-layer-input block (gate and projection) as one kernel (experimental:
+    /// not yet run on a GPU).
+    PerLayerInput,
     None,
 }
 
@@ -186,6 +190,7 @@ impl ModelArgs {
                 .fused_kernels
                 .contains(&FusedKernelArg::Affine4Products),
             output_head: self.fused_kernels.contains(&FusedKernelArg::OutputHead),
+            per_layer_input: self.fused_kernels.contains(&FusedKernelArg::PerLayerInput),
         }
     }
 
@@ -1166,6 +1171,10 @@ fn compare_fused(
         output_head: true,
         ..kernels
     };
+    let with_ple = |kernels: Fused| Fused {
+        per_layer_input: true,
+        ..kernels
+    };
     /// One configuration: which kernels run, and how.
     struct Set {
         name: String,
@@ -1223,6 +1232,12 @@ fn compare_fused(
             rows(4, products, products_name),
             rows(2, with_head(products), head_name),
             rows(4, with_head(products), head_name),
+            // Last: not yet run on a GPU (a fault would end the process).
+            rows(
+                2,
+                with_ple(with_head(products)),
+                &format!("{head_name},per-layer-input"),
+            ),
         ]
     } else {
         // Variants that lost in several leases (barriers polling with acquire loads, L2
@@ -1254,6 +1269,11 @@ fn compare_fused(
                 kernels: all_three,
                 tuning: row_pairs,
             },
+            // Last: not yet run on a GPU (a fault would end the process).
+            set(
+                "attention,products,output-head,per-layer-input",
+                with_ple(with_head(fused(true, true))),
+            ),
         ]
     };
     let mut rates = vec![Vec::new(); sets.len()];
@@ -1285,8 +1305,8 @@ fn compare_fused(
     default.apply()?;
     result?;
     // Twins must decode the same tokens:
-    // * the one post-attention kernel regroups the arithmetic of its plain twin (the same
-    //   attention and product kernels, no post-attention kernel, the same attention shares);
+    // * the one post-attention kernel and the per-layer-input kernel regroup the arithmetic
+    //   of their plain twin (the same kernels without them, the same attention shares);
     // * the rows a warp takes change no row's sum: sets that differ only in them.
     // Other share sizes merge softmax shares in another order, which may move a rounding; the
     // 4-bit kernels sum otherwise than MLX's quantized products, and the output head
@@ -1294,6 +1314,7 @@ fn compare_fused(
     for (i, s) in sets.iter().enumerate() {
         let plain = Fused {
             post_attention: false,
+            per_layer_input: false,
             ..s.kernels
         };
         let mlx_sums = !(s.kernels.affine4
@@ -1303,6 +1324,9 @@ fn compare_fused(
         let Some(twin) = sets.iter().position(|t| {
             t.tuning.attention_share == s.tuning.attention_share
                 && ((mlx_sums && t.kernels == plain)
+                    || (s.kernels.per_layer_input
+                        && t.kernels == plain
+                        && t.tuning.affine4_rows_per_warp == s.tuning.affine4_rows_per_warp)
                     || (t.kernels == s.kernels
                         && t.tuning.affine4_rows_per_warp != s.tuning.affine4_rows_per_warp))
         }) else {

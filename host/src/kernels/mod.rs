@@ -15,6 +15,8 @@
 //!   slots (scores, mask, softmax, weighted sum, the merge of the blocks' shares);
 //! * [`output_head`]: the final norm, the output head's product and the logit soft-cap of a
 //!   decode token (`output-head`);
+//! * [`per_layer_input`]: a layer's per-layer-input block (gate, projection, norm, residual
+//!   and layer scalar) as one kernel with one grid-wide barrier (`per-layer-input`);
 //! * [`post_attention`]: everything of a layer after its attention heads (the output product,
 //!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers, over
 //!   dense weights (`post-attention`: opt-in, as the three products it replaces were faster
@@ -37,6 +39,7 @@ pub mod attention_heads;
 pub mod attention_inputs;
 pub mod decode_attention;
 pub mod output_head;
+pub mod per_layer_input;
 pub mod post_attention;
 pub mod products;
 pub mod source_files;
@@ -58,6 +61,7 @@ static AFFINE4_ALLOWED: AtomicBool = AtomicBool::new(false);
 static AFFINE4_HEADS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static AFFINE4_PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static OUTPUT_HEAD_ALLOWED: AtomicBool = AtomicBool::new(true);
+static PER_LAYER_INPUT_ALLOWED: AtomicBool = AtomicBool::new(false);
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fused {
@@ -80,6 +84,9 @@ pub struct Fused {
     /// [`output_head`] for single-token steps: the final norm, the head's product (dense or
     /// 4-bit) and the soft-cap as one kernel.
     pub output_head: bool,
+    /// [`per_layer_input`] for single-token steps: a layer's per-layer-input block (gate and
+    /// projection, dense or 4-bit) as one kernel, in place of two [`products`] kernels.
+    pub per_layer_input: bool,
 }
 
 impl Fused {
@@ -97,6 +104,7 @@ impl Fused {
             affine4_heads: AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed),
             affine4_products: AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed),
             output_head: OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed),
+            per_layer_input: PER_LAYER_INPUT_ALLOWED.load(Ordering::Relaxed),
         }
     }
 }
@@ -178,6 +186,7 @@ pub fn set_allowed(allowed: Fused) {
     AFFINE4_HEADS_ALLOWED.store(allowed.affine4_heads, Ordering::Relaxed);
     AFFINE4_PRODUCTS_ALLOWED.store(allowed.affine4_products, Ordering::Relaxed);
     OUTPUT_HEAD_ALLOWED.store(allowed.output_head, Ordering::Relaxed);
+    PER_LAYER_INPUT_ALLOWED.store(allowed.per_layer_input, Ordering::Relaxed);
 }
 
 /// A compile-time constant of a kernel's source.
@@ -450,13 +459,15 @@ mod tests {
             affine4_heads: true,
             affine4_products: true,
             output_head: true,
+            per_layer_input: true,
         };
         set_allowed(all);
         let next = Fused::for_next_forward();
         let affine4 = AFFINE4_ALLOWED.load(Ordering::Relaxed)
             && AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed)
             && AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed)
-            && OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed);
+            && OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed)
+            && PER_LAYER_INPUT_ALLOWED.load(Ordering::Relaxed);
         set_allowed(Fused::default());
         assert!(affine4, "set_allowed did not allow the 4-bit kernels");
         assert_eq!(next, Fused::default());

@@ -57,7 +57,7 @@ use super::products::{device_array, element_bytes, HEADER as PRODUCTS_HEADER, TH
 use super::{PerEpsilon, TemplateArg};
 
 /// Device helpers added to the products' ones.
-const BARRIER_HEADER: &str = r#"
+pub(crate) const BARRIER_HEADER: &str = r#"
 // Grid-wide barrier of a grid whose blocks are all resident. bar[0] counts the blocks that
 // arrived, bar[1] is the barrier's generation: the last block to arrive resets the count and
 // opens the next generation, which the others wait for, reading it atomically every 64 ns.

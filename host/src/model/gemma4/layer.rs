@@ -14,6 +14,7 @@ use super::config::Gemma4Config;
 use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
+use crate::kernels::per_layer_input::{self, per_layer_input};
 use crate::kernels::post_attention::{self, post_attention, PerLayerInput, PostAttention};
 use crate::kernels::products::{
     device_array, gated_product, new_counter, product_residual, serves_token, GateUp,
@@ -60,6 +61,8 @@ pub struct DecoderLayer {
     /// The barrier state of the one-kernel post-attention path
     /// ([`post_attention::new_barrier`]).
     post_attention_barrier: Array,
+    /// The barrier state of the one-kernel per-layer-input block.
+    per_layer_input_barrier: Array,
 }
 
 impl DecoderLayer {
@@ -109,6 +112,7 @@ impl DecoderLayer {
             layer_scalar_device,
             counters: [new_counter()?, new_counter()?, new_counter()?],
             post_attention_barrier: post_attention::new_barrier()?,
+            per_layer_input_barrier: post_attention::new_barrier()?,
         })
     }
 
@@ -178,6 +182,50 @@ impl DecoderLayer {
         }
         let input = per_layer.index((.., index as i32, ..));
         gated_gelu(&gate.input_gate.forward(x)?, &input)
+    }
+
+    /// The per-layer-input block of the token `x` (`[1, H]`, after the feed-forward block)
+    /// through [`per_layer_input`] (one kernel), when `fused.per_layer_input` allows it and
+    /// the kernel serves it: the products' kernels would take both weights (dense, or 4-bit
+    /// with `fused.affine4_products`), in one layout, on a known CUDA device. `None`
+    /// otherwise.
+    fn one_kernel_per_layer_input(
+        &self,
+        gate: &PleGate,
+        x: &Array,
+        per_layer: &Array,
+        fused: Fused,
+    ) -> Result<Option<Array>> {
+        // The flag first: this runs for every layer of every forward.
+        if !fused.per_layer_input || !serves_token(fused, x) {
+            return Ok(None);
+        }
+        let Some(input_gate) = gate.input_gate.product_weight(x, fused) else {
+            return Ok(None);
+        };
+        let (h, p) = (x.shape()[1], input_gate.rows());
+        let Some(projection) = gate.projection.kernel_weight() else {
+            return Ok(None);
+        };
+        if input_gate.is_dense() != projection.is_dense()
+            || input_gate.group(h) != projection.group(p)
+            || !per_layer_input::serves(h as usize, p as usize, x.dtype())
+            || post_attention::grid_blocks().is_none()
+        {
+            return Ok(None);
+        }
+        let out = per_layer_input(
+            x,
+            self.eps,
+            input_gate,
+            per_layer,
+            &gate.offset,
+            projection,
+            &gate.post_norm,
+            &self.layer_scalar_device,
+            &self.per_layer_input_barrier,
+        )?;
+        Ok(Some(out))
     }
 
     /// The layer's output from its input `x` and its attention heads' output `z` through
@@ -329,6 +377,9 @@ impl DecoderLayer {
         };
 
         if let Some((gate, (per_layer, index))) = gated {
+            if let Some(out) = self.one_kernel_per_layer_input(gate, &x, per_layer, fused)? {
+                return Ok((out, view));
+            }
             let g = self.per_layer_gate(gate, &x, per_layer, index, fused)?;
             let out = self.closing_product(
                 &x,
