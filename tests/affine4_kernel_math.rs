@@ -8,9 +8,12 @@
 //! added). Needs a C++17 compiler (`$CXX`, `c++`, `clang++` or `g++`); `scripts/setup.sh`
 //! installs clang.
 
+mod common;
+
 use std::fmt::Write as _;
 use std::path::Path;
-use std::process::Command;
+
+use common::compile_and_run;
 
 use mlx_rs::ops::{dequantize, quantize};
 use mlx_rs::{Array, Dtype};
@@ -39,7 +42,7 @@ inline void __syncthreads() {}
 inline int min(int a, int b) { return a < b ? a : b; }
 // The products' dense row helper, declared so that weight_rows parses; 4-bit rows never
 // call it.
-template <typename T, int K, int R> void rows_dot(const T* const*, const T*, float*) {}
+template <typename T, int K, int R, int LOADS = 8> void rows_dot(const T* const*, const T*, float*) {}
 // bfloat16 as the kernels see it: the high half of a float.
 struct bf16 {
   uint16_t bits;
@@ -301,39 +304,6 @@ fn write_case(case: &Case, seed: u64, x_seed: u64, path: &Path) -> (Vec<f64>, Ve
     }
     std::fs::write(path, bytes).unwrap();
     (want, magnitude)
-}
-
-/// Compiles the C++ `source` in `dir` and returns what the program prints.
-fn compile_and_run(dir: &Path, source: &str) -> String {
-    let cpp = dir.join("affine4.cpp");
-    let exe = dir.join("affine4");
-    std::fs::write(&cpp, source).unwrap();
-    // $CXX, else the first of the usual names that runs (setup.sh installs clang).
-    let candidates: Vec<String> = std::env::var("CXX")
-        .into_iter()
-        .chain(["c++", "clang++", "g++"].map(String::from))
-        .collect();
-    let (compiler, build) = candidates
-        .iter()
-        .find_map(|c| {
-            Command::new(c)
-                // The CUDA source reads arrays through other pointer types, as CUDA allows.
-                .args(["-std=c++17", "-O1", "-fno-strict-aliasing", "-w", "-o"])
-                .arg(&exe)
-                .arg(&cpp)
-                .output()
-                .ok()
-                .map(|out| (c.clone(), out))
-        })
-        .unwrap_or_else(|| panic!("a C++17 compiler is needed, none of {candidates:?} runs"));
-    assert!(
-        build.status.success(),
-        "{compiler} could not compile the 4-bit helpers:\n{}",
-        String::from_utf8_lossy(&build.stderr)
-    );
-    let run = Command::new(&exe).output().unwrap();
-    assert!(run.status.success());
-    String::from_utf8(run.stdout).unwrap()
 }
 
 #[test]

@@ -1253,6 +1253,14 @@ fn compare_fused(
                 with_head(fused(true, true)),
             ),
             Set {
+                name: "attention,products,output-head, 16 loads in flight over dense rows".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: Tuning {
+                    dense_loads: 16,
+                    ..default
+                },
+            },
+            Set {
                 name: format!("attention,products, {ONE_ROUND_SHARE_SLOTS}-slot attention shares"),
                 kernels: fused(true, true),
                 tuning: Tuning {
@@ -1307,7 +1315,8 @@ fn compare_fused(
     // Twins must decode the same tokens:
     // * the one post-attention kernel and the per-layer-input kernel regroup the arithmetic
     //   of their plain twin (the same kernels without them, the same attention shares);
-    // * the rows a warp takes change no row's sum: sets that differ only in them.
+    // * the rows a warp takes and the loads a lane keeps in flight change no row's sum: sets
+    //   that differ only in them.
     // Other share sizes merge softmax shares in another order, which may move a rounding; the
     // 4-bit kernels sum otherwise than MLX's quantized products, and the output head
     // otherwise than MLX's product.
@@ -1328,7 +1337,12 @@ fn compare_fused(
                         && t.kernels == plain
                         && t.tuning.affine4_rows_per_warp == s.tuning.affine4_rows_per_warp)
                     || (t.kernels == s.kernels
-                        && t.tuning.affine4_rows_per_warp != s.tuning.affine4_rows_per_warp))
+                        && t.tuning != s.tuning
+                        && Tuning {
+                            affine4_rows_per_warp: s.tuning.affine4_rows_per_warp,
+                            dense_loads: s.tuning.dense_loads,
+                            ..t.tuning
+                        } == s.tuning))
         }) else {
             continue;
         };

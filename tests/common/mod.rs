@@ -129,3 +129,37 @@ pub fn expect_error(args: &[&str]) -> String {
     );
     stderr
 }
+
+/// Compiles the C++ `source` (device helpers of the CUDA kernels with host stand-ins for
+/// the CUDA built-ins) in `dir` and returns what the program prints. Uses `$CXX`, else the
+/// first of `c++`, `clang++`, `g++` that runs (`scripts/setup.sh` installs clang).
+pub fn compile_and_run(dir: &std::path::Path, source: &str) -> String {
+    let cpp = dir.join("kernel_math.cpp");
+    let exe = dir.join("kernel_math");
+    std::fs::write(&cpp, source).unwrap();
+    let candidates: Vec<String> = std::env::var("CXX")
+        .into_iter()
+        .chain(["c++", "clang++", "g++"].map(String::from))
+        .collect();
+    let (compiler, build) = candidates
+        .iter()
+        .find_map(|c| {
+            Command::new(c)
+                // The CUDA source reads arrays through other pointer types, as CUDA allows.
+                .args(["-std=c++17", "-O1", "-fno-strict-aliasing", "-w", "-o"])
+                .arg(&exe)
+                .arg(&cpp)
+                .output()
+                .ok()
+                .map(|out| (c.clone(), out))
+        })
+        .unwrap_or_else(|| panic!("a C++17 compiler is needed, none of {candidates:?} runs"));
+    assert!(
+        build.status.success(),
+        "{compiler} could not compile the kernel helpers:\n{}",
+        String::from_utf8_lossy(&build.stderr)
+    );
+    let run = Command::new(&exe).output().unwrap();
+    assert!(run.status.success());
+    String::from_utf8(run.stdout).unwrap()
+}

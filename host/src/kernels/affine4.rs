@@ -195,15 +195,16 @@ __device__ inline void rows_dot_affine4(const void* const* rows, const T* const*
 // Dots of rows r[0], r[1], ... (R of them) of weights w[0..R) with the staged input, summed
 // over the warp: dense rows (BITS 0) through the products' rows_dot, 4-bit ones through
 // rows_dot_affine4. s and b: each weight's scales and biases, [rows, K / G], and sums the
-// input's chunk sums (unused for dense weights).
-template <typename T, int K, int R, int BITS, int G, bool IN_PLACE>
+// input's chunk sums (unused for dense weights). LOADS: the dense rows' 16-byte loads in
+// flight a lane (rows_dot; the sums do not depend on it).
+template <typename T, int K, int R, int BITS, int G, bool IN_PLACE, int LOADS = 8>
 __device__ inline void weight_dot(const void* const* w, const T* const* s, const T* const* b,
                                   const int* r, const T* xs, const float* sums, float* out) {
   if constexpr (BITS == 0) {
     const T* rows[R];
 #pragma unroll
     for (int i = 0; i < R; i++) rows[i] = static_cast<const T*>(w[i]) + (size_t)r[i] * K;
-    rows_dot<T, K, R>(rows, xs, out);
+    rows_dot<T, K, R, LOADS>(rows, xs, out);
   } else {
     constexpr int GROUPS = K / (G > 0 ? G : 1);
     const void* rows[R];

@@ -154,6 +154,8 @@ pub struct Tuning {
     /// [`products::set_affine4_rows_per_warp`]: rows a warp of the product kernels takes
     /// over 4-bit weights.
     pub affine4_rows_per_warp: i32,
+    /// [`products::set_dense_loads`]: 16-byte loads in flight a lane over dense rows.
+    pub dense_loads: i32,
 }
 
 impl Tuning {
@@ -164,6 +166,7 @@ impl Tuning {
             row_pairs: post_attention::row_pairs(),
             affine4_in_place: post_attention::affine4_in_place(),
             affine4_rows_per_warp: products::affine4_rows_per_warp(),
+            dense_loads: products::dense_loads(),
         }
     }
 
@@ -173,7 +176,8 @@ impl Tuning {
         decode_attention::set_share_slots(self.attention_share);
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
-        products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)
+        products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
+        products::set_dense_loads(self.dense_loads)
     }
 }
 

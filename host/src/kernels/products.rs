@@ -36,8 +36,9 @@ use mlx_rs::{Array, Dtype};
 use super::post_attention::Weight;
 use super::{Fused, PerEpsilon, TemplateArg};
 
-/// Device helpers of the three kernels (placed after the reduction helpers and `EPS`).
-pub(crate) const HEADER: &str = r#"
+/// Device helpers of the three kernels (placed after the reduction helpers and `EPS`; public
+/// for `tests/dense_rows_kernel_math.rs`, which runs `rows_dot` on the host).
+pub const HEADER: &str = r#"
 // Threads of every block of these kernels (`THREADS` on the host side).
 constexpr int BLOCK_THREADS = 256;
 
@@ -117,30 +118,68 @@ __device__ inline void stage_input(const T* x, const T* nw, T* xs, float* red) {
 }
 
 // Dots of R rows (each K elements of T, 16-byte aligned) with the staged input, summed over
-// the warp: every lane gets the results. The loads of all rows are issued together, up to
-// LOADS 16-byte loads in flight per lane; the order of the sums does not depend on LOADS.
+// the warp: every lane gets the results. A lane takes chunks lane, lane + 32, ... of each
+// row, and adds them in that order whatever LOADS is, so the sums do not depend on it.
+// LOADS <= 8: an unrolled loop, from which the compiler keeps up to about eight 16-byte loads
+// in flight (the measured default). LOADS > 8: explicit batches of about LOADS loads across
+// the rows, each batch issued before any of it is used (NVRTC keeps them in flight: 117
+// registers for gate and up at 16, against 44).
 template <typename T, int K, int R, int LOADS = 8>
 __device__ inline void rows_dot(const T* const* rows, const T* xs, float* out) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CHUNKS = K / VEC;
   const int lane = threadIdx.x & 31;
   const uint4* x4 = reinterpret_cast<const uint4*>(xs);
-  constexpr int UNROLL = R >= LOADS ? 1 : LOADS / R;
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; r++) acc[r] = 0.f;
+  if constexpr (LOADS <= 8) {
+    constexpr int UNROLL = R >= LOADS ? 1 : LOADS / R;
 #pragma unroll UNROLL
-  for (int c = lane; c < CHUNKS; c += 32) {
-    uint4 wc[R];
+    for (int c = lane; c < CHUNKS; c += 32) {
+      uint4 wc[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) wc[r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
-    const uint4 xc = x4[c];
-    const T* xe = reinterpret_cast<const T*>(&xc);
+      for (int r = 0; r < R; r++) wc[r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
+      const uint4 xc = x4[c];
+      const T* xe = reinterpret_cast<const T*>(&xc);
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-      const T* we = reinterpret_cast<const T*>(&wc[r]);
+      for (int r = 0; r < R; r++) {
+        const T* we = reinterpret_cast<const T*>(&wc[r]);
 #pragma unroll
-      for (int e = 0; e < VEC; e++) acc[r] += static_cast<float>(we[e]) * static_cast<float>(xe[e]);
+        for (int e = 0; e < VEC; e++) acc[r] += static_cast<float>(we[e]) * static_cast<float>(xe[e]);
+      }
+    }
+  } else {
+    constexpr int PER_LANE = (CHUNKS + 31) / 32;
+    constexpr int WANT = LOADS / R > 0 ? LOADS / R : 1;
+    constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
+    for (int base = 0; base < PER_LANE; base += BATCH) {
+      uint4 wc[BATCH][R];
+#pragma unroll
+      for (int b = 0; b < BATCH; b++) {
+        const int c = lane + 32 * (base + b);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          wc[b][r] = c < CHUNKS ? __ldg(reinterpret_cast<const uint4*>(rows[r]) + c)
+                                : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < BATCH; b++) {
+        const int c = lane + 32 * (base + b);
+        if (c < CHUNKS) {
+          const uint4 xc = x4[c];
+          const T* xe = reinterpret_cast<const T*>(&xc);
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            const T* we = reinterpret_cast<const T*>(&wc[b][r]);
+#pragma unroll
+            for (int e = 0; e < VEC; e++) {
+              acc[r] += static_cast<float>(we[e]) * static_cast<float>(xe[e]);
+            }
+          }
+        }
+      }
     }
   }
 #pragma unroll
@@ -194,7 +233,7 @@ const GATED_SOURCE: &str = r#"
     const decltype(wg) ws[1] = {wg};
     const T* const ss[1] = {wg_s};
     const T* const bs[1] = {wg_b};
-    weight_rows<T, K, RPW, BITS, G, 1>(ws, ss, bs, first, N, xs, sums, g);
+    weight_rows<T, K, RPW, BITS, G, 1, LOADS>(ws, ss, bs, first, N, xs, sums, g);
 #pragma unroll
     for (int i = 0; i < RPW; i++) u[i] = mul[mul_offset[0] + min(first + i, N - 1)];
   } else {
@@ -202,7 +241,7 @@ const GATED_SOURCE: &str = r#"
     const decltype(wg) ws[2] = {wg, wu};
     const T* const ss[2] = {wg_s, wu_s};
     const T* const bs[2] = {wg_b, wu_b};
-    weight_rows<T, K, RPW, BITS, G, 2>(ws, ss, bs, first, N, xs, sums, d);
+    weight_rows<T, K, RPW, BITS, G, 2, LOADS>(ws, ss, bs, first, N, xs, sums, d);
 #pragma unroll
     for (int i = 0; i < RPW; i++) {
       g[i] = d[i];
@@ -237,7 +276,7 @@ const RESIDUAL_SOURCE: &str = r#"
     const decltype(w) ws[1] = {w};
     const T* const ss[1] = {w_s};
     const T* const bs[1] = {w_b};
-    weight_rows<T, K, RPW, BITS, G, 1>(ws, ss, bs, first, N, xs, sums, d);
+    weight_rows<T, K, RPW, BITS, G, 1, LOADS>(ws, ss, bs, first, N, xs, sums, d);
     // The product as MLX rounds it, kept in float32 for the last block.
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
@@ -290,8 +329,9 @@ const RESIDUAL_SOURCE: &str = r#"
 /// host).
 pub const WEIGHT_ROWS_HEADER: &str = r#"
 // Dots of rows first ... first + R - 1 (the last row again past N) of each of the M weights
-// ws with the staged input: out[m R + i] for weight m, row first + i, through weight_dot.
-template <typename T, int K, int R, int BITS, int G, int M, typename W>
+// ws with the staged input: out[m R + i] for weight m, row first + i, through weight_dot
+// (LOADS: dense loads in flight a lane).
+template <typename T, int K, int R, int BITS, int G, int M, int LOADS = 8, typename W>
 __device__ inline void weight_rows(const W* const (&ws)[M], const T* const (&ss)[M],
                                    const T* const (&bs)[M], int first, int N, const T* xs,
                                    const float* sums, float* out) {
@@ -306,7 +346,7 @@ __device__ inline void weight_rows(const W* const (&ws)[M], const T* const (&ss)
     b[i] = bs[i / R];
     r[i] = min(first + i % R, N - 1);
   }
-  weight_dot<T, K, M * R, BITS, G, false>(w, s, b, r, xs, sums, out);
+  weight_dot<T, K, M * R, BITS, G, false, LOADS>(w, s, b, r, xs, sums, out);
 }
 "#;
 
@@ -427,6 +467,39 @@ static ROWS_PER_WARP: AtomicI32 = AtomicI32::new(1);
 /// eight loads in flight unused. Two rows were the fastest on an H200 (E4B 4-bit, side by
 /// side: 190.8 tok/s against 182.4 for one row and 181.7 for four; BENCHMARKS.md).
 static AFFINE4_ROWS_PER_WARP: AtomicI32 = AtomicI32::new(2);
+
+/// 16-byte loads a lane keeps in flight over dense rows in [`gated_product`] and
+/// [`product_residual`] ([`set_dense_loads`]).
+static DENSE_LOADS: AtomicI32 = AtomicI32::new(8);
+
+/// Loads in flight a lane the kernels accept over dense rows.
+pub const DENSE_LOADS_CHOICES: [i32; 2] = [8, 16];
+
+/// Sets the 16-byte loads a lane keeps in flight over dense rows in [`gated_product`] and
+/// [`product_residual`]: 16 doubles the bytes a warp has in flight on a long row (the
+/// feed-forward's down product reads 20 KB a row, 40 loads a lane in batches of 8) at the
+/// cost of registers. The sums are the same; `bench --compare-fused` measures both.
+pub fn set_dense_loads(loads: i32) -> Result<()> {
+    if !DENSE_LOADS_CHOICES.contains(&loads) {
+        bail!("dense loads in flight must be one of {DENSE_LOADS_CHOICES:?}, got {loads}");
+    }
+    DENSE_LOADS.store(loads, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The current [`set_dense_loads`] setting.
+pub fn dense_loads() -> i32 {
+    DENSE_LOADS.load(Ordering::Relaxed)
+}
+
+/// The loads in flight a lane for a weight of this kind (4-bit rows batch their own).
+fn loads_for(bits: i32) -> i32 {
+    if bits == 0 {
+        dense_loads()
+    } else {
+        8
+    }
+}
 
 /// Row counts per warp the kernels accept (each is a compiled variant).
 pub const ROWS_PER_WARP_CHOICES: [i32; 3] = [1, 2, 4];
@@ -607,6 +680,7 @@ pub fn gated_product_rows(
                 (c"RPW", TemplateArg::Int(rows_per_warp)),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
+                (c"LOADS", TemplateArg::Int(loads_for(bits))),
             ],
         )?;
         Ok(out.remove(0))
@@ -672,6 +746,7 @@ pub fn product_residual_rows(
                 (c"RPW", TemplateArg::Int(rows_per_warp)),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
+                (c"LOADS", TemplateArg::Int(loads_for(bits))),
             ],
         )?;
         Ok(out.remove(0))
@@ -709,6 +784,8 @@ mod tests {
         assert!(set_rows_per_warp(3).is_err());
         assert!(set_rows_per_warp(0).is_err());
         assert_eq!(rows_per_warp(), 1, "a refused count changes nothing");
+        assert!(set_dense_loads(12).is_err());
+        assert_eq!(dense_loads(), 8, "a refused count changes nothing");
         assert!(set_affine4_rows_per_warp(5).is_err());
         assert_eq!(
             affine4_rows_per_warp(),
