@@ -45,7 +45,7 @@
 #   quick      E4B bf16 decode with each set of fused kernels and the variants still in question of the
 #              default, alternated in one process (~2 minutes)
 #   quick-q4   the same for the 4-bit E4B: MLX's quantized products, the 4-bit post-attention
-#              kernel, the 4-bit attention-heads and product kernels at 1, 2, 4 rows a warp, and
+#              kernel, the 4-bit attention-heads and product kernels at 1 and 2 rows a warp,
 #              with the output head kernel, then with the per-layer-input kernel
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
@@ -203,7 +203,7 @@ if want profile; then
     # Device time of one E4B decode step, kernel by kernel (Nsight Compute, clocks unlocked so
     # durations are those of a normal run): what the device does when no host is in the way.
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in attention,products,post-attention attention,products none; do
+    for fused in attention,products,output-head attention,products,post-attention none; do
         # MLX_SPEC_PROFILE_DECODE: mlx-spec starts the capture after the prefill, so the
         # thousands of kernels of the weight generation and the prefill are not profiled.
         MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none \

@@ -1156,7 +1156,6 @@ fn compare_fused(
     prompt: &[u32],
     args: &BenchArgs,
 ) -> Result<Vec<(String, f64, bool)>> {
-    use mlx_spec::kernels::decode_attention::ONE_ROUND_SHARE_SLOTS;
     use mlx_spec::kernels::{set_allowed, Fused, Tuning};
     let fused = |attention, products| Fused {
         attention,
@@ -1195,8 +1194,8 @@ fn compare_fused(
     let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
     let sets: Vec<Set> = if four_bit {
         // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows,
-        // and the attention-heads and product kernels over 4-bit rows at each row count a
-        // warp, with and without the output head kernel.
+        // and the attention-heads and product kernels over 4-bit rows at one and two rows a
+        // warp (four lost in lease 2 of 2026-12-01), with and without the output head kernel.
         let post_attention = Fused {
             affine4: true,
             ..fused(true, true)
@@ -1229,9 +1228,7 @@ fn compare_fused(
             ),
             rows(1, products, products_name),
             rows(2, products, products_name),
-            rows(4, products, products_name),
             rows(2, with_head(products), head_name),
-            rows(4, with_head(products), head_name),
             // Last: not yet run on a GPU (a fault would end the process).
             rows(
                 2,
@@ -1241,8 +1238,9 @@ fn compare_fused(
         ]
     } else {
         // Variants that lost in several leases (barriers polling with acquire loads, L2
-        // prefetch, 16 loads in flight, three blocks a multiprocessor) were removed; their
-        // figures are in BENCHMARKS.md.
+        // prefetch, 16 loads in flight in the post-attention kernel, three blocks a
+        // multiprocessor, 32-slot attention shares) are no longer measured; their figures
+        // are in BENCHMARKS.md.
         vec![
             set("none", fused(false, false)),
             set("attention", fused(true, false)),
@@ -1257,14 +1255,6 @@ fn compare_fused(
                 kernels: with_head(fused(true, true)),
                 tuning: Tuning {
                     dense_loads: 16,
-                    ..default
-                },
-            },
-            Set {
-                name: format!("attention,products, {ONE_ROUND_SHARE_SLOTS}-slot attention shares"),
-                kernels: fused(true, true),
-                tuning: Tuning {
-                    attention_share: ONE_ROUND_SHARE_SLOTS,
                     ..default
                 },
             },
