@@ -167,7 +167,7 @@ struct Case {
     rows: i32,
 }
 
-const CASES: [Case; 6] = [
+const CASES: [Case; 7] = [
     // A short row: a quarter of the lanes have a chunk.
     Case {
         bf16: false,
@@ -202,6 +202,16 @@ const CASES: [Case; 6] = [
         rows_per_call: 1,
         in_place: false,
         rows: 3,
+    },
+    // Two rows at once over ten chunks a lane: batches of four, where one row a call takes
+    // batches of eight (the rows' sums must not change).
+    Case {
+        bf16: true,
+        k: 10240,
+        group: 64,
+        rows_per_call: 2,
+        in_place: false,
+        rows: 2,
     },
     // Eight rows at once (the products' four rows a warp, gate and up): one chunk a batch.
     Case {
@@ -326,14 +336,36 @@ fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
             path.display()
         )
         .unwrap();
+        // The same rows one a call (numbered ONE_ROW + i): each row's sum must not depend on
+        // how many rows a call takes (the products' rows a warp, the post-attention kernel's
+        // row pairs), bit for bit.
+        if case.rows_per_call > 1 && !case.in_place {
+            writeln!(
+                source,
+                "  run<{t}, {}, {}, 1, false>({}, \"{}\");",
+                case.k,
+                case.group,
+                ONE_ROW + i,
+                path.display()
+            )
+            .unwrap();
+        }
     }
     source.push_str("  return 0;\n}\n");
     let printed = compile_and_run(dir.path(), &source);
     let mut checked = 0;
+    let mut sums = std::collections::HashMap::new();
+    let mut one_row_sums = Vec::new();
     for line in printed.lines() {
         let parts: Vec<&str> = line.split_whitespace().collect();
         assert_eq!(parts.len(), 3, "unexpected driver output: {line}");
         let (case, row): (usize, usize) = (parts[0].parse().unwrap(), parts[1].parse().unwrap());
+        let bits = parts[2].parse::<f32>().unwrap().to_bits();
+        if case >= ONE_ROW {
+            one_row_sums.push((case - ONE_ROW, row, bits));
+            continue;
+        }
+        sums.insert((case, row), bits);
         let got: f64 = parts[2].parse().unwrap();
         let (want, magnitude) = (&expected[case].0, &expected[case].1);
         // A float32 sum's rounding, relative to the terms' size; a wrong nibble, piece,
@@ -349,7 +381,24 @@ fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
     }
     let rows: i32 = CASES.iter().map(|c| c.rows).sum();
     assert_eq!(checked, rows as usize, "every row of every case: {printed}");
+    let several: i32 = CASES
+        .iter()
+        .filter(|c| c.rows_per_call > 1 && !c.in_place)
+        .map(|c| c.rows)
+        .sum();
+    assert_eq!(one_row_sums.len(), several as usize, "{printed}");
+    for (case, row, bits) in one_row_sums {
+        assert_eq!(
+            Some(&bits),
+            sums.get(&(case, row)),
+            "case {case} row {row}: one row a call sums otherwise than {} a call",
+            CASES[case].rows_per_call
+        );
+    }
 }
+
+/// Driver case numbers from here on: a case's rows again, one a call.
+const ONE_ROW: usize = 1000;
 
 #[test]
 fn the_products_read_gate_and_up_rows_of_4bit_weights_and_repeat_the_last_past_the_end() {
