@@ -1148,14 +1148,24 @@ fn decode_pipelined(
     Ok((tokens, start.elapsed().as_secs_f64(), split))
 }
 
+/// One set of `bench --compare-fused`: its median decode rate and host split over the rounds.
+struct FusedSetResult {
+    name: String,
+    tokens_per_s: f64,
+    /// Whether its tokens equal those of MLX's operations alone.
+    same_as_none: bool,
+    /// Where the host spent a step (medians of each part): tells a host-bound set from a
+    /// device-bound one (waiting near 0: the host is the bound).
+    host: HostSplit,
+}
+
 /// Pipelined greedy decode with each set of fused kernels, the sets alternating round by
-/// round so that drifts of the machine's speed hit them alike. Returns (set, median tok/s,
-/// whether its tokens equal those of MLX's operations alone).
+/// round so that drifts of the machine's speed hit them alike.
 fn compare_fused(
     model: &Gemma4Model,
     prompt: &[u32],
     args: &BenchArgs,
-) -> Result<Vec<(String, f64, bool)>> {
+) -> Result<Vec<FusedSetResult>> {
     use mlx_spec::kernels::{set_allowed, Fused, Tuning};
     let fused = |attention, products| Fused {
         attention,
@@ -1275,6 +1285,7 @@ fn compare_fused(
         ]
     };
     let mut rates = vec![Vec::new(); sets.len()];
+    let mut splits = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
     let mut run_all = || -> Result<()> {
@@ -1284,7 +1295,7 @@ fn compare_fused(
                 s.tuning.apply()?;
                 let mut cache = model.new_cache();
                 let logits = prefill(model, &mut cache, prompt)?;
-                let (got, seconds, _) =
+                let (got, seconds, split) =
                     decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
                 let rate = args.gen_tokens as f64 / seconds;
                 // Logged as it comes, so that a set that ends the process (a kernel trap)
@@ -1292,6 +1303,7 @@ fn compare_fused(
                 tracing::info!(round, set = %s.name, "compare-fused: {rate:.1} tok/s");
                 if round > 0 {
                     rates[i].push(rate);
+                    splits[i].push(split);
                 }
                 tokens[i] = got;
             }
@@ -1346,11 +1358,22 @@ fn compare_fused(
             );
         }
     }
+    let median_split = |v: &[HostSplit]| HostSplit {
+        build_ms: median(v.iter().map(|h| h.build_ms).collect()),
+        submit_ms: median(v.iter().map(|h| h.submit_ms).collect()),
+        wait_ms: median(v.iter().map(|h| h.wait_ms).collect()),
+    };
     Ok(sets
         .iter()
         .zip(rates)
+        .zip(&splits)
         .zip(&tokens)
-        .map(|((s, r), t)| (s.name.clone(), median(r), *t == tokens[0]))
+        .map(|(((s, r), h), t)| FusedSetResult {
+            name: s.name.clone(),
+            tokens_per_s: median(r),
+            same_as_none: *t == tokens[0],
+            host: median_split(h),
+        })
         .collect())
 }
 
@@ -1564,7 +1587,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 "stepwise_decode_tokens_per_s": stepwise_rate, "stepwise_step_ms": step_ms,
                 "stepwise_graph_build_ms": build_ms,
                 "pipelined_host_ms": json!({"build": host.build_ms, "submit": host.submit_ms, "wait": host.wait_ms}),
-                "fused_comparison": fused_comparison.iter().map(|(name, rate, same)| json!({"kernels": name, "decode_tokens_per_s": rate, "same_tokens_as_none": same})).collect::<Vec<_>>(),
+                "fused_comparison": fused_comparison.iter().map(|f| json!({"kernels": f.name, "decode_tokens_per_s": f.tokens_per_s, "same_tokens_as_none": f.same_as_none, "host_ms": {"build": f.host.build_ms, "submit": f.host.submit_ms, "wait": f.host.wait_ms}})).collect::<Vec<_>>(),
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
@@ -1602,12 +1625,17 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         );
         if !fused_comparison.is_empty() {
             println!();
-            println!("| fused kernels | decode (tok/s) | tokens as with none |");
-            println!("|---|---|---|");
-            for (name, rate, same) in &fused_comparison {
+            println!("| fused kernels | decode (tok/s) | host ms a step: build, submit, waiting | tokens as with none |");
+            println!("|---|---|---|---|");
+            for f in &fused_comparison {
                 println!(
-                    "| {name} | {rate:.1} | {} |",
-                    if *same { "same" } else { "differ" }
+                    "| {} | {:.1} | {:.2}, {:.2}, {:.2} | {} |",
+                    f.name,
+                    f.tokens_per_s,
+                    f.host.build_ms,
+                    f.host.submit_ms,
+                    f.host.wait_ms,
+                    if f.same_as_none { "same" } else { "differ" }
                 );
             }
         }
