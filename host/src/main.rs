@@ -1558,6 +1558,14 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         None => None,
     };
     let fused_comparison = if args.compare_fused {
+        let cuda =
+            cfg!(target_os = "linux") && mlx_spec::device::default_is(mlx_rs::DeviceType::Gpu);
+        if !cuda {
+            tracing::warn!(
+                "--compare-fused: the fused kernels run on a CUDA GPU only; here every set runs \
+                 MLX's operations, and their rates differ by noise alone"
+            );
+        }
         compare_fused(model, &prompt, &args)?
     } else {
         Vec::new()
