@@ -13,46 +13,21 @@ mod common;
 use std::fmt::Write as _;
 use std::path::Path;
 
-use common::compile_and_run;
+use common::{compile_and_run, CUDA_HOST_SHIM};
 
 use mlx_rs::ops::{dequantize, quantize};
 use mlx_rs::{Array, Dtype};
 use mlx_spec::kernels::affine4::HEADER;
 use mlx_spec::kernels::products::WEIGHT_ROWS_HEADER;
 
-/// CUDA built-ins the helpers use, for a host compiler. `threadIdx.x` is the lane (or thread)
-/// being run; `warp_sum` returns the lane's own value, and the driver adds the lanes.
+/// What the 4-bit helpers need besides the common stand-ins (`common::CUDA_HOST_SHIM`).
 const HOST_SHIM: &str = r#"
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <memory>
-#include <vector>
-#define __device__
-struct uint4 { unsigned int x, y, z, w; };
-inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-template <typename T> inline T __ldg(const T* p) { return *p; }
-struct ThreadIndex { int x; };
-static ThreadIndex threadIdx;
 constexpr int BLOCK_THREADS = 256;
-inline float warp_sum(float v) { return v; }
-inline void __syncthreads() {}
 inline int min(int a, int b) { return a < b ? a : b; }
 // The products' dense row helper, declared so that weight_rows parses; 4-bit rows never
 // call it.
 template <typename T, int K, int R, int LOADS = 8> void rows_dot(const T* const*, const T*, float*) {}
-// bfloat16 as the kernels see it: the high half of a float.
-struct bf16 {
-  uint16_t bits;
-  explicit operator float() const {
-    uint32_t u = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-};
 "#;
 
 /// The driver: reads a case's packed rows, scales, biases and input, stages the input as
@@ -319,7 +294,8 @@ fn write_case(case: &Case, seed: u64, x_seed: u64, path: &Path) -> (Vec<f64>, Ve
 #[test]
 fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let mut source = format!("{HOST_SHIM}{HEADER}{WEIGHT_ROWS_HEADER}{DRIVER}\nint main() {{\n");
+    let mut source =
+        format!("{CUDA_HOST_SHIM}{HOST_SHIM}{HEADER}{WEIGHT_ROWS_HEADER}{DRIVER}\nint main() {{\n");
     let mut expected = Vec::new();
     for (i, case) in CASES.iter().enumerate() {
         assert_eq!(case.rows % case.rows_per_call, 0);
@@ -415,7 +391,8 @@ fn the_products_read_gate_and_up_rows_of_4bit_weights_and_repeat_the_last_past_t
     // Two matrices, one input.
     let gate = write_case(&shape, 41, 7, &gate_path);
     let up = write_case(&shape, 42, 7, &up_path);
-    let mut source = format!("{HOST_SHIM}{HEADER}{WEIGHT_ROWS_HEADER}{DRIVER}\nint main() {{\n");
+    let mut source =
+        format!("{CUDA_HOST_SHIM}{HOST_SHIM}{HEADER}{WEIGHT_ROWS_HEADER}{DRIVER}\nint main() {{\n");
     // Rows 0-1, rows 4-5, and row 5 twice (the second past the end).
     for (index, first) in [0, 4, 5].into_iter().enumerate() {
         writeln!(

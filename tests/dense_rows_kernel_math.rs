@@ -8,38 +8,14 @@
 
 mod common;
 
-use common::compile_and_run;
+use common::{compile_and_run, CUDA_HOST_SHIM};
 use mlx_spec::kernels::products::HEADER;
 
-/// CUDA built-ins and helpers the header uses, for a host compiler. `threadIdx.x` is the lane
-/// being run; `warp_sum` returns the lane's own value, and the driver adds the lanes.
+/// What the products' header needs besides the common stand-ins (`common::CUDA_HOST_SHIM`).
 const HOST_SHIM: &str = r#"
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <vector>
-#define __device__
-struct uint4 { unsigned int x, y, z, w; };
-inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-template <typename T> inline T __ldg(const T* p) { return *p; }
-struct ThreadIndex { int x; };
-static ThreadIndex threadIdx;
-inline float warp_sum(float v) { return v; }
 inline float block_sum(float v, float*) { return v; }
-inline void __syncthreads() {}
 inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 constexpr float EPS = 1e-6f;
-// bfloat16 as the kernels see it: the high half of a float.
-struct bf16 {
-  uint16_t bits;
-  explicit operator float() const {
-    uint32_t u = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-};
 "#;
 
 /// The driver: a pseudo-random matrix and input (values exact in bfloat16), each case's rows
@@ -116,7 +92,7 @@ fn dense_rows_give_plain_dot_products_with_any_loads_in_flight() {
         ("bf16", 10240, 1, 2),
         ("bf16", 10240, 4, 4),
     ];
-    let mut source = format!("{HOST_SHIM}{HEADER}{DRIVER}\nint main() {{\n");
+    let mut source = format!("{CUDA_HOST_SHIM}{HOST_SHIM}{HEADER}{DRIVER}\nint main() {{\n");
     for (i, (t, k, r, rows)) in cases.iter().enumerate() {
         source += &format!("  run<{t}, {k}, {r}>({i}, {rows}, {});\n", 17 + i);
     }

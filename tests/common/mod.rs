@@ -163,3 +163,33 @@ pub fn compile_and_run(dir: &std::path::Path, source: &str) -> String {
     assert!(run.status.success());
     String::from_utf8(run.stdout).unwrap()
 }
+
+/// Host stand-ins for the CUDA built-ins the kernels' device helpers use, for a host C++
+/// compiler: `threadIdx.x` is the lane (or thread) being run, `warp_sum` returns the lane's
+/// own value (the driver adds the lanes), and `bf16` is bfloat16 as the kernels see it (the
+/// high half of a float). Each test adds what its helpers need besides.
+pub const CUDA_HOST_SHIM: &str = r#"
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <vector>
+#define __device__
+struct uint4 { unsigned int x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+struct ThreadIndex { int x; };
+static ThreadIndex threadIdx;
+inline float warp_sum(float v) { return v; }
+inline void __syncthreads() {}
+struct bf16 {
+  uint16_t bits;
+  explicit operator float() const {
+    uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+"#;

@@ -416,7 +416,7 @@ impl PerEpsilon {
 
 /// Device helpers shared by the kernels: block-wide sum and max over `float`, with `red`
 /// a `__shared__ float[32]` scratch.
-pub(crate) const REDUCE_HEADER: &str = r#"
+const REDUCE_HEADER: &str = r#"
 __device__ inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

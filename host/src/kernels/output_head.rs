@@ -13,14 +13,15 @@
 //! product with the norm weight; each logit rounded to the dtype, then soft-capped in float32.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::post_attention::Weight;
-use super::products::{rows_per_warp_for, serves, THREADS, WARPS};
-use super::CudaKernel;
+use super::products::{
+    blocks_for_rows_per_warp, rows_per_warp_for, serves, weight_rows_header, THREADS,
+};
+use super::{PerEpsilon, TemplateArg};
 
 const SOURCE: &str = r#"
   constexpr int WARPS = 8;
@@ -57,8 +58,13 @@ const SOURCE: &str = r#"
 const MAX_BLOCKS: i32 = 1056;
 
 thread_local! {
-    // One compiled kernel per (epsilon, soft-cap) pair, as float32 bits.
-    static KERNELS: RefCell<HashMap<(u32, u32), CudaKernel>> = RefCell::new(HashMap::new());
+    // One compiled kernel per epsilon; the soft-cap is a template argument.
+    static KERNELS: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
+        "output_head",
+        &["x", "nw", "w", "w_s", "w_b"],
+        &["logits"],
+        SOURCE,
+    ).with_header(weight_rows_header()));
 }
 
 /// Float32 logits `[1, N]` of one token: `cap tanh((W rms_norm(x, norm)) / cap)` (without
@@ -97,37 +103,24 @@ pub fn output_head(
         None => 0,
     };
     let rows_per_warp = rows_per_warp_for(&head);
-    let blocks = ((n + WARPS * rows_per_warp - 1) / (WARPS * rows_per_warp)).min(MAX_BLOCKS);
+    let blocks = blocks_for_rows_per_warp(n, rows_per_warp).min(MAX_BLOCKS);
     let [w, w_s, w_b] = head.inputs();
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
-        let kernel = match kernels.entry((eps.to_bits(), cap_bits)) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(CudaKernel::new(
-                "output_head",
-                &["x", "nw", "w", "w_s", "w_b"],
-                &["logits"],
-                SOURCE,
-                &format!(
-                    "{}\nconstexpr float EPS = {eps:e}f;\n{}",
-                    super::REDUCE_HEADER,
-                    super::products::weight_rows_header()
-                ),
-            )?),
-        };
+        let kernel = kernels.get(eps)?;
         let mut out = kernel.apply(
             &[x, norm, w, w_s, w_b],
             &[(&[1, n], Dtype::Float32)],
             (blocks * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
-                (c"T", super::TemplateArg::Dtype(dtype)),
-                (c"K", super::TemplateArg::Int(k)),
-                (c"N", super::TemplateArg::Int(n)),
-                (c"RPW", super::TemplateArg::Int(rows_per_warp)),
-                (c"BITS", super::TemplateArg::Int(bits)),
-                (c"G", super::TemplateArg::Int(group)),
-                (c"CAP_BITS", super::TemplateArg::Int(cap_bits as i32)),
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"K", TemplateArg::Int(k)),
+                (c"N", TemplateArg::Int(n)),
+                (c"RPW", TemplateArg::Int(rows_per_warp)),
+                (c"BITS", TemplateArg::Int(bits)),
+                (c"G", TemplateArg::Int(group)),
+                (c"CAP_BITS", TemplateArg::Int(cap_bits as i32)),
             ],
         )?;
         Ok(out.remove(0))

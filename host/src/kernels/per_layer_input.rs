@@ -9,7 +9,8 @@
 //! each costs the host 10-15 µs on the H200 machines measured: at 42 layers a step, about
 //! 0.5 ms of host time, which bounds the step on a machine whose host is slow. Here the grid
 //! stays resident and the two products meet at one grid-wide barrier (the post-attention
-//! kernel's, [`super::post_attention`]), a layer one operation shorter.
+//! kernel's, [`super::post_attention`], whose last stages this kernel runs: the same device
+//! code), a layer one operation shorter.
 //!
 //! Both stages round as the gated and closing products round, with the same summation order,
 //! so the result equals theirs bit for bit (`bench --compare-fused` checks the tokens), over
@@ -26,49 +27,22 @@ use super::products::{element_bytes, HEADER as PRODUCTS_HEADER, THREADS};
 use super::{PerEpsilon, TemplateArg};
 
 const SOURCE: &str = r#"
-  constexpr int WARPS = 8;
   constexpr int STAGED = H > P ? H : P;
-  __shared__ __align__(16) T buf[STAGED];
+  __shared__ __align__(16) T hs[H];
+  __shared__ __align__(16) T buf[P];
   __shared__ float red[32];
   // Chunk sums of the staged input for 4-bit weights (chunk_sums).
   __shared__ float sums[BITS != 0 ? STAGED / 32 : 1];
   unsigned int* bar = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(barrier));
-  const int lane = threadIdx.x & 31;
-  const int warps = gridDim.x * WARPS;
-  const int first = blockIdx.x * WARPS + (threadIdx.x >> 5);
-
-  // 1. g = gelu_tanh(W_in h) * v.
-  stage_input<T, H, false>(h, h, buf, red);
-  chunk_sums<T, H, BITS>(buf, sums);
-  const int v0 = ple_offset[0];
-  for (int r = first; r < P; r += warps) {
-    const void* w = pg;
-    float d;
-    weight_dot<T, H, 1, BITS, G, false>(&w, &pg_s, &pg_b, &r, buf, sums, &d);
-    if (lane == 0) {
-      const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
-      g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
-    }
-  }
-  __threadfence();
-  grid_barrier(bar);
-
-  // 2. o2 = W_proj g, then every block that writes part of the output takes the norm of
-  // the whole of o2 after the second barrier.
-  stage_written<T, P>(g, buf);
-  chunk_sums<T, P, BITS>(buf, sums);
-  product_rows<T, P, BITS, G, false, false>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
-  __threadfence();
-  grid_barrier(bar);
-  if (blockIdx.x * BLOCK_THREADS >= H) return;
-  const float r2 = product_rms<H>(o2, red);
-  const float s = static_cast<float>(scale[0]);
-  for (int i = blockIdx.x * BLOCK_THREADS + threadIdx.x; i < H; i += gridDim.x * BLOCK_THREADS) {
-    out[i] = closed<T, true>(__ldcg(o2 + i), r2, h[i], post_norm[i], s);
-  }
+  stage_input<T, H, false>(h, h, hs, red);
+  chunk_sums<T, H, BITS>(hs, sums);
+  // The post-attention kernel's last stages, as the products round them.
+  per_layer_block<T, H, P, BITS, G, false, false>(hs, buf, sums, red, pg, pg_s, pg_b, per_layer,
+                                                  ple_offset[0], pp, pp_s, pp_b, post_norm,
+                                                  static_cast<float>(scale[0]), bar, g, o2, out);
 "#;
 
-/// The staged vector must fit a block's static shared memory, twice per multiprocessor
+/// The staged vectors must fit a block's static shared memory, twice per multiprocessor
 /// (the grid is two resident blocks a multiprocessor), with room to spare.
 const MAX_SHARED_BYTES: usize = 44 * 1024;
 
@@ -87,17 +61,17 @@ thread_local! {
 }
 
 /// Whether the kernel serves hidden size `h` and per-layer width `p` in `dtype`: whole
-/// 16-byte loads, and the staged vector fits shared memory.
+/// 16-byte loads, and the staged vectors (h and g) and the chunk sums fit shared memory.
 pub fn serves(h: usize, p: usize, dtype: Dtype) -> bool {
     let Some(e) = element_bytes(dtype) else {
         return false;
     };
-    let staged = h.max(p);
+    let sums = h.max(p) / 32 * 4;
     h > 0
         && p > 0
         && (h * e) % 16 == 0
         && (p * e) % 16 == 0
-        && staged * e + staged / 8 <= MAX_SHARED_BYTES
+        && (h + p) * e + sums <= MAX_SHARED_BYTES
 }
 
 /// `(h + rms_norm(W_proj (gelu_tanh(W_in h) * v), post_norm)) * scale` for one token `h`

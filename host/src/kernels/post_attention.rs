@@ -165,6 +165,46 @@ __device__ inline T closed(float o, float r, T h, T pw, float s) {
   if (SCALED) sum = static_cast<T>(static_cast<float>(sum) * s);
   return sum;
 }
+
+// A layer's per-layer-input block, every block of the grid resident: g = gelu_tanh(W_in h) *
+// v (v: this layer's P values, per_layer[v0 ...]), a grid-wide barrier, o2 = W_proj g, a
+// barrier, then out = (h + rms_norm(o2, pn)) * s, the blocks writing it in turns. hs: h
+// staged in shared memory, its chunk sums in `sums`; `buf` (P elements) and `sums` then hold
+// g's. g and o2: device scratch. Rounds as the gated and closing products do.
+template <typename T, int H, int P, int BITS, int G, bool IN_PLACE, bool PAIRS, typename WI,
+          typename WP>
+__device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* red,
+                                       const WI* pg, const T* pg_s, const T* pg_b,
+                                       const T* per_layer, int v0, const WP* pp,
+                                       const T* pp_s, const T* pp_b, const T* pn, float s,
+                                       unsigned int* bar, T* g, float* o2, T* out) {
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (BLOCK_THREADS / 32);
+  const int first = blockIdx.x * (BLOCK_THREADS / 32) + (threadIdx.x >> 5);
+  for (int r = first; r < P; r += warps) {
+    const void* w = pg;
+    float d;
+    weight_dot<T, H, 1, BITS, G, IN_PLACE>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
+    if (lane == 0) {
+      const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
+      g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
+    }
+  }
+  __threadfence();
+  grid_barrier(bar);
+
+  stage_written<T, P>(g, buf);
+  chunk_sums<T, P, BITS>(buf, sums);
+  product_rows<T, P, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
+  __threadfence();
+  grid_barrier(bar);
+
+  if (blockIdx.x * BLOCK_THREADS >= H) return;
+  const float r2 = product_rms<H>(o2, red);
+  for (int i = blockIdx.x * BLOCK_THREADS + threadIdx.x; i < H; i += gridDim.x * BLOCK_THREADS) {
+    out[i] = closed<T, true>(__ldcg(o2 + i), r2, hs[i], pn[i], s);
+  }
+}
 "#;
 
 const SOURCE: &str = r#"
@@ -235,33 +275,11 @@ const SOURCE: &str = r#"
     __syncthreads();
     chunk_sums<T, H, BITS>(hs, sums);
 
-    // 4. g = gelu_tanh(W_in h) * v, v this layer's per-layer input.
-    const int v0 = ple_offset[0];
-    for (int r = first; r < P; r += warps) {
-      const void* w = pg;
-      float d;
-      weight_dot<T, H, 1, BITS, G, IN_PLACE>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
-      if (lane == 0) {
-        const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
-        g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
-      }
-    }
-    __threadfence();
-    grid_barrier(bar);
-
-    // 5. o2 = W_proj g.
-    stage_written<T, P>(g, buf);
-    chunk_sums<T, P, BITS>(buf, sums);
-    product_rows<T, P, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
-    __threadfence();
-    grid_barrier(bar);
-
-    // 6. out = (h + rms_norm(o2, post_norm_2)) * layer scalar, written in turns.
-    if (blockIdx.x * BLOCK_THREADS >= H) return;
-    const float r2 = product_rms<H>(o2, red);
-    for (int i = blockIdx.x * BLOCK_THREADS + threadIdx.x; i < H; i += gridDim.x * BLOCK_THREADS) {
-      out[i] = closed<T, true>(__ldcg(o2 + i), r2, hs[i], post_norm_2[i], s);
-    }
+    // 4.-6. g = gelu_tanh(W_in h) * v, o2 = W_proj g, out = (h + rms_norm(o2, post_norm_2))
+    // times the layer scalar.
+    per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS>(hs, buf, sums, red, pg, pg_s, pg_b,
+                                                       per_layer, ple_offset[0], pp, pp_s, pp_b,
+                                                       post_norm_2, s, bar, g, o2, out);
   }
 "#;
 

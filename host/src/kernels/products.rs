@@ -452,7 +452,7 @@ fn blocks_for(rows: i32) -> i32 {
     blocks_for_rows_per_warp(rows, 1)
 }
 
-fn blocks_for_rows_per_warp(rows: i32, rows_per_warp: i32) -> i32 {
+pub(crate) fn blocks_for_rows_per_warp(rows: i32, rows_per_warp: i32) -> i32 {
     let per_block = WARPS * rows_per_warp;
     (rows + per_block - 1) / per_block
 }
