@@ -20,6 +20,8 @@
 #   peer       transformers' Gemma4ForCausalLM decode on the E4B config (dynamic cache, then
 #              static cache + torch.compile; `peer-static`: the second alone). PEER_TIMEOUT
 #              bounds each in seconds (default 400).
+#   attention-check  the decode attention kernel vs MLX's operations (float32 reference) on
+#              random bf16 heads of 256 and 512, buffers of 40 to 4096 slots
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
 #   cpu-check-q4  the same with 4-bit weights, for each set of 4-bit kernels in CPU_Q4_SETS
 #              (default: the default set, then with the output head kernel)
@@ -33,8 +35,8 @@
 #   repeat     E4B decode repeated from fresh caches (4-bit and bf16): bitwise-equal logits?
 #   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
-#              fused kernels and without
-#   profile-q4 the same for E4B with 4-bit weights
+#              fused kernels and without (PROFILE_SETS: the --fused-kernels sets to profile)
+#   profile-q4 the same for E4B with 4-bit weights (PROFILE_Q4_SETS)
 #   stalls     the post-attention kernel (bf16, and 4-bit with affine4) and the default's
 #              feed-forward kernels in Nsight Compute's occupancy, scheduler and warp-state
 #              sections: why they run at the speed they do
@@ -203,7 +205,7 @@ if want profile; then
     # Device time of one E4B decode step, kernel by kernel (Nsight Compute, clocks unlocked so
     # durations are those of a normal run): what the device does when no host is in the way.
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in attention,products,output-head attention,products,post-attention none; do
+    for fused in ${PROFILE_SETS:-attention,products,output-head attention,products,post-attention none}; do
         # MLX_SPEC_PROFILE_DECODE: mlx-spec starts the capture after the prefill, so the
         # thousands of kernels of the weight generation and the prefill are not profiled.
         MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none \
@@ -221,8 +223,8 @@ if want profile-q4; then
     # The same for E4B with 4-bit weights: the default set, where MLX's quantized products do
     # the layer's products, and the post-attention kernel over 4-bit rows (affine4).
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in attention,products attention,products,affine4 attention,products,affine4-heads,affine4-products \
-        attention,products,affine4-heads,affine4-products,output-head; do
+    for fused in ${PROFILE_Q4_SETS:-attention,products attention,products,affine4 attention,products,affine4-heads,affine4-products \
+        attention,products,affine4-heads,affine4-products,output-head}; do
         tag="profile-q4-${fused//,/_}"
         MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --csv --profile-from-start off --clock-control none \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \
@@ -407,6 +409,14 @@ fi
 
 # 5. The GPU path computes the function the CPU path computes at the E4B shape: the same
 #    random f32 weights (one process), greedy on the GPU with TF32 off, then on the CPU.
+if want attention-check; then
+    # The decode attention kernel against MLX's operations (float32 reference) on random bf16
+    # heads of E4B's sizes, buffers of 40 to 4096 slots, wide and narrow rounds.
+    timeout 300 "$BIN" bench --device gpu --check-decode-attention >"$RES/attention-check.md" 2>"$RES/attention-check.err"
+    cat "$RES/attention-check.md"
+    row "decode attention kernel vs MLX's operations (bf16) | $(tail -n 1 "$RES/attention-check.md" 2>/dev/null || true) $(tail -n 1 "$RES/attention-check.err")"
+fi
+
 if want cpu-check; then
     line="$(MLX_ENABLE_TF32=0 timeout 500 "$BIN" bench --device gpu --random-weights --dtype f32 \
         --model "$ROOT/configs/gemma-4-e4b.json" --prompt-tokens 16 --gen-tokens 2 --repeats 1 --check-cpu 8 \

@@ -448,6 +448,107 @@ pub fn feed_forward_speed(
     Ok(speeds)
 }
 
+/// One case of [`decode_attention_errors`].
+pub struct AttentionCheck {
+    /// Head size, buffer slots and visible range, as `D 256, 768 slots, 0..700`.
+    pub case: String,
+    /// Largest |kernel - reference| over the output, wide rounds and narrow rounds.
+    pub wide_error: f32,
+    pub narrow_error: f32,
+    /// Largest |wide - narrow|: the two differ only in where float32 sums round.
+    pub wide_vs_narrow: f32,
+}
+
+/// The fused decode attention kernel against the same attention computed by MLX's operations
+/// in float32 (scores rounded to `dtype` as MLX's product rounds them), on random queries,
+/// keys and values of Gemma 4's head sizes (8 query heads over 2 KV heads), buffers of one to
+/// several rounds a block, and visible ranges that start at 0 or later: with a warp's whole
+/// share at once (the default) and four slots at a time. CUDA only (the kernel's device).
+/// Fails if an error exceeds `tolerance`.
+pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<AttentionCheck>> {
+    use crate::kernels::decode_attention::{
+        decode_attention, new_counters, set_wide_rounds, splits_for, wide_rounds,
+    };
+    let (heads, kv_heads) = (8, 2);
+    let cases: [(i32, i32, std::ops::Range<usize>); 6] = [
+        (256, 768, 0..700),
+        (256, 768, 256..768),
+        (256, 40, 0..33),
+        (256, 4096, 100..4000),
+        (512, 1024, 0..600),
+        (512, 768, 3..768),
+    ];
+    let was_wide = wide_rounds();
+    let mut rows = Vec::new();
+    let run = || -> Result<()> {
+        for (seed, (d, slots, visible)) in cases.into_iter().enumerate() {
+            let normal = |i: u64, shape: &[i32], scale: f32| -> Result<Array> {
+                let key = random::key(0xa77e + 3 * seed as u64 + i)?;
+                Ok(random::normal::<f32>(shape, 0.0, scale, &key)?.as_dtype(dtype)?)
+            };
+            // Scores of order 1, as after Gemma 4's q/k norms and a 1 / sqrt(D)-sized spread.
+            let q = normal(0, &[1, heads, 1, d], 1.0 / (d as f32).sqrt())?;
+            let k = normal(1, &[1, kv_heads, slots, d], 1.0)?;
+            let v = normal(2, &[1, kv_heads, slots, d], 1.0)?;
+            let splits = splits_for(slots as usize, d as usize, dtype)
+                .with_context(|| format!("decode attention does not serve D {d}, {slots} slots"))?;
+            let counters = new_counters(heads as usize)?;
+            let mut outputs = Vec::new();
+            for wide in [true, false] {
+                set_wide_rounds(wide);
+                let out = decode_attention(&q, &k, &v, visible.clone(), splits, &counters)?;
+                outputs.push(out.as_dtype(Dtype::Float32)?);
+            }
+            // Reference: the query heads of each KV head as one [group, D] matrix.
+            let group = heads / kv_heads;
+            let q32 = q
+                .as_dtype(Dtype::Float32)?
+                .reshape(&[1, kv_heads, group, d])?;
+            let scores = matmul(
+                &q32,
+                &k.as_dtype(Dtype::Float32)?.transpose_axes(&[0, 1, 3, 2])?,
+            )?
+            .as_dtype(dtype)?
+            .as_dtype(Dtype::Float32)?;
+            let mask: Vec<f32> = (0..slots as usize)
+                .map(|s| {
+                    if visible.contains(&s) {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect();
+            let mask = Array::from_slice(&mask, &[1, 1, 1, slots]);
+            let weights = mlx_rs::ops::softmax_axis(&scores.add(&mask)?, -1, true)?;
+            let reference =
+                matmul(&weights, &v.as_dtype(Dtype::Float32)?)?.reshape(&[1, heads * d])?;
+            let largest = |a: &Array, b: &Array| -> Result<f32> {
+                Ok(a.subtract(b)?.abs()?.max(None)?.try_item_exact::<f32>()?)
+            };
+            let row = AttentionCheck {
+                case: format!("D {d}, {slots} slots, {visible:?}"),
+                wide_error: largest(&outputs[0], &reference)?,
+                narrow_error: largest(&outputs[1], &reference)?,
+                wide_vs_narrow: largest(&outputs[0], &outputs[1])?,
+            };
+            let worst = row.wide_error.max(row.narrow_error);
+            // A NaN fails too (`max` would pass over it).
+            if row.wide_error.is_nan() || row.narrow_error.is_nan() || worst > tolerance {
+                bail!(
+                    "decode attention, {}: error {worst:e} against MLX's operations exceeds {tolerance:e}",
+                    row.case
+                );
+            }
+            rows.push(row);
+        }
+        Ok(())
+    };
+    let result = run();
+    set_wide_rounds(was_wide);
+    result.map(|()| rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

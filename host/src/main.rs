@@ -315,6 +315,12 @@ struct BenchArgs {
     /// ...,post-attention`); shapes from the --model config, 16 layers of bf16 weights.
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost"])]
     feed_forward_speed: bool,
+    /// Instead of a model: check the fused decode attention kernel (CUDA) against MLX's
+    /// operations in float32 on random bf16 heads of 256 and 512 over buffers of 40 to 4 096
+    /// slots, with a warp's whole share of slots at once and with four at a time; fails if an
+    /// output differs by more than 1e-2.
+    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed"])]
+    check_decode_attention: bool,
     /// Also decode greedily this many times from fresh caches and report whether the logits
     /// repeat bit for bit: the prefill's last logits, each step-by-step step fed the first
     /// run's tokens, and the tokens of pipelined runs. Tells a non-deterministic operation
@@ -1201,11 +1207,17 @@ fn compare_fused(
         row_pairs: !default.row_pairs,
         ..default
     };
+    // Decode attention as first written: four slots a warp at a time.
+    let narrow = Tuning {
+        attention_wide_rounds: false,
+        ..default
+    };
     let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
     let sets: Vec<Set> = if four_bit {
         // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows,
         // and the attention-heads and product kernels over 4-bit rows at one and two rows a
-        // warp (four lost in lease 2 of 2026-12-01), with and without the output head kernel.
+        // warp (four lost in lease 2 of 2026-12-01), with and without the output head kernel,
+        // the per-layer-input kernel, and decode attention's first (narrow) rounds.
         let post_attention = Fused {
             affine4: true,
             ..fused(true, true)
@@ -1238,8 +1250,21 @@ fn compare_fused(
             ),
             rows(1, products, products_name),
             rows(2, products, products_name),
+            rows(1, with_head(products), head_name),
             rows(2, with_head(products), head_name),
-            // Last: not yet run on a GPU (a fault would end the process).
+            Set {
+                name: format!("{head_name}, 2 rows a warp, narrow attention rounds"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    ..narrow
+                },
+            },
+            rows(
+                1,
+                with_ple(with_head(products)),
+                &format!("{head_name},per-layer-input"),
+            ),
             rows(
                 2,
                 with_ple(with_head(products)),
@@ -1261,6 +1286,11 @@ fn compare_fused(
                 with_head(fused(true, true)),
             ),
             Set {
+                name: "attention,products,output-head, narrow attention rounds".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: narrow,
+            },
+            Set {
                 name: "attention,products,output-head, 16 loads in flight over dense rows".into(),
                 kernels: with_head(fused(true, true)),
                 tuning: Tuning {
@@ -1277,7 +1307,6 @@ fn compare_fused(
                 kernels: all_three,
                 tuning: row_pairs,
             },
-            // Last: not yet run on a GPU (a fault would end the process).
             set(
                 "attention,products,output-head,per-layer-input",
                 with_ple(with_head(fused(true, true))),
@@ -1319,7 +1348,8 @@ fn compare_fused(
     //   of their plain twin (the same kernels without them, the same attention shares);
     // * the rows a warp takes and the loads a lane keeps in flight change no row's sum: sets
     //   that differ only in them.
-    // Other share sizes merge softmax shares in another order, which may move a rounding; the
+    // Other share sizes, and decode attention's narrow rounds, add softmax terms in another
+    // order, which may move a rounding; the
     // 4-bit kernels sum otherwise than MLX's quantized products, and the output head
     // otherwise than MLX's product.
     for (i, s) in sets.iter().enumerate() {
@@ -1334,6 +1364,7 @@ fn compare_fused(
             || s.kernels.output_head);
         let Some(twin) = sets.iter().position(|t| {
             t.tuning.attention_share == s.tuning.attention_share
+                && t.tuning.attention_wide_rounds == s.tuning.attention_wide_rounds
                 && ((mlx_sums && t.kernels == plain)
                     || (s.kernels.per_layer_input
                         && t.kernels == plain
@@ -1428,6 +1459,37 @@ fn run_op_cost(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `bench --check-decode-attention`: the decode attention kernel against MLX's operations.
+fn run_check_decode_attention(args: &BenchArgs) -> Result<()> {
+    device::select(args.model.device)?;
+    if !(cfg!(target_os = "linux") && device::default_is(mlx_rs::DeviceType::Gpu)) {
+        bail!("--check-decode-attention needs a CUDA GPU (--device gpu with the CUDA libmlx)");
+    }
+    args.model.allow_fused_kernels();
+    let rows = mlx_spec::diagnostics::decode_attention_errors(Dtype::Bfloat16, 1e-2)?;
+    if args.json {
+        let rows: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                json!({"case": r.case, "wide_error": r.wide_error, "narrow_error": r.narrow_error,
+                       "wide_vs_narrow": r.wide_vs_narrow})
+            })
+            .collect();
+        println!("{}", json!({ "decode_attention_check": rows }));
+        return Ok(());
+    }
+    println!("| case (bf16, 8 query heads, 2 KV heads) | wide rounds: largest error | narrow rounds | wide vs narrow |");
+    println!("|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {:.2e} | {:.2e} | {:.2e} |",
+            r.case, r.wide_error, r.narrow_error, r.wide_vs_narrow
+        );
+    }
+    println!("decode attention: all cases within 1e-2 of MLX's operations");
+    Ok(())
+}
+
 /// `bench --feed-forward-speed`: the feed-forward block's weight streaming rate, by method.
 fn run_feed_forward_speed(args: &BenchArgs) -> Result<()> {
     device::select(args.model.device)?;
@@ -1485,6 +1547,9 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     }
     if args.feed_forward_speed {
         return run_feed_forward_speed(&args);
+    }
+    if args.check_decode_attention {
+        return run_check_decode_attention(&args);
     }
     let loaded = load_model(&args.model)?;
     let model = &loaded.model;

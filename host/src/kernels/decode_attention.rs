@@ -5,25 +5,26 @@
 //!
 //! The slots of each query head are split over several blocks of eight warps, about 128 slots
 //! a block (a decode step has few heads, and one block per head leaves most of the device
-//! idle). A warp takes four slots at a time, each lane loading 16 bytes of a row at a time.
-//! Two paths:
-//! * a share of one round of the block's warps (at most 32 slots, 16 for float32 heads of
-//!   512) requests all its key and value rows at once, together with the visible range
+//! idle). A warp takes its share of the block's slots at once (up to 16 slots for a head of
+//! 256 in half precision, 8 for 512; the first version took four, [`set_wide_rounds`]), each
+//! lane loading 16 bytes of a row at a time. Two paths:
+//! * a share of one round of the block's warps (the default 128-slot share of a head of 256)
+//!   requests all its key and value rows at once, together with the visible range
 //!   (host-visible memory: a bus crossing), and masks only then: one trip to memory;
 //! * a longer share reads the range first, then takes rounds of keys and rounds of values,
 //!   reading only the rows the mask shows (an unfilled buffer costs nothing).
 //!
-//! The one-round path with 32-slot shares is a chain of fewer trips, but four times the
-//! blocks and a merge of four times the shares: in one H200 process (E4B, 512 tokens) it
-//! decoded at 206 tok/s against 216 for 128-slot shares, so 128 stays the default and
-//! `bench --compare-fused` keeps measuring both. Softmax over the block's scores in shared
+//! With four slots a warp, one round meant 32-slot shares: fewer trips, but four times the
+//! blocks and a merge of four times the shares; in one H200 process (E4B, 512 tokens) it
+//! decoded at 206 tok/s against 216 for 128-slot shares of several rounds. Wide rounds give
+//! 128-slot shares one trip without more blocks. Softmax over the block's scores in shared
 //! memory; each lane sums its elements of the weighted values, then the warps' sums are added. The last of a head's blocks to finish merges the head's
 //! blocks (one launch: the host cost of a second one outweighed its device time).
 //! Scale 1.0 (Gemma 4 normalises q and k). Scores are rounded to the activation dtype as
 //! MLX's product rounds them; the softmax and the weighted sum run in float32.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
@@ -34,10 +35,19 @@ use super::{step_ints, CudaKernel, TemplateArg, REDUCE_HEADER};
 const SOURCE: &str = r#"
   // A lane loads 16 bytes (VEC elements) at a time; a row of D elements is CH such chunks
   // per lane. A warp takes UNROLL slots at a time, so their loads overlap the reductions.
+  // WIDE: a warp takes as many slots at once as its share of the block's slots (at most 16
+  // 16-byte pieces of a row a lane, for keys and for values alike), so that a share of up to
+  // 128 slots of a head of 256 is one round: one trip to memory instead of one per 32 slots
+  // for keys and again for values.
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CH = D / (32 * VEC);
-  constexpr int UNROLL = CH > 2 ? 2 : 4;
   constexpr int CHUNK = (SLOTS + SPLITS - 1) / SPLITS;
+  constexpr int NARROW_UNROLL = CH > 2 ? 2 : 4;
+  constexpr int WIDEST_UNROLL = 16 / CH > NARROW_UNROLL ? 16 / CH : NARROW_UNROLL;
+  constexpr int WARP_SHARE = (CHUNK + WARPS - 1) / WARPS;
+  constexpr int UNROLL = !WIDE || WARP_SHARE <= NARROW_UNROLL ? NARROW_UNROLL
+                         : WARP_SHARE < WIDEST_UNROLL       ? WARP_SHARE
+                                                             : WIDEST_UNROLL;
   // A block whose share is one round of its warps loads keys and values together (one trip
   // to memory), and before it knows which slots are visible: the visible range lives in
   // host-visible memory, a bus crossing slower than a trip to device memory.
@@ -272,6 +282,21 @@ pub fn set_share_slots(slots: usize) {
 pub fn share_slots() -> usize {
     SHARE_SLOTS.load(Ordering::Relaxed)
 }
+static WIDE_ROUNDS: AtomicBool = AtomicBool::new(true);
+
+/// Whether a warp takes its whole share of a block's slots at once (up to 16 slots of a head
+/// of 256, 8 of 512), so that a block's default share is one trip to memory, rather than four
+/// slots at a time (the first version; `bench --compare-fused` measures both). Only where the
+/// float32 sums round moves.
+pub fn set_wide_rounds(wide: bool) {
+    WIDE_ROUNDS.store(wide, Ordering::Relaxed);
+}
+
+/// The current [`set_wide_rounds`] setting.
+pub fn wide_rounds() -> bool {
+    WIDE_ROUNDS.load(Ordering::Relaxed)
+}
+
 /// At most this many blocks per head.
 const MAX_SPLITS: usize = 64;
 
@@ -362,6 +387,7 @@ pub fn decode_attention(
                 (c"SPLITS", TemplateArg::Int(splits)),
                 (c"SLOTS", TemplateArg::Int(slots)),
                 (c"MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
+                (c"WIDE", TemplateArg::Bool(wide_rounds())),
             ],
         )?;
         Ok(out.remove(1))

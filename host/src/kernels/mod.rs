@@ -147,6 +147,8 @@ pub(crate) fn step_ints(values: &[i32]) -> Array {
 pub struct Tuning {
     /// Slots a block of [`decode_attention`] takes ([`decode_attention::set_share_slots`]).
     pub attention_share: usize,
+    /// [`decode_attention::set_wide_rounds`].
+    pub attention_wide_rounds: bool,
     /// [`post_attention::set_row_pairs`].
     pub row_pairs: bool,
     /// [`post_attention::set_affine4_in_place`] (4-bit weights only; moves roundings).
@@ -163,6 +165,7 @@ impl Tuning {
     pub fn current() -> Tuning {
         Tuning {
             attention_share: decode_attention::share_slots(),
+            attention_wide_rounds: decode_attention::wide_rounds(),
             row_pairs: post_attention::row_pairs(),
             affine4_in_place: post_attention::affine4_in_place(),
             affine4_rows_per_warp: products::affine4_rows_per_warp(),
@@ -174,6 +177,7 @@ impl Tuning {
     /// refused).
     pub fn apply(self) -> Result<()> {
         decode_attention::set_share_slots(self.attention_share);
+        decode_attention::set_wide_rounds(self.attention_wide_rounds);
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
