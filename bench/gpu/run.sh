@@ -26,6 +26,7 @@
 #   cpu-check-q4  the same with 4-bit weights, for each set of 4-bit kernels in CPU_Q4_SETS
 #              (default: the default set, then with the output head kernel)
 #   host       where a pipelined E4B decode step's time goes, with and without our fused kernels
+#              (HOST_SETS: the --fused-kernels sets), also with one CUDA graph per step
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
@@ -329,7 +330,7 @@ if want host; then
     # once more than 10 committed graphs are in flight), so "submit" is the host's own work and
     # a synchronised step is build + submit + the device's own time.
     ONE_GRAPH="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"
-    for fused in attention,products attention products none; do
+    for fused in ${HOST_SETS:-attention,products,output-head none}; do
         bench "mlx-spec E4B bf16, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --prompt-tokens 512 --gen-tokens 64 --repeats 2 --fused-kernels "$fused"
         BENCH_ENV="$ONE_GRAPH" bench "mlx-spec E4B bf16, --fused-kernels $fused, one graph per step" \
