@@ -23,6 +23,14 @@ use mlx_spec::kernels::products::WEIGHT_ROWS_HEADER;
 /// What the 4-bit helpers need besides the common stand-ins (`common::CUDA_HOST_SHIM`).
 const HOST_SHIM: &str = r#"
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+// dp2a: c + the int16 halves of a times bytes 0 and 1 (lo) or 2 and 3 (hi) of b, signed.
+inline int dp2a(int a, int b, int c, int first_byte) {
+  const int a0 = int16_t(uint32_t(a) & 0xFFFFu), a1 = int16_t(uint32_t(a) >> 16);
+  const int b0 = int8_t(uint32_t(b) >> (8 * first_byte)), b1 = int8_t(uint32_t(b) >> (8 * first_byte + 8));
+  return c + a0 * b0 + a1 * b1;
+}
+inline int __dp2a_lo(int a, int b, int c) { return dp2a(a, b, c, 0); }
+inline int __dp2a_hi(int a, int b, int c) { return dp2a(a, b, c, 2); }
 constexpr int BLOCK_THREADS = 256;
 inline int min(int a, int b) { return a < b ? a : b; }
 // The products' dense row helper, declared so that weight_rows parses; 4-bit rows never
@@ -97,6 +105,56 @@ void run(int index, const char* path) {
       threadIdx.x = lane;
       float out[R];
       rows_dot_affine4<T, K, R, G, IN_PLACE>(row_ptr, scale_ptr, bias_ptr, in->xs, in->sums, out);
+      for (int i = 0; i < R; i++) total[i] += out[i];
+    }
+    for (int i = 0; i < R; i++) std::printf("%d %u %.9g\n", index, r0 + i, total[i]);
+  }
+}
+
+// The input of the integer dots: chunk_integers run thread by thread, each thread on its own
+// copy of the staged input, keeping only the slots that thread writes (its chunks' pieces):
+// what the kernel's barrier between reading and writing gives on the device.
+template <typename T, int K>
+struct Integers {
+  alignas(16) T xi[K];
+  float xscale[K / 32];
+  explicit Integers(const T* staged) {
+    constexpr int CHUNKS = K / 32;
+    auto copy = std::make_unique<Staged<T, K>>(std::vector<float>(K, 0.f));
+    for (int t = 0; t < BLOCK_THREADS; t++) {
+      std::memcpy(copy->xs, staged, sizeof(copy->xs));
+      threadIdx.x = t;
+      chunk_integers<T, K>(copy->xs, xscale);
+      const uint4* from = reinterpret_cast<const uint4*>(copy->xs);
+      uint4* to = reinterpret_cast<uint4*>(xi);
+      for (int c = t; c < CHUNKS; c += BLOCK_THREADS) {
+        for (int p = 0; p < 4; p++) to[p * CHUNKS + c] = from[p * CHUNKS + c];
+      }
+    }
+  }
+};
+
+// rows_dot_affine4_int over all rows of a case, R at a time; prints "case row value".
+template <typename T, int K, int G, int R>
+void run_int(int index, const char* path) {
+  const Loaded<T, K, G> m(path);
+  if (!m.ok) return;
+  const auto in = std::make_unique<Staged<T, K>>(m.x);
+  const auto ints = std::make_unique<Integers<T, K>>(in->xs);
+  for (uint32_t r0 = 0; r0 < m.rows; r0 += R) {
+    const void* row_ptr[R];
+    const T* scale_ptr[R];
+    const T* bias_ptr[R];
+    for (int i = 0; i < R; i++) {
+      row_ptr[i] = m.row(r0 + i);
+      scale_ptr[i] = m.scales(r0 + i);
+      bias_ptr[i] = m.biases(r0 + i);
+    }
+    float total[R] = {};
+    for (int lane = 0; lane < 32; lane++) {
+      threadIdx.x = lane;
+      float out[R];
+      rows_dot_affine4_int<T, K, R, G>(row_ptr, scale_ptr, bias_ptr, ints->xi, ints->xscale, in->sums, out);
       for (int i = 0; i < R; i++) total[i] += out[i];
     }
     for (int i = 0; i < R; i++) std::printf("%d %u %.9g\n", index, r0 + i, total[i]);
@@ -429,4 +487,93 @@ fn the_products_read_gate_and_up_rows_of_4bit_weights_and_repeat_the_last_past_t
         })
         .collect();
     assert_eq!(seen, expected, "{printed}");
+}
+
+/// Shapes of the integer dots (half-precision inputs only): short and long rows, each group
+/// size, one to eight rows a call.
+const INTEGER_CASES: [Case; 5] = [
+    Case {
+        bf16: true,
+        k: 256,
+        group: 64,
+        rows_per_call: 1,
+        in_place: false,
+        rows: 6,
+    },
+    Case {
+        bf16: true,
+        k: 2560,
+        group: 64,
+        rows_per_call: 2,
+        in_place: false,
+        rows: 4,
+    },
+    Case {
+        bf16: true,
+        k: 10240,
+        group: 128,
+        rows_per_call: 1,
+        in_place: false,
+        rows: 3,
+    },
+    Case {
+        bf16: true,
+        k: 10240,
+        group: 64,
+        rows_per_call: 2,
+        in_place: false,
+        rows: 2,
+    },
+    Case {
+        bf16: true,
+        k: 2048,
+        group: 32,
+        rows_per_call: 8,
+        in_place: false,
+        rows: 8,
+    },
+];
+
+#[test]
+fn integer_dots_over_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut source =
+        format!("{CUDA_HOST_SHIM}{HOST_SHIM}{HEADER}{WEIGHT_ROWS_HEADER}{DRIVER}\nint main() {{\n");
+    let mut expected = Vec::new();
+    for (i, case) in INTEGER_CASES.iter().enumerate() {
+        assert_eq!(case.rows % case.rows_per_call, 0);
+        let path = dir.path().join(format!("case-{i}.bin"));
+        expected.push(write_case(case, 61 + i as u64, 200 + i as u64, &path));
+        writeln!(
+            source,
+            "  run_int<bf16, {}, {}, {}>({i}, \"{}\");",
+            case.k,
+            case.group,
+            case.rows_per_call,
+            path.display()
+        )
+        .unwrap();
+    }
+    source.push_str("  return 0;\n}\n");
+    let printed = compile_and_run(dir.path(), &source);
+    let mut checked = 0;
+    for line in printed.lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(parts.len(), 3, "unexpected driver output: {line}");
+        let (case, row): (usize, usize) = (parts[0].parse().unwrap(), parts[1].parse().unwrap());
+        let got: f64 = parts[2].parse().unwrap();
+        let (want, magnitude) = (&expected[case].0, &expected[case].1);
+        // As the float path: a float32 sum's rounding; a wrong pair order, byte or slot moves
+        // the result by a sizeable part of it.
+        let tolerance = 1e-5 * magnitude[row];
+        assert!(
+            (got - want[row]).abs() <= tolerance,
+            "integer dots, case {case} row {row}: {got} vs MLX's {} (tolerance {tolerance})",
+            want[row]
+        );
+        assert!(magnitude[row] > 1.0, "case {case}: a trivial product");
+        checked += 1;
+    }
+    let rows: i32 = INTEGER_CASES.iter().map(|c| c.rows).sum();
+    assert_eq!(checked, rows as usize, "every row of every case: {printed}");
 }

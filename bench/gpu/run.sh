@@ -20,8 +20,8 @@
 #   peer       transformers' Gemma4ForCausalLM decode on the E4B config (dynamic cache, then
 #              static cache + torch.compile; `peer-static`: the second alone). PEER_TIMEOUT
 #              bounds each in seconds (default 400).
-#   attention-check  the decode attention kernel vs MLX's operations (float32 reference) on
-#              random bf16 heads of 256 and 512, buffers of 40 to 4096 slots
+#   kernel-check  fused kernels on random bf16 data: decode attention vs MLX's operations
+#              (float32 reference), 4-bit products with integer dots vs float unpacking
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
 #   cpu-check-q4  the same with 4-bit weights, for each set of 4-bit kernels in CPU_Q4_SETS
 #              (default: the default set, then with the output head kernel)
@@ -410,12 +410,14 @@ fi
 
 # 5. The GPU path computes the function the CPU path computes at the E4B shape: the same
 #    random f32 weights (one process), greedy on the GPU with TF32 off, then on the CPU.
-if want attention-check; then
-    # The decode attention kernel against MLX's operations (float32 reference) on random bf16
-    # heads of E4B's sizes, buffers of 40 to 4096 slots, wide and narrow rounds.
-    timeout 300 "$BIN" bench --device gpu --check-decode-attention >"$RES/attention-check.md" 2>"$RES/attention-check.err"
-    cat "$RES/attention-check.md"
-    row "decode attention kernel vs MLX's operations (bf16) | $(tail -n 1 "$RES/attention-check.md" 2>/dev/null || true) $(tail -n 1 "$RES/attention-check.err")"
+if want kernel-check; then
+    # Fused kernels on random bf16 data (bench --check-kernels): decode attention against MLX's
+    # operations (float32 reference; heads of 256 and 512, buffers of 40 to 4096 slots, wide
+    # and narrow rounds), and the 4-bit feed-forward products with integer dots against float
+    # unpacking.
+    timeout 300 "$BIN" bench --device gpu --check-kernels >"$RES/kernel-check.md" 2>"$RES/kernel-check.err"
+    cat "$RES/kernel-check.md"
+    row "fused kernels on random bf16 data (bench --check-kernels) | $(tail -n 1 "$RES/kernel-check.md" 2>/dev/null || true) $(tail -n 1 "$RES/kernel-check.err")"
 fi
 
 if want cpu-check; then

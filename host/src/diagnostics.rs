@@ -549,6 +549,113 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
     result.map(|()| rows)
 }
 
+/// One case of [`affine4_integer_dot_errors`].
+pub struct ProductCheck {
+    /// Which kernel and shape.
+    pub case: String,
+    /// Largest |integer dots - float unpacking| over the outputs, and the largest |output|.
+    pub difference: f32,
+    pub largest_output: f32,
+}
+
+/// The gated and closing product kernels over 4-bit rows (E4B's feed-forward shapes, groups of
+/// 64, random bf16 weights quantized by MLX and random bf16 inputs), with integer dots
+/// against the float unpacking: the two compute the same sums up to float32 roundings, so
+/// their bf16 outputs may differ by about one rounding of the output. CUDA only. Fails if a
+/// difference exceeds `tolerance` times the largest output.
+pub fn affine4_integer_dot_errors(tolerance: f32) -> Result<Vec<ProductCheck>> {
+    use crate::kernels::products::{affine4_integer_dots, set_affine4_integer_dots};
+    let (hidden, intermediate, group) = (2560, 10240, 64);
+    let normal = |seed: u64, shape: &[i32], spread: f32| -> Result<Array> {
+        Ok(
+            random::normal::<f32>(shape, 0.0, spread, &random::key(seed)?)?
+                .as_dtype(Dtype::Bfloat16)?,
+        )
+    };
+    let quantized = |seed: u64, rows: i32, k: i32| -> Result<(Array, Array, Array)> {
+        let w = normal(seed, &[rows, k], 0.02)?;
+        Ok(mlx_rs::ops::quantize(&w, group, 4)?)
+    };
+    let (gate, up, down) = (
+        quantized(11, intermediate, hidden)?,
+        quantized(12, intermediate, hidden)?,
+        quantized(13, hidden, intermediate)?,
+    );
+    fn weight(q: &(Array, Array, Array)) -> Weight<'_> {
+        Weight::Affine4 {
+            packed: &q.0,
+            scales: &q.1,
+            biases: &q.2,
+        }
+    }
+    let x = normal(21, &[1, hidden], 1.0)?;
+    let norm = normal(22, &[hidden], 1.0)?;
+    let a = normal(23, &[1, intermediate], 1.0)?;
+    let residual = normal(24, &[1, hidden], 1.0)?;
+    let post_norm = normal(25, &[hidden], 1.0)?;
+    let counter = new_counter()?;
+    let was = affine4_integer_dots();
+    let run = || -> Result<Vec<ProductCheck>> {
+        let mut outputs: Vec<Vec<Array>> = Vec::new();
+        for integer in [true, false] {
+            set_affine4_integer_dots(integer);
+            let gated = gated_product(
+                &x,
+                Some(&norm),
+                1e-6,
+                weight(&gate),
+                GateUp::Product(weight(&up)),
+            )?;
+            let closing = product_residual(
+                &a,
+                weight(&down),
+                &residual,
+                &post_norm,
+                1e-6,
+                None,
+                &counter,
+            )?;
+            let both = vec![
+                gated.as_dtype(Dtype::Float32)?,
+                closing.as_dtype(Dtype::Float32)?,
+            ];
+            for o in &both {
+                o.eval()?;
+            }
+            outputs.push(both);
+        }
+        let names = [
+            format!("gate and up, {hidden} -> 2 x {intermediate}"),
+            format!("down with residual, {intermediate} -> {hidden}"),
+        ];
+        let mut rows = Vec::new();
+        for (i, case) in names.into_iter().enumerate() {
+            let (int, float) = (&outputs[0][i], &outputs[1][i]);
+            let difference = int
+                .subtract(float)?
+                .abs()?
+                .max(None)?
+                .try_item_exact::<f32>()?;
+            let largest_output = float.abs()?.max(None)?.try_item_exact::<f32>()?;
+            if difference.is_nan() || difference > tolerance * largest_output {
+                bail!(
+                    "4-bit integer dots, {case}: outputs differ by {difference:e} from the float \
+                     path's (largest output {largest_output:e})"
+                );
+            }
+            rows.push(ProductCheck {
+                case,
+                difference,
+                largest_output,
+            });
+        }
+        Ok(rows)
+    };
+    let result = run();
+    set_affine4_integer_dots(was);
+    result
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -315,12 +315,13 @@ struct BenchArgs {
     /// ...,post-attention`); shapes from the --model config, 16 layers of bf16 weights.
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost"])]
     feed_forward_speed: bool,
-    /// Instead of a model: check the fused decode attention kernel (CUDA) against MLX's
-    /// operations in float32 on random bf16 heads of 256 and 512 over buffers of 40 to 4 096
-    /// slots, with a warp's whole share of slots at once and with four at a time; fails if an
-    /// output differs by more than 1e-2.
+    /// Instead of a model: check fused CUDA kernels on random bf16 data. Decode attention
+    /// against MLX's operations in float32 (heads of 256 and 512, buffers of 40 to 4 096 slots,
+    /// a warp's whole share of slots at once and four at a time; fails beyond 1e-2); the
+    /// feed-forward products over 4-bit rows with integer dots against float unpacking (fails
+    /// beyond 1/64 of the largest output).
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed"])]
-    check_decode_attention: bool,
+    check_kernels: bool,
     /// Also decode greedily this many times from fresh caches and report whether the logits
     /// repeat bit for bit: the prefill's last logits, each step-by-step step fed the first
     /// run's tokens, and the tokens of pipelined runs. Tells a non-deterministic operation
@@ -1217,7 +1218,8 @@ fn compare_fused(
         // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows,
         // and the attention-heads and product kernels over 4-bit rows at one and two rows a
         // warp (four lost in lease 2 of 2026-12-01), with and without the output head kernel,
-        // the per-layer-input kernel, and decode attention's first (narrow) rounds.
+        // the per-layer-input kernel, integer dots over 4-bit rows, and decode attention's
+        // first (narrow) rounds.
         let post_attention = Fused {
             affine4: true,
             ..fused(true, true)
@@ -1252,6 +1254,24 @@ fn compare_fused(
             rows(2, products, products_name),
             rows(1, with_head(products), head_name),
             rows(2, with_head(products), head_name),
+            Set {
+                name: format!("{head_name}, 2 rows a warp, integer dots"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    affine4_integer_dots: true,
+                    ..default
+                },
+            },
+            Set {
+                name: format!("{head_name}, 1 rows a warp, integer dots"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 1,
+                    affine4_integer_dots: true,
+                    ..default
+                },
+            },
             Set {
                 name: format!("{head_name}, 2 rows a warp, narrow attention rounds"),
                 kernels: with_head(products),
@@ -1349,9 +1369,9 @@ fn compare_fused(
     // * the rows a warp takes and the loads a lane keeps in flight change no row's sum: sets
     //   that differ only in them.
     // Other share sizes, and decode attention's narrow rounds, add softmax terms in another
-    // order, which may move a rounding; the
-    // 4-bit kernels sum otherwise than MLX's quantized products, and the output head
-    // otherwise than MLX's product.
+    // order, and integer dots round the input's small values otherwise, which may move a
+    // rounding; the 4-bit kernels sum otherwise than MLX's quantized products, and the output
+    // head otherwise than MLX's product.
     for (i, s) in sets.iter().enumerate() {
         let plain = Fused {
             post_attention: false,
@@ -1459,34 +1479,51 @@ fn run_op_cost(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// `bench --check-decode-attention`: the decode attention kernel against MLX's operations.
-fn run_check_decode_attention(args: &BenchArgs) -> Result<()> {
+/// `bench --check-kernels`: fused kernels against references on random data.
+fn run_check_kernels(args: &BenchArgs) -> Result<()> {
     device::select(args.model.device)?;
     if !(cfg!(target_os = "linux") && device::default_is(mlx_rs::DeviceType::Gpu)) {
-        bail!("--check-decode-attention needs a CUDA GPU (--device gpu with the CUDA libmlx)");
+        bail!("--check-kernels needs a CUDA GPU (--device gpu with the CUDA libmlx)");
     }
     args.model.allow_fused_kernels();
-    let rows = mlx_spec::diagnostics::decode_attention_errors(Dtype::Bfloat16, 1e-2)?;
+    let attention = mlx_spec::diagnostics::decode_attention_errors(Dtype::Bfloat16, 1e-2)?;
+    let products = mlx_spec::diagnostics::affine4_integer_dot_errors(1.0 / 64.0)?;
     if args.json {
-        let rows: Vec<_> = rows
+        let attention: Vec<_> = attention
             .iter()
             .map(|r| {
                 json!({"case": r.case, "wide_error": r.wide_error, "narrow_error": r.narrow_error,
                        "wide_vs_narrow": r.wide_vs_narrow})
             })
             .collect();
-        println!("{}", json!({ "decode_attention_check": rows }));
+        let products: Vec<_> = products
+            .iter()
+            .map(|r| json!({"case": r.case, "difference": r.difference, "largest_output": r.largest_output}))
+            .collect();
+        println!(
+            "{}",
+            json!({ "decode_attention": attention, "affine4_integer_dots": products })
+        );
         return Ok(());
     }
-    println!("| case (bf16, 8 query heads, 2 KV heads) | wide rounds: largest error | narrow rounds | wide vs narrow |");
+    println!("| decode attention (bf16, 8 query heads, 2 KV heads) | wide rounds: largest error | narrow rounds | wide vs narrow |");
     println!("|---|---|---|---|");
-    for r in &rows {
+    for r in &attention {
         println!(
             "| {} | {:.2e} | {:.2e} | {:.2e} |",
             r.case, r.wide_error, r.narrow_error, r.wide_vs_narrow
         );
     }
-    println!("decode attention: all cases within 1e-2 of MLX's operations");
+    println!();
+    println!("| 4-bit product (bf16, groups of 64) | integer dots vs float unpacking: largest difference | largest output |");
+    println!("|---|---|---|");
+    for r in &products {
+        println!(
+            "| {} | {:.2e} | {:.2e} |",
+            r.case, r.difference, r.largest_output
+        );
+    }
+    println!("kernel checks passed: decode attention within 1e-2 of MLX's operations, integer dots within 1/64 of the largest output of float unpacking");
     Ok(())
 }
 
@@ -1548,8 +1585,8 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     if args.feed_forward_speed {
         return run_feed_forward_speed(&args);
     }
-    if args.check_decode_attention {
-        return run_check_decode_attention(&args);
+    if args.check_kernels {
+        return run_check_kernels(&args);
     }
     let loaded = load_model(&args.model)?;
     let model = &loaded.model;

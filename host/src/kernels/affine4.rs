@@ -197,9 +197,139 @@ __device__ inline void rows_dot_affine4(const void* const* rows, const T* const*
 // rows_dot_affine4. s and b: each weight's scales and biases, [rows, K / G], and sums the
 // input's chunk sums (unused for dense weights). LOADS: the dense rows' 16-byte loads in
 // flight a lane (rows_dot; the sums do not depend on it).
-template <typename T, int K, int R, int BITS, int G, bool IN_PLACE, int LOADS = 8>
+// The integer form of the staged input for rows_dot_affine4_int, made in place of `xs` (half
+// precision only: an int16 per value takes the value's two bytes). Chunk c's 32 values become
+// round(x 2^(15 - e)), held within +-32767, where 2^e is the power of two above the chunk's
+// largest |x|; xscale[c] = 2^(e - 15) takes them back. A value keeps at least 15 bits below
+// the chunk's largest (a bf16 value has 8), so the integer dots lose nothing that matters
+// next to a float32 sum. Layout: piece-major (piece p, the inputs of word p of a 4-bit
+// chunk, of chunk c at 16-byte slot p CHUNKS + c: a warp's lanes reading one piece of
+// consecutive chunks read consecutive slots, no bank conflicts), and within a piece, inputs
+// v0 ... v7 as the int16 pairs (v0, v2), (v4, v6), (v1, v3), (v5, v7): the order in which a
+// word's low and high nibbles sit in its bytes. A NaN or infinite input is dropped here, but
+// the chunk sums (made before, from xs) carry it into every row's result.
+template <typename T, int K>
+__device__ inline void chunk_integers(T* xs, float* xscale) {
+  static_assert(sizeof(T) == 2, "integer dots take half-precision inputs");
+  constexpr int CHUNKS = K / 32;
+  constexpr int ITEMS = (CHUNKS + BLOCK_THREADS - 1) / BLOCK_THREADS;
+  // Every chunk is read before any is written over: slots belong to other chunks' bytes.
+  uint4 packed[ITEMS][4];
+#pragma unroll
+  for (int j = 0; j < ITEMS; j++) {
+    const int c = threadIdx.x + j * BLOCK_THREADS;
+    if (c >= CHUNKS) continue;
+    float v[32];
+    float largest = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+      v[i] = static_cast<float>(xs[c * 32 + i]);
+      largest = fmaxf(largest, fabsf(v[i]));
+    }
+    int e = 0;
+    frexpf(largest, &e);
+    const float up = ldexpf(1.f, 15 - e);
+    xscale[c] = ldexpf(1.f, e - 15);
+    auto integer = [&](int i) -> unsigned int {
+      const float q = fminf(fmaxf(rintf(v[i] * up), -32767.f), 32767.f);
+      return static_cast<unsigned int>(static_cast<int>(q)) & 0xFFFFu;
+    };
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+      const int b = 8 * p;
+      packed[j][p] = make_uint4(integer(b) | integer(b + 2) << 16, integer(b + 4) | integer(b + 6) << 16,
+                                integer(b + 1) | integer(b + 3) << 16, integer(b + 5) | integer(b + 7) << 16);
+    }
+  }
+  __syncthreads();
+  uint4* slots = reinterpret_cast<uint4*>(xs);
+#pragma unroll
+  for (int j = 0; j < ITEMS; j++) {
+    const int c = threadIdx.x + j * BLOCK_THREADS;
+    if (c >= CHUNKS) continue;
+#pragma unroll
+    for (int p = 0; p < 4; p++) slots[p * CHUNKS + c] = packed[j][p];
+  }
+  __syncthreads();
+}
+
+// rows_dot_affine4 with integer dots: per chunk, the 4-bit values (bytes of a word's low or
+// high nibbles) times the int16 inputs of chunk_integers, summed exactly in int32 by dp2a
+// (two products a lane and instruction: |sum| <= 32 * 15 * 32767 < 2^24, so the conversion to
+// float is exact too), then scale (q . x) + bias (sum of x) in float32 as rows_dot_affine4
+// does. About a sixth of the instructions of the float unpacking, which bounds that path.
+template <typename T, int K, int R, int G>
+__device__ inline void rows_dot_affine4_int(const void* const* rows, const T* const* scales,
+                                            const T* const* biases, const T* xs,
+                                            const float* xscale, const float* sums, float* out) {
+  constexpr int CHUNKS = K / 32;
+  constexpr int PER_LANE = (CHUNKS + 31) / 32;
+  constexpr int WANT = 8 / R > 0 ? 8 / R : 1;
+  constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
+  const int lane = threadIdx.x & 31;
+  const uint4* slots = reinterpret_cast<const uint4*>(xs);
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = 0.f;
+  for (int base = 0; base < PER_LANE; base += BATCH) {
+    uint4 wc[BATCH][R];
+    float sc[BATCH][R], bi[BATCH][R];
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const int c = lane + 32 * (base + b);
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        if (c < CHUNKS) {
+          wc[b][r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
+          sc[b][r] = static_cast<float>(__ldg(scales[r] + c * 32 / G));
+          bi[b][r] = static_cast<float>(__ldg(biases[r] + c * 32 / G));
+        } else {
+          wc[b][r] = make_uint4(0, 0, 0, 0);
+          sc[b][r] = 0.f;
+          bi[b][r] = 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const int c = lane + 32 * (base + b);
+      if (c < CHUNKS) {
+        int dots[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) dots[r] = 0;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+          const uint4 x = slots[p * CHUNKS + c];
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            const unsigned int word = p == 0 ? wc[b][r].x : p == 1 ? wc[b][r].y : p == 2 ? wc[b][r].z : wc[b][r].w;
+            const int low = static_cast<int>(word & 0x0F0F0F0Fu);
+            const int high = static_cast<int>((word >> 4) & 0x0F0F0F0Fu);
+            dots[r] = __dp2a_lo(static_cast<int>(x.x), low, dots[r]);
+            dots[r] = __dp2a_hi(static_cast<int>(x.y), low, dots[r]);
+            dots[r] = __dp2a_lo(static_cast<int>(x.z), high, dots[r]);
+            dots[r] = __dp2a_hi(static_cast<int>(x.w), high, dots[r]);
+          }
+        }
+        const float xsum = sums[c];
+        const float down = xscale[c];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          acc[r] += sc[b][r] * (static_cast<float>(dots[r]) * down) + bi[b][r] * xsum;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
+}
+
+// INT: 4-bit rows by integer dots (rows_dot_affine4_int) over the input chunk_integers made,
+// with its scales in xscale.
+template <typename T, int K, int R, int BITS, int G, bool IN_PLACE, int LOADS = 8, bool INT = false>
 __device__ inline void weight_dot(const void* const* w, const T* const* s, const T* const* b,
-                                  const int* r, const T* xs, const float* sums, float* out) {
+                                  const int* r, const T* xs, const float* sums, float* out,
+                                  const float* xscale = nullptr) {
   if constexpr (BITS == 0) {
     const T* rows[R];
 #pragma unroll
@@ -216,7 +346,11 @@ __device__ inline void weight_dot(const void* const* w, const T* const* s, const
       sr[i] = s[i] + (size_t)r[i] * GROUPS;
       br[i] = b[i] + (size_t)r[i] * GROUPS;
     }
-    rows_dot_affine4<T, K, R, G, IN_PLACE>(rows, sr, br, xs, sums, out);
+    if constexpr (INT) {
+      rows_dot_affine4_int<T, K, R, G>(rows, sr, br, xs, xscale, sums, out);
+    } else {
+      rows_dot_affine4<T, K, R, G, IN_PLACE>(rows, sr, br, xs, sums, out);
+    }
   }
 }
 "#;

@@ -158,6 +158,9 @@ pub struct Tuning {
     pub affine4_rows_per_warp: i32,
     /// [`products::set_dense_loads`]: 16-byte loads in flight a lane over dense rows.
     pub dense_loads: i32,
+    /// [`products::set_affine4_integer_dots`] (4-bit rows, half-precision inputs; moves
+    /// roundings).
+    pub affine4_integer_dots: bool,
 }
 
 impl Tuning {
@@ -170,6 +173,7 @@ impl Tuning {
             affine4_in_place: post_attention::affine4_in_place(),
             affine4_rows_per_warp: products::affine4_rows_per_warp(),
             dense_loads: products::dense_loads(),
+            affine4_integer_dots: products::affine4_integer_dots(),
         }
     }
 
@@ -180,6 +184,7 @@ impl Tuning {
         decode_attention::set_wide_rounds(self.attention_wide_rounds);
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
+        products::set_affine4_integer_dots(self.affine4_integer_dots);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

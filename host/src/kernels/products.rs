@@ -27,7 +27,7 @@
 //! rounded before the gating product.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::ops::{concatenate, zeros_dtype};
@@ -222,8 +222,11 @@ const GATED_SOURCE: &str = r#"
   __shared__ float red[32];
   // The input's chunk sums, for 4-bit rows (BITS 4; see chunk_sums).
   __shared__ float sums[BITS != 0 ? K / 32 : 1];
+  // INT_DOTS: the input's scales for integer dots over 4-bit rows (see chunk_integers).
+  __shared__ float xscale[INT_DOTS ? K / 32 : 1];
   stage_input<T, K, NORM>(x, nw, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
+  if constexpr (INT_DOTS) chunk_integers<T, K>(xs, xscale);
   // A warp computes RPW consecutive rows (past the end: the last row again, not written).
   const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
   if (first >= N) return;
@@ -233,7 +236,7 @@ const GATED_SOURCE: &str = r#"
     const decltype(wg) ws[1] = {wg};
     const T* const ss[1] = {wg_s};
     const T* const bs[1] = {wg_b};
-    weight_rows<T, K, RPW, BITS, G, 1, LOADS>(ws, ss, bs, first, N, xs, sums, g);
+    weight_rows<T, K, RPW, BITS, G, 1, LOADS, INT_DOTS>(ws, ss, bs, first, N, xs, sums, g, xscale);
 #pragma unroll
     for (int i = 0; i < RPW; i++) u[i] = mul[mul_offset[0] + min(first + i, N - 1)];
   } else {
@@ -241,7 +244,7 @@ const GATED_SOURCE: &str = r#"
     const decltype(wg) ws[2] = {wg, wu};
     const T* const ss[2] = {wg_s, wu_s};
     const T* const bs[2] = {wg_b, wu_b};
-    weight_rows<T, K, RPW, BITS, G, 2, LOADS>(ws, ss, bs, first, N, xs, sums, d);
+    weight_rows<T, K, RPW, BITS, G, 2, LOADS, INT_DOTS>(ws, ss, bs, first, N, xs, sums, d, xscale);
 #pragma unroll
     for (int i = 0; i < RPW; i++) {
       g[i] = d[i];
@@ -267,8 +270,11 @@ const RESIDUAL_SOURCE: &str = r#"
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
   // The input's chunk sums, for 4-bit rows (BITS 4; see chunk_sums).
   __shared__ float sums[BITS != 0 ? K / 32 : 1];
+  // INT_DOTS: the input's scales for integer dots over 4-bit rows (see chunk_integers).
+  __shared__ float xscale[INT_DOTS ? K / 32 : 1];
   stage_input<T, K, false>(a, a, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
+  if constexpr (INT_DOTS) chunk_integers<T, K>(xs, xscale);
   // A warp computes RPW consecutive rows (past the end: the last row again, not written).
   const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
   if (first < N) {
@@ -276,7 +282,7 @@ const RESIDUAL_SOURCE: &str = r#"
     const decltype(w) ws[1] = {w};
     const T* const ss[1] = {w_s};
     const T* const bs[1] = {w_b};
-    weight_rows<T, K, RPW, BITS, G, 1, LOADS>(ws, ss, bs, first, N, xs, sums, d);
+    weight_rows<T, K, RPW, BITS, G, 1, LOADS, INT_DOTS>(ws, ss, bs, first, N, xs, sums, d, xscale);
     // The product as MLX rounds it, kept in float32 for the last block.
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
@@ -330,11 +336,13 @@ const RESIDUAL_SOURCE: &str = r#"
 pub const WEIGHT_ROWS_HEADER: &str = r#"
 // Dots of rows first ... first + R - 1 (the last row again past N) of each of the M weights
 // ws with the staged input: out[m R + i] for weight m, row first + i, through weight_dot
-// (LOADS: dense loads in flight a lane).
-template <typename T, int K, int R, int BITS, int G, int M, int LOADS = 8, typename W>
+// (LOADS: dense loads in flight a lane; INT: 4-bit rows by integer dots, `xs` then holding
+// what chunk_integers made of the input and xscale its scales).
+template <typename T, int K, int R, int BITS, int G, int M, int LOADS = 8, bool INT = false,
+          typename W>
 __device__ inline void weight_rows(const W* const (&ws)[M], const T* const (&ss)[M],
                                    const T* const (&bs)[M], int first, int N, const T* xs,
-                                   const float* sums, float* out) {
+                                   const float* sums, float* out, const float* xscale = nullptr) {
   const void* w[M * R];
   const T* s[M * R];
   const T* b[M * R];
@@ -346,7 +354,7 @@ __device__ inline void weight_rows(const W* const (&ws)[M], const T* const (&ss)
     b[i] = bs[i / R];
     r[i] = min(first + i % R, N - 1);
   }
-  weight_dot<T, K, M * R, BITS, G, false, LOADS>(w, s, b, r, xs, sums, out);
+  weight_dot<T, K, M * R, BITS, G, false, LOADS, INT>(w, s, b, r, xs, sums, out, xscale);
 }
 "#;
 
@@ -499,6 +507,31 @@ fn loads_for(bits: i32) -> i32 {
     } else {
         8
     }
+}
+
+/// Whether [`gated_product`] and [`product_residual`] take 4-bit rows by integer dots
+/// ([`set_affine4_integer_dots`]).
+static AFFINE4_INTEGER_DOTS: AtomicBool = AtomicBool::new(false);
+
+/// Sets whether [`gated_product`] and [`product_residual`] compute 4-bit rows by integer dots
+/// over a half-precision input (`chunk_integers` and `rows_dot_affine4_int` in
+/// [`super::affine4::HEADER`]): the input as int16 with a power-of-two scale per 32 values,
+/// two products an instruction summed exactly in int32, against float unpacking at about six
+/// instructions a value, which bounds the float path's rate. The input keeps 15 bits below
+/// each 32 values' largest (bf16 has 8), so results move by float32 roundings only. Float32
+/// inputs always take the float path.
+pub fn set_affine4_integer_dots(on: bool) {
+    AFFINE4_INTEGER_DOTS.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_affine4_integer_dots`] setting.
+pub fn affine4_integer_dots() -> bool {
+    AFFINE4_INTEGER_DOTS.load(Ordering::Relaxed)
+}
+
+/// Whether a product over rows of `bits` with inputs of `dtype` takes integer dots.
+fn integer_dots_for(bits: i32, dtype: Dtype) -> bool {
+    bits == 4 && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16) && affine4_integer_dots()
 }
 
 /// Row counts per warp the kernels accept (each is a compiled variant).
@@ -681,6 +714,10 @@ pub fn gated_product_rows(
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
                 (c"LOADS", TemplateArg::Int(loads_for(bits))),
+                (
+                    c"INT_DOTS",
+                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
+                ),
             ],
         )?;
         Ok(out.remove(0))
@@ -747,6 +784,10 @@ pub fn product_residual_rows(
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
                 (c"LOADS", TemplateArg::Int(loads_for(bits))),
+                (
+                    c"INT_DOTS",
+                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
+                ),
             ],
         )?;
         Ok(out.remove(0))
