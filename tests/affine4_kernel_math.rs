@@ -29,6 +29,7 @@ inline int dp2a(int a, int b, int c, int first_byte) {
   const int b0 = int8_t(uint32_t(b) >> (8 * first_byte)), b1 = int8_t(uint32_t(b) >> (8 * first_byte + 8));
   return c + a0 * b0 + a1 * b1;
 }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline int __dp2a_lo(int a, int b, int c) { return dp2a(a, b, c, 0); }
 inline int __dp2a_hi(int a, int b, int c) { return dp2a(a, b, c, 2); }
 constexpr int BLOCK_THREADS = 256;
@@ -553,14 +554,34 @@ fn integer_dots_over_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
             path.display()
         )
         .unwrap();
+        // The same rows one a call: bit for bit the same sums (the products' rows a warp).
+        if case.rows_per_call > 1 {
+            writeln!(
+                source,
+                "  run_int<bf16, {}, {}, 1>({}, \"{}\");",
+                case.k,
+                case.group,
+                ONE_ROW + i,
+                path.display()
+            )
+            .unwrap();
+        }
     }
     source.push_str("  return 0;\n}\n");
     let printed = compile_and_run(dir.path(), &source);
     let mut checked = 0;
+    let mut sums = std::collections::HashMap::new();
+    let mut one_row_sums = Vec::new();
     for line in printed.lines() {
         let parts: Vec<&str> = line.split_whitespace().collect();
         assert_eq!(parts.len(), 3, "unexpected driver output: {line}");
         let (case, row): (usize, usize) = (parts[0].parse().unwrap(), parts[1].parse().unwrap());
+        let bits = parts[2].parse::<f32>().unwrap().to_bits();
+        if case >= ONE_ROW {
+            one_row_sums.push((case - ONE_ROW, row, bits));
+            continue;
+        }
+        sums.insert((case, row), bits);
         let got: f64 = parts[2].parse().unwrap();
         let (want, magnitude) = (&expected[case].0, &expected[case].1);
         // As the float path: a float32 sum's rounding; a wrong pair order, byte or slot moves
@@ -576,4 +597,18 @@ fn integer_dots_over_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
     }
     let rows: i32 = INTEGER_CASES.iter().map(|c| c.rows).sum();
     assert_eq!(checked, rows as usize, "every row of every case: {printed}");
+    let several: i32 = INTEGER_CASES
+        .iter()
+        .filter(|c| c.rows_per_call > 1)
+        .map(|c| c.rows)
+        .sum();
+    assert_eq!(one_row_sums.len(), several as usize, "{printed}");
+    for (case, row, bits) in one_row_sums {
+        assert_eq!(
+            Some(&bits),
+            sums.get(&(case, row)),
+            "integer dots, case {case} row {row}: one row a call sums otherwise than {} a call",
+            INTEGER_CASES[case].rows_per_call
+        );
+    }
 }

@@ -313,9 +313,13 @@ __device__ inline void rows_dot_affine4_int(const void* const* rows, const T* co
         }
         const float xsum = sums[c];
         const float down = xscale[c];
+        // Written as explicit fused operations (the product by a power of two is exact), so
+        // that no variant's compiler contracts the sum otherwise: a row's result must not
+        // depend on how many rows a call takes.
 #pragma unroll
         for (int r = 0; r < R; r++) {
-          acc[r] += sc[b][r] * (static_cast<float>(dots[r]) * down) + bi[b][r] * xsum;
+          const float qx = __fmul_rn(static_cast<float>(dots[r]), down);
+          acc[r] = fmaf(sc[b][r], qx, fmaf(bi[b][r], xsum, acc[r]));
         }
       }
     }

@@ -36,7 +36,6 @@ const SOURCE: &str = r#"
   // The input's chunk sums, for 4-bit rows (BITS 4; see chunk_sums).
   __shared__ float sums[BITS != 0 ? K / 32 : 1];
   __shared__ bool is_last;
-  __shared__ int step_at[3];
   constexpr int NQ = NH * D;
   constexpr int NK = NKV * D;
   constexpr int NV = K_EQ_V ? 0 : NK;
@@ -54,15 +53,6 @@ const SOURCE: &str = r#"
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * WARPS + warp;
-  // The step's position and cache slot are in host-visible memory (a bus crossing, slower
-  // than a trip to device memory): every block requests them first, so that whichever block
-  // ends up last has them by the time its heads need them.
-  int early_position = 0, early_slot = 0, early_capacity = 0;
-  if (threadIdx.x == 0) {
-    early_position = position[0];
-    early_slot = cache_slot[0];
-    early_capacity = cache_slot[1];
-  }
   stage_input<T, K, true>(x, nw, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
   if (row < NQ + NK + NV) {
@@ -83,21 +73,16 @@ const SOURCE: &str = r#"
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    is_last = atomicAdd(done, 1u) == gridDim.x - 1;
-    step_at[0] = early_position;
-    step_at[1] = early_slot;
-    step_at[2] = early_capacity;
-  }
+  if (threadIdx.x == 0) is_last = atomicAdd(done, 1u) == gridDim.x - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
 
   constexpr int HALF = D / 2;
   constexpr int PAIRS = HALF / 32;
-  const float pos = static_cast<float>(step_at[0]);
-  const int slot = step_at[1];
-  const int capacity = step_at[2];
+  const float pos = static_cast<float>(position[0]);
+  const int slot = cache_slot[0];
+  const int capacity = cache_slot[1];
   for (int h = warp; h < NH + 2 * NKV; h += WARPS) {
     // Kind of head: 0 query, 1 key, 2 value (K = V: the value is the raw key, normed
     // without weight).
