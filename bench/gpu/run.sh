@@ -13,6 +13,7 @@
 #              then with it and the product kernels over 4-bit weights (the default)
 #   fixtures-head  the same with the output head kernel added to the default set
 #   fixtures-ple   the same with the per-layer-input kernel added too (experimental)
+#   fixtures-variants  the same with the kernel variants being measured (--kernel-variants)
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
@@ -36,7 +37,8 @@
 #   repeat     E4B decode repeated from fresh caches (4-bit and bf16): bitwise-equal logits?
 #   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
-#              fused kernels and without (PROFILE_SETS: the --fused-kernels sets to profile)
+#              fused kernels and without (PROFILE_SETS: the --fused-kernels sets to profile;
+#              PROFILE_ARGS: more mlx-spec options, e.g. --kernel-variants integer-dots)
 #   profile-q4 the same for E4B with 4-bit weights (PROFILE_Q4_SETS)
 #   stalls     the post-attention kernel (bf16, and 4-bit with affine4) and the default's
 #              feed-forward kernels in Nsight Compute's occupancy, scheduler and warp-state
@@ -131,6 +133,12 @@ if want fixtures-ple; then
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,output-head,per-layer-input" \
         --fused-kernels attention,products,affine4-heads,affine4-products,output-head,per-layer-input
 fi
+if want fixtures-variants; then
+    # The kernel variants being measured (integer dots take half-precision inputs only, so
+    # with these float32 fixtures they stay off).
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants heads-finished-apart" \
+        --kernel-variants heads-finished-apart
+fi
 unset MLX_ENABLE_TF32
 
 # 2. The memory floor's denominator: device-to-device copy bandwidth (bytes read + written).
@@ -212,7 +220,7 @@ if want profile; then
         MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \
             "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
-            --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" \
+            --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" ${PROFILE_ARGS:-} \
             >"$RES/profile-${fused//,/_}.csv" 2>"$RES/profile-${fused//,/_}.err"
         python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-${fused//,/_}.csv" "E4B bf16, --fused-kernels $fused" \
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/_}.err"
@@ -230,7 +238,7 @@ if want profile-q4; then
         MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --csv --profile-from-start off --clock-control none \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \
             "$BIN" generate --device gpu --random-weights --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
-            --dtype bf16 --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" \
+            --dtype bf16 --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" ${PROFILE_ARGS:-} \
             >"$RES/$tag.csv" 2>"$RES/$tag.err"
         python3 "$ROOT/bench/gpu/profile_step.py" "$RES/$tag.csv" "E4B 4-bit g64, --fused-kernels $fused" \
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/$tag.err"

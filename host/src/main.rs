@@ -146,16 +146,33 @@ struct ModelArgs {
     /// `affine4-heads` and `affine4-products` (the q/k/v products of `attention` and the
     /// products of `products` over 4-bit weights too), `output-head` (the final norm, the
     /// output head's product and the logit soft-cap as one kernel), `per-layer-input` (a
-    /// layer's per-layer-input block as one kernel; not yet run on a GPU), or `none` (MLX's
-    /// operations only). Default: the fastest measured on an H200 for each kind of weight:
+    /// layer's per-layer-input block as one kernel), or `none` (MLX's operations only).
+    /// Default: the fastest measured on an H200 for each kind of weight:
     /// `attention,products,affine4-heads,affine4-products,output-head`.
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "attention,products,affine4-heads,affine4-products,output-head"
+        default_value = DEFAULT_FUSED_KERNELS
     )]
     fused_kernels: Vec<FusedKernelArg>,
+    /// Variants of the fused kernels that are being measured (BENCHMARKS.md), none by default:
+    /// `narrow-attention-rounds` (decode attention four slots a warp at a time, as first
+    /// written), `heads-finished-apart` (each attention head normed, rotated and cached by the
+    /// last block that made its rows), `integer-dots` (4-bit feed-forward products by int16
+    /// inputs and dp2a; half-precision inputs only).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    kernel_variants: Vec<KernelVariantArg>,
+}
+
+/// `--fused-kernels`' default, also that of config-driven runs (`mlx-spec run`).
+const DEFAULT_FUSED_KERNELS: &str = "attention,products,affine4-heads,affine4-products,output-head";
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum KernelVariantArg {
+    NarrowAttentionRounds,
+    HeadsFinishedApart,
+    IntegerDots,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -172,10 +189,18 @@ enum FusedKernelArg {
     Affine4Products,
     /// The final norm, the output head and the soft-cap of a decode token as one kernel.
     OutputHead,
-    /// A layer's per-layer-input block (gate and projection) as one kernel (experimental:
-    /// not yet run on a GPU).
+    /// A layer's per-layer-input block (gate and projection) as one kernel (its grid-wide
+    /// barrier needs all its blocks resident: not for a GPU shared with other processes).
     PerLayerInput,
     None,
+}
+
+/// [`DEFAULT_FUSED_KERNELS`] as values.
+fn default_fused_kernels() -> Vec<FusedKernelArg> {
+    DEFAULT_FUSED_KERNELS
+        .split(',')
+        .filter_map(|name| FusedKernelArg::from_str(name, false).ok())
+        .collect()
 }
 
 impl ModelArgs {
@@ -195,8 +220,21 @@ impl ModelArgs {
     }
 
     /// Puts `--fused-kernels` in force for the rest of the process.
+    /// Puts `--fused-kernels` and `--kernel-variants` in force for the process.
     fn allow_fused_kernels(&self) {
         mlx_spec::kernels::set_allowed(self.fused());
+        let variants = &self.kernel_variants;
+        let tuning = mlx_spec::kernels::Tuning {
+            attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
+            heads_finished_apart: variants.contains(&KernelVariantArg::HeadsFinishedApart),
+            affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
+            ..mlx_spec::kernels::Tuning::current()
+        };
+        // Only the row count per warp and the loads in flight can be refused, and these keep
+        // their current, valid values.
+        if let Err(e) = tuning.apply() {
+            tracing::warn!("kernel variants not applied: {e}");
+        }
     }
 }
 
@@ -689,7 +727,8 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             weights_seed: 0,
             random_bits: None,
             random_group_size: 64,
-            fused_kernels: vec![FusedKernelArg::Attention, FusedKernelArg::Products],
+            fused_kernels: default_fused_kernels(),
+            kernel_variants: Vec::new(),
         },
         input: &args.input,
         max_tokens: s.max_tokens,
@@ -1218,8 +1257,8 @@ fn compare_fused(
         // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows,
         // and the attention-heads and product kernels over 4-bit rows at one and two rows a
         // warp (four lost in lease 2 of 2026-12-01), with and without the output head kernel,
-        // the per-layer-input kernel, integer dots over 4-bit rows, and decode attention's
-        // first (narrow) rounds.
+        // the per-layer-input kernel, integer dots over 4-bit rows, the attention heads
+        // finished apart, and decode attention's first (narrow) rounds.
         let post_attention = Fused {
             affine4: true,
             ..fused(true, true)
@@ -1273,6 +1312,15 @@ fn compare_fused(
                 },
             },
             Set {
+                name: format!("{head_name}, 2 rows a warp, heads finished apart"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    heads_finished_apart: true,
+                    ..default
+                },
+            },
+            Set {
                 name: format!("{head_name}, 2 rows a warp, narrow attention rounds"),
                 kernels: with_head(products),
                 tuning: Tuning {
@@ -1305,6 +1353,14 @@ fn compare_fused(
                 "attention,products,output-head",
                 with_head(fused(true, true)),
             ),
+            Set {
+                name: "attention,products,output-head, heads finished apart".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: Tuning {
+                    heads_finished_apart: true,
+                    ..default
+                },
+            },
             Set {
                 name: "attention,products,output-head, narrow attention rounds".into(),
                 kernels: with_head(fused(true, true)),
@@ -1366,8 +1422,8 @@ fn compare_fused(
     // Twins must decode the same tokens:
     // * the one post-attention kernel and the per-layer-input kernel regroup the arithmetic
     //   of their plain twin (the same kernels without them, the same attention shares);
-    // * the rows a warp takes and the loads a lane keeps in flight change no row's sum: sets
-    //   that differ only in them.
+    // * the rows a warp takes, the loads a lane keeps in flight and which block finishes the
+    //   attention heads change no value: sets that differ only in them.
     // Other share sizes, and decode attention's narrow rounds, add softmax terms in another
     // order, and integer dots round the input's small values otherwise, which may move a
     // rounding; the 4-bit kernels sum otherwise than MLX's quantized products, and the output
@@ -1394,6 +1450,7 @@ fn compare_fused(
                         && Tuning {
                             affine4_rows_per_warp: s.tuning.affine4_rows_per_warp,
                             dense_loads: s.tuning.dense_loads,
+                            heads_finished_apart: s.tuning.heads_finished_apart,
                             ..t.tuning
                         } == s.tuning))
         }) else {
@@ -1819,5 +1876,50 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_driven_runs_take_every_default_fused_kernel() {
+        let defaults = default_fused_kernels();
+        assert_eq!(
+            defaults.len(),
+            DEFAULT_FUSED_KERNELS.split(',').count(),
+            "every default name parses"
+        );
+        assert!(defaults.contains(&FusedKernelArg::OutputHead));
+        // The command line's default is the same list.
+        let cli = Cli::try_parse_from(["mlx-spec", "generate", "--prompt", "x"]).unwrap();
+        let Command::Generate(args) = cli.command else {
+            panic!("parsed another command")
+        };
+        assert!(args.model.fused_kernels == defaults);
+        assert!(args.model.kernel_variants.is_empty());
+    }
+
+    #[test]
+    fn kernel_variants_parse_as_a_list_and_refuse_unknown_names() {
+        let cli = Cli::try_parse_from([
+            "mlx-spec",
+            "bench",
+            "--kernel-variants",
+            "integer-dots,heads-finished-apart",
+        ])
+        .unwrap();
+        let Command::Bench(args) = cli.command else {
+            panic!("parsed another command")
+        };
+        assert!(
+            args.model.kernel_variants
+                == [
+                    KernelVariantArg::IntegerDots,
+                    KernelVariantArg::HeadsFinishedApart
+                ]
+        );
+        assert!(Cli::try_parse_from(["mlx-spec", "bench", "--kernel-variants", "faster"]).is_err());
     }
 }

@@ -20,13 +20,14 @@
 //! (row-contiguous, as the cache allocates them), checked before the call.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::affine4::HEADER as AFFINE4_HEADER;
 use super::post_attention::Weight;
-use super::products::{HEADER as PRODUCTS_HEADER, THREADS, WARPS};
+use super::products::{device_array, HEADER as PRODUCTS_HEADER, THREADS, WARPS};
 use super::{step_ints, PerEpsilon, TemplateArg};
 
 const SOURCE: &str = r#"
@@ -69,11 +70,17 @@ const SOURCE: &str = r#"
     if (lane == 0) raw[row] = static_cast<T>(d);
   }
 
-  // Publish this block's rows, then count it; the last block to arrive sees all rows.
+  // Publish this block's rows, then count it. PER_HEAD: a block's eight rows lie in one head
+  // (D is a multiple of 8), counted per head; the last of a head's blocks takes that head (and
+  // on a K = V layer the value head made of it), so the heads are finished in parallel, each as
+  // soon as its rows are done. Otherwise the last block of all sees all rows and takes every
+  // head.
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
+  const int group = PER_HEAD ? blockIdx.x * WARPS / D : 0;
+  const unsigned int arrivals = PER_HEAD ? D / WARPS : gridDim.x;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(done, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(done + group, 1u) == arrivals - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
@@ -83,7 +90,10 @@ const SOURCE: &str = r#"
   const float pos = static_cast<float>(position[0]);
   const int slot = cache_slot[0];
   const int capacity = cache_slot[1];
-  for (int h = warp; h < NH + 2 * NKV; h += WARPS) {
+  // Heads this block takes: all of them, or its own (then a key head's value head too, K = V).
+  const int heads_here = !PER_HEAD ? NH + 2 * NKV : (K_EQ_V && group >= NH) ? 2 : 1;
+  for (int i = warp; i < heads_here; i += WARPS) {
+    const int h = !PER_HEAD ? i : i == 0 ? group : group + NKV;
     // Kind of head: 0 query, 1 key, 2 value (K = V: the value is the raw key, normed
     // without weight).
     const int kind = h < NH ? 0 : h < NH + NKV ? 1 : 2;
@@ -126,7 +136,7 @@ const SOURCE: &str = r#"
     }
   }
   // Ready for this call site's next step.
-  if (threadIdx.x == 0) *done = 0u;
+  if (threadIdx.x == 0) done[group] = 0u;
 "#;
 
 thread_local! {
@@ -139,6 +149,30 @@ thread_local! {
         &["q", "raw"],
         SOURCE,
     ).with_header(Box::leak(format!("{PRODUCTS_HEADER}{AFFINE4_HEADER}").into_boxed_str())));
+}
+
+static HEADS_FINISHED_APART: AtomicBool = AtomicBool::new(false);
+
+/// Sets whether each head is finished (normed, rotated, written to the cache) by the last of
+/// the blocks that made its rows, as soon as they are done, rather than all heads by the last
+/// block of the call, two rounds of a block's eight warps for E4B's twelve. Needs a counter per
+/// head at the call site ([`counters_for`]); the values are the same either way.
+pub fn set_heads_finished_apart(apart: bool) {
+    HEADS_FINISHED_APART.store(apart, Ordering::Relaxed);
+}
+
+/// The current [`set_heads_finished_apart`] setting.
+pub fn heads_finished_apart() -> bool {
+    HEADS_FINISHED_APART.load(Ordering::Relaxed)
+}
+
+/// The counters a call site of [`attention_heads`] owns, in device memory: one per head whose
+/// rows the kernel makes (queries, keys, values), at least 16.
+pub fn counters_for(heads: usize, kv_heads: usize) -> Result<Array> {
+    device_array(
+        &Array::from_slice(&[0u32], &[1]),
+        (heads + 2 * kv_heads).max(16) as i32,
+    )
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
@@ -178,7 +212,8 @@ pub struct HeadShape {
 
 /// The query heads `[1, heads, 1, D]` of the token `x` (`[1, hidden]`) at `position`, its
 /// key and value written into `cache` on a KV-owning layer. `counter` comes from
-/// [`super::products::new_counter`], one per call site. Check [`serves`] and
+/// [`counters_for`] (or [`super::products::new_counter`], then heads are not finished apart),
+/// one per call site. Check [`serves`] and
 /// [`super::products::serves_token`] first.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_heads(
@@ -246,6 +281,13 @@ pub fn attention_heads(
         None => (x, x, step_ints(&[0, 0])),
     };
     let rows = shape.heads * d + nkv * d * if k_eq_v { 1 } else { 2 };
+    // A counter per head whose rows the kernel makes (set_heads_finished_apart), where the
+    // call site has that many and a block's rows lie in one head.
+    let row_heads = rows / d;
+    let per_head = heads_finished_apart()
+        && d % WARPS == 0
+        && counter.size() >= row_heads as usize
+        && counter.dtype() == Dtype::Uint32;
     let position = step_ints(&[position as i32]);
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
@@ -287,6 +329,7 @@ pub fn attention_heads(
                 (c"K_EQ_V", TemplateArg::Bool(k_eq_v)),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
+                (c"PER_HEAD", TemplateArg::Bool(per_head)),
             ],
         )?;
         Ok(out.swap_remove(0))

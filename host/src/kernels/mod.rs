@@ -149,6 +149,8 @@ pub struct Tuning {
     pub attention_share: usize,
     /// [`decode_attention::set_wide_rounds`].
     pub attention_wide_rounds: bool,
+    /// [`attention_heads::set_heads_finished_apart`].
+    pub heads_finished_apart: bool,
     /// [`post_attention::set_row_pairs`].
     pub row_pairs: bool,
     /// [`post_attention::set_affine4_in_place`] (4-bit weights only; moves roundings).
@@ -169,6 +171,7 @@ impl Tuning {
         Tuning {
             attention_share: decode_attention::share_slots(),
             attention_wide_rounds: decode_attention::wide_rounds(),
+            heads_finished_apart: attention_heads::heads_finished_apart(),
             row_pairs: post_attention::row_pairs(),
             affine4_in_place: post_attention::affine4_in_place(),
             affine4_rows_per_warp: products::affine4_rows_per_warp(),
@@ -182,6 +185,7 @@ impl Tuning {
     pub fn apply(self) -> Result<()> {
         decode_attention::set_share_slots(self.attention_share);
         decode_attention::set_wide_rounds(self.attention_wide_rounds);
+        attention_heads::set_heads_finished_apart(self.heads_finished_apart);
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
         products::set_affine4_integer_dots(self.affine4_integer_dots);

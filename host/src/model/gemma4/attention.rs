@@ -13,12 +13,13 @@ use super::config::{AttentionKind, Gemma4Config, LayerPlan};
 use super::linear::{Linear, Loader};
 use super::rope::Rope;
 use crate::kernels::attention_heads::{
-    attention_heads, serves as heads_kernel_serves, CacheSlot, HeadShape, HeadWeights,
+    attention_heads, counters_for as heads_counters_for, serves as heads_kernel_serves, CacheSlot,
+    HeadShape, HeadWeights,
 };
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
 use crate::kernels::decode_attention::{decode_attention, new_counters, splits_for};
 use crate::kernels::post_attention::Weight;
-use crate::kernels::products::{new_counter, normed_products, serves_token};
+use crate::kernels::products::{normed_products, serves_token};
 use crate::kernels::Fused;
 
 /// K/V projections, present only on KV-owning layers.
@@ -80,7 +81,7 @@ impl Attention {
             o_proj: w.linear(&format!("{p}o_proj"), h, nh * hd)?,
             kv,
             rope: Rope::new(cfg.rope(plan.kind), hd),
-            heads_counter: new_counter()?,
+            heads_counter: heads_counters_for(nh, nkv)?,
             attention_counters: new_counters(nh)?,
         })
     }
