@@ -294,6 +294,17 @@ fn round_to_bf16(values: &[f32]) -> Vec<f32> {
 /// Writes the case's inputs; returns the reference products and the sums of |w x| per row
 /// (the scale of a float32 rounding error).
 fn write_case(case: &Case, seed: u64, x_seed: u64, path: &Path) -> (Vec<f64>, Vec<f64>) {
+    write_scaled_case(case, seed, x_seed, 1.0, path)
+}
+
+/// [`write_case`] with the input multiplied by `x_scale` (before any rounding to bf16).
+fn write_scaled_case(
+    case: &Case,
+    seed: u64,
+    x_seed: u64,
+    x_scale: f32,
+    path: &Path,
+) -> (Vec<f64>, Vec<f64>) {
     let (rows, k, g) = (case.rows, case.k, case.group);
     let w = Array::from_slice(&pseudo_random(seed, (rows * k) as usize), &[rows, k]);
     let (packed, scales, biases) = quantize(&w, g, 4).unwrap();
@@ -307,7 +318,10 @@ fn write_case(case: &Case, seed: u64, x_seed: u64, path: &Path) -> (Vec<f64>, Ve
         .unwrap()
         .as_slice::<f32>()
         .to_vec();
-    let mut x = pseudo_random(x_seed, k as usize);
+    let mut x: Vec<f32> = pseudo_random(x_seed, k as usize)
+        .into_iter()
+        .map(|v| v * x_scale)
+        .collect();
     if case.bf16 {
         scales_f = round_to_bf16(&scales_f);
         biases_f = round_to_bf16(&biases_f);
@@ -611,4 +625,64 @@ fn integer_dots_over_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
             INTEGER_CASES[case].rows_per_call
         );
     }
+}
+
+#[test]
+fn integer_dots_scale_inputs_of_any_magnitude() {
+    // Inputs far below and above 1: each 32 values' power-of-two scale must follow them (the
+    // other tests' inputs lie in [-1, 1)).
+    let dir = tempfile::tempdir().unwrap();
+    let case = Case {
+        bf16: true,
+        k: 2560,
+        group: 64,
+        rows_per_call: 2,
+        in_place: false,
+        rows: 4,
+    };
+    let mut source =
+        format!("{CUDA_HOST_SHIM}{HOST_SHIM}{HEADER}{WEIGHT_ROWS_HEADER}{DRIVER}\nint main() {{\n");
+    let scales = [
+        2f32.powi(-40),
+        2f32.powi(-9),
+        3.0,
+        2f32.powi(20),
+        2f32.powi(60),
+    ];
+    let mut expected = Vec::new();
+    for (i, x_scale) in scales.iter().enumerate() {
+        let path = dir.path().join(format!("scaled-{i}.bin"));
+        expected.push(write_scaled_case(
+            &case,
+            81 + i as u64,
+            300,
+            *x_scale,
+            &path,
+        ));
+        writeln!(
+            source,
+            "  run_int<bf16, 2560, 64, 2>({i}, \"{}\");",
+            path.display()
+        )
+        .unwrap();
+    }
+    source.push_str("  return 0;\n}\n");
+    let printed = compile_and_run(dir.path(), &source);
+    let mut checked = 0;
+    for line in printed.lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(parts.len(), 3, "unexpected driver output: {line}");
+        let (i, row): (usize, usize) = (parts[0].parse().unwrap(), parts[1].parse().unwrap());
+        let got: f64 = parts[2].parse().unwrap();
+        let (want, magnitude) = (&expected[i].0, &expected[i].1);
+        let tolerance = 1e-5 * magnitude[row];
+        assert!(
+            got.is_finite() && (got - want[row]).abs() <= tolerance,
+            "inputs scaled by {}: row {row} gave {got}, MLX's dequantized product {} (tolerance {tolerance})",
+            scales[i],
+            want[row]
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, scales.len() * case.rows as usize, "{printed}");
 }
