@@ -160,7 +160,8 @@ struct ModelArgs {
     /// `narrow-attention-rounds` (decode attention four slots a warp at a time, as first
     /// written), `heads-finished-apart` (each attention head normed, rotated and cached by the
     /// last block that made its rows), `integer-dots` (4-bit feed-forward products by int16
-    /// inputs and dp2a; half-precision inputs only).
+    /// inputs and dp2a; half-precision inputs only), `rows-touched-first` (the product
+    /// kernels ask for their first weight lines before staging their input).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
@@ -173,6 +174,7 @@ enum KernelVariantArg {
     NarrowAttentionRounds,
     HeadsFinishedApart,
     IntegerDots,
+    RowsTouchedFirst,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -228,6 +230,7 @@ impl ModelArgs {
             attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
             heads_finished_apart: variants.contains(&KernelVariantArg::HeadsFinishedApart),
             affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
+            rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep
@@ -1258,7 +1261,8 @@ fn compare_fused(
         // and the attention-heads and product kernels over 4-bit rows at one and two rows a
         // warp (four lost in lease 2 of 2026-12-01), with and without the output head kernel,
         // the per-layer-input kernel, integer dots over 4-bit rows, the attention heads
-        // finished apart, and decode attention's first (narrow) rounds.
+        // finished apart, weight lines requested before staging, and decode attention's first
+        // (narrow) rounds.
         let post_attention = Fused {
             affine4: true,
             ..fused(true, true)
@@ -1321,6 +1325,15 @@ fn compare_fused(
                 },
             },
             Set {
+                name: format!("{head_name}, 2 rows a warp, rows touched first"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    rows_touched_first: true,
+                    ..default
+                },
+            },
+            Set {
                 name: format!("{head_name}, 2 rows a warp, narrow attention rounds"),
                 kernels: with_head(products),
                 tuning: Tuning {
@@ -1358,6 +1371,14 @@ fn compare_fused(
                 kernels: with_head(fused(true, true)),
                 tuning: Tuning {
                     heads_finished_apart: true,
+                    ..default
+                },
+            },
+            Set {
+                name: "attention,products,output-head, rows touched first".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: Tuning {
+                    rows_touched_first: true,
                     ..default
                 },
             },
@@ -1422,8 +1443,9 @@ fn compare_fused(
     // Twins must decode the same tokens:
     // * the one post-attention kernel and the per-layer-input kernel regroup the arithmetic
     //   of their plain twin (the same kernels without them, the same attention shares);
-    // * the rows a warp takes, the loads a lane keeps in flight and which block finishes the
-    //   attention heads change no value: sets that differ only in them.
+    // * the rows a warp takes, the loads a lane keeps in flight, which block finishes the
+    //   attention heads and early requests for weight lines change no value: sets that differ
+    //   only in them.
     // Other share sizes, and decode attention's narrow rounds, add softmax terms in another
     // order, and integer dots round the input's small values otherwise, which may move a
     // rounding; the 4-bit kernels sum otherwise than MLX's quantized products, and the output
@@ -1451,6 +1473,7 @@ fn compare_fused(
                             affine4_rows_per_warp: s.tuning.affine4_rows_per_warp,
                             dense_loads: s.tuning.dense_loads,
                             heads_finished_apart: s.tuning.heads_finished_apart,
+                            rows_touched_first: s.tuning.rows_touched_first,
                             ..t.tuning
                         } == s.tuning))
         }) else {

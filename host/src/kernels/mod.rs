@@ -163,6 +163,8 @@ pub struct Tuning {
     /// [`products::set_affine4_integer_dots`] (4-bit rows, half-precision inputs; moves
     /// roundings).
     pub affine4_integer_dots: bool,
+    /// [`products::set_rows_touched_first`].
+    pub rows_touched_first: bool,
 }
 
 impl Tuning {
@@ -177,6 +179,7 @@ impl Tuning {
             affine4_rows_per_warp: products::affine4_rows_per_warp(),
             dense_loads: products::dense_loads(),
             affine4_integer_dots: products::affine4_integer_dots(),
+            rows_touched_first: products::rows_touched_first(),
         }
     }
 
@@ -189,6 +192,7 @@ impl Tuning {
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
         products::set_affine4_integer_dots(self.affine4_integer_dots);
+        products::set_rows_touched_first(self.rows_touched_first);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

@@ -224,11 +224,24 @@ const GATED_SOURCE: &str = r#"
   __shared__ float sums[BITS != 0 ? K / 32 : 1];
   // INT_DOTS: the input's scales for integer dots over 4-bit rows (see chunk_integers).
   __shared__ float xscale[INT_DOTS ? K / 32 : 1];
+  // A warp computes RPW consecutive rows (past the end: the last row again, not written).
+  const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
+  if constexpr (TOUCH) {
+    if (BY_VECTOR) {
+      const decltype(wg) ws[1] = {wg};
+      const T* const ss[1] = {wg_s};
+      const T* const bs[1] = {wg_b};
+      touch_rows<T, K, RPW, BITS, G, 1, LOADS>(ws, ss, bs, first, N);
+    } else {
+      const decltype(wg) ws[2] = {wg, wu};
+      const T* const ss[2] = {wg_s, wu_s};
+      const T* const bs[2] = {wg_b, wu_b};
+      touch_rows<T, K, RPW, BITS, G, 2, LOADS>(ws, ss, bs, first, N);
+    }
+  }
   stage_input<T, K, NORM>(x, nw, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
   if constexpr (INT_DOTS) chunk_integers<T, K>(xs, xscale);
-  // A warp computes RPW consecutive rows (past the end: the last row again, not written).
-  const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
   if (first >= N) return;
   float g[RPW];
   T u[RPW];
@@ -272,11 +285,17 @@ const RESIDUAL_SOURCE: &str = r#"
   __shared__ float sums[BITS != 0 ? K / 32 : 1];
   // INT_DOTS: the input's scales for integer dots over 4-bit rows (see chunk_integers).
   __shared__ float xscale[INT_DOTS ? K / 32 : 1];
+  // A warp computes RPW consecutive rows (past the end: the last row again, not written).
+  const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
+  if constexpr (TOUCH) {
+    const decltype(w) ws[1] = {w};
+    const T* const ss[1] = {w_s};
+    const T* const bs[1] = {w_b};
+    touch_rows<T, K, RPW, BITS, G, 1, LOADS>(ws, ss, bs, first, N);
+  }
   stage_input<T, K, false>(a, a, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
   if constexpr (INT_DOTS) chunk_integers<T, K>(xs, xscale);
-  // A warp computes RPW consecutive rows (past the end: the last row again, not written).
-  const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW;
   if (first < N) {
     float d[RPW];
     const decltype(w) ws[1] = {w};
@@ -355,6 +374,43 @@ __device__ inline void weight_rows(const W* const (&ws)[M], const T* const (&ss)
     r[i] = min(first + i % R, N - 1);
   }
   weight_dot<T, K, M * R, BITS, G, false, LOADS, INT>(w, s, b, r, xs, sums, out, xscale);
+}
+
+// Asks for the lines weight_rows reads first (each lane's first batch of 16-byte chunks of
+// its rows, and for 4-bit rows their scales and biases) to be brought into L1, without
+// waiting for them: called before the block stages its input, so the weights' trip to memory
+// overlaps the input's, and weight_rows then finds them close. Changes no value.
+template <typename T, int K, int R, int BITS, int G, int M, int LOADS = 8, typename W>
+__device__ inline void touch_rows(const W* const (&ws)[M], const T* const (&ss)[M],
+                                  const T* const (&bs)[M], int first, int N) {
+  if (first >= N) return;
+  constexpr size_t ROW = row_bytes<T, K, BITS>();
+  constexpr int CHUNKS = static_cast<int>(ROW / 16);
+  constexpr int PER_LANE = (CHUNKS + 31) / 32;
+  constexpr int WANT = (BITS == 0 ? LOADS : 8) / (M * R) > 0 ? (BITS == 0 ? LOADS : 8) / (M * R) : 1;
+  constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
+  constexpr int GROUPS = BITS != 0 ? K / (G > 0 ? G : 1) : 1;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < M * R; i++) {
+    const size_t r = static_cast<size_t>(min(first + i % R, N - 1));
+    const char* row = reinterpret_cast<const char*>(ws[i / R]) + r * ROW;
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const int c = lane + 32 * b;
+      if (c < CHUNKS) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + 16 * (size_t)c));
+    }
+    if constexpr (BITS != 0) {
+      // A row's scales and biases: a line or two each, one lane's request per line.
+      const T* sr = ss[i / R] + r * GROUPS;
+      const T* br = bs[i / R] + r * GROUPS;
+      constexpr int LINE = 128 / sizeof(T);
+      if (lane * LINE < GROUPS) {
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(sr + lane * LINE));
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(br + lane * LINE));
+      }
+    }
+  }
 }
 "#;
 
@@ -527,6 +583,23 @@ pub fn set_affine4_integer_dots(on: bool) {
 /// The current [`set_affine4_integer_dots`] setting.
 pub fn affine4_integer_dots() -> bool {
     AFFINE4_INTEGER_DOTS.load(Ordering::Relaxed)
+}
+
+/// Whether [`gated_product`] and [`product_residual`] ask for their first weight lines before
+/// staging the input ([`set_rows_touched_first`]).
+static ROWS_TOUCHED_FIRST: AtomicBool = AtomicBool::new(false);
+
+/// Sets whether [`gated_product`] and [`product_residual`] ask for the first lines of each
+/// warp's rows (`prefetch.global.L1`, no wait) before the block stages its input: a block
+/// otherwise waits for the input's trip to memory, then for the weights', one after the other,
+/// at the start of every block. Changes no value.
+pub fn set_rows_touched_first(on: bool) {
+    ROWS_TOUCHED_FIRST.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_rows_touched_first`] setting.
+pub fn rows_touched_first() -> bool {
+    ROWS_TOUCHED_FIRST.load(Ordering::Relaxed)
 }
 
 /// Whether a product over rows of `bits` with inputs of `dtype` takes integer dots.
@@ -718,6 +791,7 @@ pub fn gated_product_rows(
                     c"INT_DOTS",
                     TemplateArg::Bool(integer_dots_for(bits, dtype)),
                 ),
+                (c"TOUCH", TemplateArg::Bool(rows_touched_first())),
             ],
         )?;
         Ok(out.remove(0))
@@ -788,6 +862,7 @@ pub fn product_residual_rows(
                     c"INT_DOTS",
                     TemplateArg::Bool(integer_dots_for(bits, dtype)),
                 ),
+                (c"TOUCH", TemplateArg::Bool(rows_touched_first())),
             ],
         )?;
         Ok(out.remove(0))
