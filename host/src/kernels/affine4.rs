@@ -328,6 +328,32 @@ __device__ inline void rows_dot_affine4_int(const void* const* rows, const T* co
   for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
 }
 
+// Asks for the lines of a row a warp reads first (each lane's first BATCH 16-byte chunks, and
+// for 4-bit rows the row's scales and biases, one lane's request a line) to be brought into
+// L1 without waiting for them: issued before a block stages its input, the weights' trip to
+// memory overlaps the input's, and the row's loads then find them close. Changes no value.
+template <typename T, int K, int BITS, int G, int BATCH>
+__device__ inline void touch_row(const void* row, const T* scales, const T* biases) {
+  constexpr int CHUNKS = static_cast<int>(row_bytes<T, K, BITS>() / 16);
+  constexpr int PER_LANE = (CHUNKS + 31) / 32;
+  constexpr int FIRST = PER_LANE < BATCH ? PER_LANE : BATCH;
+  const int lane = threadIdx.x & 31;
+  const char* bytes = static_cast<const char*>(row);
+#pragma unroll
+  for (int b = 0; b < FIRST; b++) {
+    const int c = lane + 32 * b;
+    if (c < CHUNKS) asm volatile("prefetch.global.L1 [%0];" ::"l"(bytes + 16 * (size_t)c));
+  }
+  if constexpr (BITS != 0) {
+    constexpr int GROUPS = K / G;
+    constexpr int LINE = 128 / sizeof(T);
+    if (lane * LINE < GROUPS) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(scales + lane * LINE));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(biases + lane * LINE));
+    }
+  }
+}
+
 // INT: 4-bit rows by integer dots (rows_dot_affine4_int) over the input chunk_integers made,
 // with its scales in xscale.
 template <typename T, int K, int R, int BITS, int G, bool IN_PLACE, int LOADS = 8, bool INT = false>

@@ -27,7 +27,9 @@ use mlx_rs::{Array, Dtype};
 
 use super::affine4::HEADER as AFFINE4_HEADER;
 use super::post_attention::Weight;
-use super::products::{device_array, HEADER as PRODUCTS_HEADER, THREADS, WARPS};
+use super::products::{
+    device_array, rows_touched_first, HEADER as PRODUCTS_HEADER, THREADS, WARPS,
+};
 use super::{step_ints, PerEpsilon, TemplateArg};
 
 const SOURCE: &str = r#"
@@ -54,6 +56,14 @@ const SOURCE: &str = r#"
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * WARPS + warp;
+  if constexpr (TOUCH) {
+    if (row < NQ + NK + NV) {
+      const T* s;
+      const T* b;
+      const void* wrow = row_of(row, s, b);
+      touch_row<T, K, BITS, G, 8>(wrow, s, b);
+    }
+  }
   stage_input<T, K, true>(x, nw, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
   if (row < NQ + NK + NV) {
@@ -330,6 +340,7 @@ pub fn attention_heads(
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
                 (c"PER_HEAD", TemplateArg::Bool(per_head)),
+                (c"TOUCH", TemplateArg::Bool(rows_touched_first())),
             ],
         )?;
         Ok(out.swap_remove(0))

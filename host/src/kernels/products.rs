@@ -376,40 +376,19 @@ __device__ inline void weight_rows(const W* const (&ws)[M], const T* const (&ss)
   weight_dot<T, K, M * R, BITS, G, false, LOADS, INT>(w, s, b, r, xs, sums, out, xscale);
 }
 
-// Asks for the lines weight_rows reads first (each lane's first batch of 16-byte chunks of
-// its rows, and for 4-bit rows their scales and biases) to be brought into L1, without
-// waiting for them: called before the block stages its input, so the weights' trip to memory
-// overlaps the input's, and weight_rows then finds them close. Changes no value.
+// touch_row (affine4's header) for the rows weight_rows reads: each lane's first batch of its
+// M R rows, before the block stages its input. Changes no value.
 template <typename T, int K, int R, int BITS, int G, int M, int LOADS = 8, typename W>
 __device__ inline void touch_rows(const W* const (&ws)[M], const T* const (&ss)[M],
                                   const T* const (&bs)[M], int first, int N) {
   if (first >= N) return;
-  constexpr size_t ROW = row_bytes<T, K, BITS>();
-  constexpr int CHUNKS = static_cast<int>(ROW / 16);
-  constexpr int PER_LANE = (CHUNKS + 31) / 32;
   constexpr int WANT = (BITS == 0 ? LOADS : 8) / (M * R) > 0 ? (BITS == 0 ? LOADS : 8) / (M * R) : 1;
-  constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
   constexpr int GROUPS = BITS != 0 ? K / (G > 0 ? G : 1) : 1;
-  const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = 0; i < M * R; i++) {
     const size_t r = static_cast<size_t>(min(first + i % R, N - 1));
-    const char* row = reinterpret_cast<const char*>(ws[i / R]) + r * ROW;
-#pragma unroll
-    for (int b = 0; b < BATCH; b++) {
-      const int c = lane + 32 * b;
-      if (c < CHUNKS) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + 16 * (size_t)c));
-    }
-    if constexpr (BITS != 0) {
-      // A row's scales and biases: a line or two each, one lane's request per line.
-      const T* sr = ss[i / R] + r * GROUPS;
-      const T* br = bs[i / R] + r * GROUPS;
-      constexpr int LINE = 128 / sizeof(T);
-      if (lane * LINE < GROUPS) {
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(sr + lane * LINE));
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(br + lane * LINE));
-      }
-    }
+    touch_row<T, K, BITS, G, WANT>(reinterpret_cast<const char*>(ws[i / R]) + r * row_bytes<T, K, BITS>(),
+                                   ss[i / R] + r * GROUPS, bs[i / R] + r * GROUPS);
   }
 }
 "#;
@@ -585,14 +564,14 @@ pub fn affine4_integer_dots() -> bool {
     AFFINE4_INTEGER_DOTS.load(Ordering::Relaxed)
 }
 
-/// Whether [`gated_product`] and [`product_residual`] ask for their first weight lines before
+/// Whether the product and attention-heads kernels ask for their first weight lines before
 /// staging the input ([`set_rows_touched_first`]).
 static ROWS_TOUCHED_FIRST: AtomicBool = AtomicBool::new(false);
 
-/// Sets whether [`gated_product`] and [`product_residual`] ask for the first lines of each
-/// warp's rows (`prefetch.global.L1`, no wait) before the block stages its input: a block
-/// otherwise waits for the input's trip to memory, then for the weights', one after the other,
-/// at the start of every block. Changes no value.
+/// Sets whether [`gated_product`], [`product_residual`] and the attention-heads kernel ask for
+/// the first lines of each warp's rows (`prefetch.global.L1`, no wait) before the block stages
+/// its input: a block otherwise waits for the input's trip to memory, then for the weights',
+/// one after the other, at the start of every block. Changes no value.
 pub fn set_rows_touched_first(on: bool) {
     ROWS_TOUCHED_FIRST.store(on, Ordering::Relaxed);
 }
