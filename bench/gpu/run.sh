@@ -136,8 +136,8 @@ fi
 if want fixtures-variants; then
     # The kernel variants being measured (integer dots take half-precision inputs only, so
     # with these float32 fixtures they stay off).
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants heads-finished-apart,rows-touched-first" \
-        --kernel-variants heads-finished-apart,rows-touched-first
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants heads-finished-apart,rows-touched-first,step-ints-on-device" \
+        --kernel-variants heads-finished-apart,rows-touched-first,step-ints-on-device
 fi
 unset MLX_ENABLE_TF32
 

@@ -161,7 +161,9 @@ struct ModelArgs {
     /// written), `heads-finished-apart` (each attention head normed, rotated and cached by the
     /// last block that made its rows), `integer-dots` (4-bit feed-forward products by int16
     /// inputs and dp2a; half-precision inputs only), `rows-touched-first` (the product
-    /// kernels ask for their first weight lines before staging their input).
+    /// kernels ask for their first weight lines before staging their input),
+    /// `step-ints-on-device` (the step's position, cache slots and visible ranges copied to
+    /// device memory by an operation each, instead of read across the bus).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
@@ -175,6 +177,7 @@ enum KernelVariantArg {
     HeadsFinishedApart,
     IntegerDots,
     RowsTouchedFirst,
+    StepIntsOnDevice,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -231,6 +234,7 @@ impl ModelArgs {
             heads_finished_apart: variants.contains(&KernelVariantArg::HeadsFinishedApart),
             affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
             rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
+            step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep
@@ -1261,8 +1265,8 @@ fn compare_fused(
         // and the attention-heads and product kernels over 4-bit rows at one and two rows a
         // warp (four lost in lease 2 of 2026-12-01), with and without the output head kernel,
         // the per-layer-input kernel, integer dots over 4-bit rows, the attention heads
-        // finished apart, weight lines requested before staging, and decode attention's first
-        // (narrow) rounds.
+        // finished apart, weight lines requested before staging, the step's integers in device
+        // memory, and decode attention's first (narrow) rounds.
         let post_attention = Fused {
             affine4: true,
             ..fused(true, true)
@@ -1334,6 +1338,15 @@ fn compare_fused(
                 },
             },
             Set {
+                name: format!("{head_name}, 2 rows a warp, step integers on the device"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    step_ints_on_device: true,
+                    ..default
+                },
+            },
+            Set {
                 name: format!("{head_name}, 2 rows a warp, narrow attention rounds"),
                 kernels: with_head(products),
                 tuning: Tuning {
@@ -1379,6 +1392,14 @@ fn compare_fused(
                 kernels: with_head(fused(true, true)),
                 tuning: Tuning {
                     rows_touched_first: true,
+                    ..default
+                },
+            },
+            Set {
+                name: "attention,products,output-head, step integers on the device".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: Tuning {
+                    step_ints_on_device: true,
                     ..default
                 },
             },
@@ -1444,8 +1465,8 @@ fn compare_fused(
     // * the one post-attention kernel and the per-layer-input kernel regroup the arithmetic
     //   of their plain twin (the same kernels without them, the same attention shares);
     // * the rows a warp takes, the loads a lane keeps in flight, which block finishes the
-    //   attention heads and early requests for weight lines change no value: sets that differ
-    //   only in them.
+    //   attention heads, early requests for weight lines and where the step's integers live
+    //   change no value: sets that differ only in them.
     // Other share sizes, and decode attention's narrow rounds, add softmax terms in another
     // order, and integer dots round the input's small values otherwise, which may move a
     // rounding; the 4-bit kernels sum otherwise than MLX's quantized products, and the output
@@ -1474,6 +1495,7 @@ fn compare_fused(
                             dense_loads: s.tuning.dense_loads,
                             heads_finished_apart: s.tuning.heads_finished_apart,
                             rows_touched_first: s.tuning.rows_touched_first,
+                            step_ints_on_device: s.tuning.step_ints_on_device,
                             ..t.tuning
                         } == s.tuning))
         }) else {

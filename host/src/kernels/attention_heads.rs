@@ -285,10 +285,10 @@ pub fn attention_heads(
                     c.slot
                 );
             }
-            (c.keys, c.values, step_ints(&[c.slot as i32, capacity]))
+            (c.keys, c.values, step_ints(&[c.slot as i32, capacity])?)
         }
         // A sharing layer writes nothing: the query's arrays stand in for the unused inputs.
-        None => (x, x, step_ints(&[0, 0])),
+        None => (x, x, step_ints(&[0, 0])?),
     };
     let rows = shape.heads * d + nkv * d * if k_eq_v { 1 } else { 2 };
     // A counter per head whose rows the kernel makes (set_heads_finished_apart), where the
@@ -298,7 +298,7 @@ pub fn attention_heads(
         && d % WARPS == 0
         && counter.size() >= row_heads as usize
         && counter.dtype() == Dtype::Uint32;
-    let position = step_ints(&[position as i32]);
+    let position = step_ints(&[position as i32])?;
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;

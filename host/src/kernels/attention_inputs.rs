@@ -94,7 +94,7 @@ pub fn attention_inputs(
     position: usize,
 ) -> Result<(Array, Option<(Array, Array)>)> {
     let dtype = raw.q.dtype();
-    let position = step_ints(&[position as i32]);
+    let position = step_ints(&[position as i32])?;
     let nkv = if raw.kv.is_some() { kv_heads } else { 0 };
     // A sharing layer has no k/v: the query's arrays stand in for the unused inputs.
     let (k_raw, v_raw, k_norm) = raw.kv.unwrap_or((raw.q, raw.q, raw.q_norm));

@@ -356,7 +356,7 @@ pub fn decode_attention(
     if visible.end > slots as usize || visible.start > visible.end {
         bail!("decode_attention: slots {visible:?} outside a buffer of {slots}");
     }
-    let visible = step_ints(&[visible.start as i32, visible.end as i32]);
+    let visible = step_ints(&[visible.start as i32, visible.end as i32])?;
     let splits = splits as i32;
     KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();

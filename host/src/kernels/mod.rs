@@ -111,32 +111,57 @@ impl Fused {
 
 thread_local! {
     // The small integer arrays of the current step (see `step_ints`), newest last.
-    // Entries: the values, the array.
-    static STEP_INTS: RefCell<Vec<(Vec<i32>, Array)>> = const { RefCell::new(Vec::new()) };
+    // Entries: whether the array was copied to device memory, the values, the array.
+    static STEP_INTS: RefCell<Vec<(bool, Vec<i32>, Array)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// How many distinct [`step_ints`] arrays are kept: a step asks for about five (its position,
 /// and a cache slot and a visible range per kind of layer).
 const STEP_INTS_KEPT: usize = 8;
 
+static STEP_INTS_ON_DEVICE: AtomicBool = AtomicBool::new(false);
+
+/// Sets whether [`step_ints`] arrays are copied to device memory by one operation each (five
+/// a step), rather than read by the kernels from host-visible memory across the bus. That was
+/// slower when a step was bound by the host (2026-11-30); now that the device is the bound,
+/// the bus crossings on the kernels' paths (decode attention's visible range in every block,
+/// the attention heads' position in the last) may cost more than the operations. Changes no
+/// value.
+pub fn set_step_ints_on_device(on: bool) {
+    STEP_INTS_ON_DEVICE.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_step_ints_on_device`] setting.
+pub fn step_ints_on_device() -> bool {
+    STEP_INTS_ON_DEVICE.load(Ordering::Relaxed)
+}
+
 /// An int32 array holding `values` (a step's position, a cache slot, a slot range), made once
 /// and shared by every layer of the step that asks for the same values: one array per step
-/// instead of one per layer. Made from host data, so MLX keeps it in host-visible memory:
-/// kernels read such arrays once per block at most, and early. (Copying them to device
-/// memory with one operation each was measured slower on the H200: the operations cost
-/// more host time than the reads cost device time.)
-pub(crate) fn step_ints(values: &[i32]) -> Array {
+/// instead of one per layer. Made from host data, so MLX keeps it in host-visible memory
+/// (kernels read such arrays once per block at most, and early), unless
+/// [`set_step_ints_on_device`] has it copied, padded to 16 bytes (MLX keeps anything of 8
+/// bytes or less in host-visible memory), by one lazy operation of the step.
+pub(crate) fn step_ints(values: &[i32]) -> Result<Array> {
+    let on_device = step_ints_on_device();
     STEP_INTS.with(|cell| {
         let mut memo = cell.borrow_mut();
-        if let Some((_, a)) = memo.iter().find(|(k, _)| k.as_slice() == values) {
-            return a.clone();
+        if let Some((_, _, a)) = memo
+            .iter()
+            .find(|(d, k, _)| *d == on_device && k.as_slice() == values)
+        {
+            return Ok(a.clone());
         }
-        let a = Array::from_slice(values, &[values.len() as i32]);
+        let mut a = Array::from_slice(values, &[values.len() as i32]);
+        if on_device {
+            let pad = 4usize.saturating_sub(values.len()).max(1) as i32;
+            a = mlx_rs::ops::concatenate(&[a, mlx_rs::ops::zeros::<i32>(&[pad])?], 0)?;
+        }
         if memo.len() >= STEP_INTS_KEPT {
             memo.remove(0);
         }
-        memo.push((values.to_vec(), a.clone()));
-        a
+        memo.push((on_device, values.to_vec(), a.clone()));
+        Ok(a)
     })
 }
 
@@ -165,6 +190,8 @@ pub struct Tuning {
     pub affine4_integer_dots: bool,
     /// [`products::set_rows_touched_first`].
     pub rows_touched_first: bool,
+    /// [`set_step_ints_on_device`].
+    pub step_ints_on_device: bool,
 }
 
 impl Tuning {
@@ -180,6 +207,7 @@ impl Tuning {
             dense_loads: products::dense_loads(),
             affine4_integer_dots: products::affine4_integer_dots(),
             rows_touched_first: products::rows_touched_first(),
+            step_ints_on_device: step_ints_on_device(),
         }
     }
 
@@ -193,6 +221,7 @@ impl Tuning {
         post_attention::set_affine4_in_place(self.affine4_in_place);
         products::set_affine4_integer_dots(self.affine4_integer_dots);
         products::set_rows_touched_first(self.rows_touched_first);
+        set_step_ints_on_device(self.step_ints_on_device);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }
@@ -496,20 +525,37 @@ mod tests {
 
     #[test]
     fn one_array_per_distinct_step_values() {
-        let a = step_ints(&[17]);
-        let b = step_ints(&[17]);
+        // One test, because the device-memory switch is process-wide.
+        let a = step_ints(&[17]).unwrap();
+        let b = step_ints(&[17]).unwrap();
         assert_eq!(a.as_slice::<i32>(), &[17]);
         assert_eq!(
             a.as_slice::<i32>().as_ptr(),
             b.as_slice::<i32>().as_ptr(),
             "the second layer made a new array"
         );
-        assert_eq!(step_ints(&[18]).as_slice::<i32>(), &[18]);
-        assert_eq!(step_ints(&[5, 256]).as_slice::<i32>(), &[5, 256]);
+        assert_eq!(step_ints(&[18]).unwrap().as_slice::<i32>(), &[18]);
+        assert_eq!(step_ints(&[5, 256]).unwrap().as_slice::<i32>(), &[5, 256]);
         // Older values give way to newer ones, and come back as new arrays with the same data.
         for v in 0..2 * STEP_INTS_KEPT as i32 {
-            step_ints(&[1000 + v]);
+            step_ints(&[1000 + v]).unwrap();
         }
-        assert_eq!(step_ints(&[17]).as_slice::<i32>(), &[17]);
+        assert_eq!(step_ints(&[17]).unwrap().as_slice::<i32>(), &[17]);
+
+        // Copied by an operation: the same values first, padded past 8 bytes, and not the
+        // host-made array of the same values.
+        set_step_ints_on_device(true);
+        let copied = step_ints(&[17]).unwrap();
+        let again = step_ints(&[17]).unwrap();
+        let pair = step_ints(&[5, 256]).unwrap();
+        set_step_ints_on_device(false);
+        assert_eq!(copied.as_slice::<i32>(), &[17, 0, 0, 0]);
+        assert_eq!(pair.as_slice::<i32>(), &[5, 256, 0, 0]);
+        assert_eq!(
+            copied.as_slice::<i32>().as_ptr(),
+            again.as_slice::<i32>().as_ptr(),
+            "the second layer made a new copy"
+        );
+        assert_eq!(step_ints(&[17]).unwrap().as_slice::<i32>(), &[17]);
     }
 }
