@@ -1210,6 +1210,10 @@ struct FusedSetResult {
     /// Where the host spent a step (medians of each part): tells a host-bound set from a
     /// device-bound one (waiting near 0: the host is the bound).
     host: HostSplit,
+    /// Largest |difference| between the logits of its first decode step and those of MLX's
+    /// operations alone (the same prompt and first token): sets that round otherwise differ
+    /// a little; a fault in a kernel shows as a large gap.
+    logit_gap: f32,
 }
 
 /// Pipelined greedy decode with each set of fused kernels, the sets alternating round by
@@ -1434,12 +1438,17 @@ fn compare_fused(
     let mut rates = vec![Vec::new(); sets.len()];
     let mut splits = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
+    let mut first_step_logits = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
     let mut run_all = || -> Result<()> {
         for round in 0..=repeats {
             for (i, s) in sets.iter().enumerate() {
                 set_allowed(s.kernels);
                 s.tuning.apply()?;
+                if round == 0 {
+                    let (_, mut logits) = stepwise_logits(model, prompt, 1, None)?;
+                    first_step_logits[i] = logits.pop().unwrap_or_default();
+                }
                 let mut cache = model.new_cache();
                 let logits = prefill(model, &mut cache, prompt)?;
                 let (got, seconds, split) =
@@ -1521,11 +1530,17 @@ fn compare_fused(
         .zip(rates)
         .zip(&splits)
         .zip(&tokens)
-        .map(|(((s, r), h), t)| FusedSetResult {
+        .zip(&first_step_logits)
+        .map(|((((s, r), h), t), l)| FusedSetResult {
             name: s.name.clone(),
             tokens_per_s: median(r),
             same_as_none: *t == tokens[0],
             host: median_split(h),
+            logit_gap: l
+                .iter()
+                .zip(&first_step_logits[0])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, |m, d| if d.is_nan() || d > m { d } else { m }),
         })
         .collect())
 }
@@ -1799,7 +1814,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 "stepwise_decode_tokens_per_s": stepwise_rate, "stepwise_step_ms": step_ms,
                 "stepwise_graph_build_ms": build_ms,
                 "pipelined_host_ms": json!({"build": host.build_ms, "submit": host.submit_ms, "wait": host.wait_ms}),
-                "fused_comparison": fused_comparison.iter().map(|f| json!({"kernels": f.name, "decode_tokens_per_s": f.tokens_per_s, "same_tokens_as_none": f.same_as_none, "host_ms": {"build": f.host.build_ms, "submit": f.host.submit_ms, "wait": f.host.wait_ms}})).collect::<Vec<_>>(),
+                "fused_comparison": fused_comparison.iter().map(|f| json!({"kernels": f.name, "decode_tokens_per_s": f.tokens_per_s, "same_tokens_as_none": f.same_as_none, "first_step_logit_gap": f.logit_gap, "host_ms": {"build": f.host.build_ms, "submit": f.host.submit_ms, "wait": f.host.wait_ms}})).collect::<Vec<_>>(),
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
@@ -1837,17 +1852,18 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         );
         if !fused_comparison.is_empty() {
             println!();
-            println!("| fused kernels | decode (tok/s) | host ms a step: build, submit, waiting | tokens as with none |");
-            println!("|---|---|---|---|");
+            println!("| fused kernels | decode (tok/s) | host ms a step: build, submit, waiting | tokens as with none | first step's logits vs none: largest difference |");
+            println!("|---|---|---|---|---|");
             for f in &fused_comparison {
                 println!(
-                    "| {} | {:.1} | {:.2}, {:.2}, {:.2} | {} |",
+                    "| {} | {:.1} | {:.2}, {:.2}, {:.2} | {} | {:.3e} |",
                     f.name,
                     f.tokens_per_s,
                     f.host.build_ms,
                     f.host.submit_ms,
                     f.host.wait_ms,
-                    if f.same_as_none { "same" } else { "differ" }
+                    if f.same_as_none { "same" } else { "differ" },
+                    f.logit_gap
                 );
             }
         }
