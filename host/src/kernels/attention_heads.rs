@@ -28,7 +28,7 @@ use mlx_rs::{Array, Dtype};
 use super::affine4::HEADER as AFFINE4_HEADER;
 use super::post_attention::Weight;
 use super::products::{
-    device_array, rows_touched_first, HEADER as PRODUCTS_HEADER, THREADS, WARPS,
+    device_array, integer_dots_for, rows_touched_first, HEADER as PRODUCTS_HEADER, THREADS, WARPS,
 };
 use super::{step_ints, PerEpsilon, TemplateArg};
 
@@ -38,6 +38,8 @@ const SOURCE: &str = r#"
   __shared__ float red[32];
   // The input's chunk sums, for 4-bit rows (BITS 4; see chunk_sums).
   __shared__ float sums[BITS != 0 ? K / 32 : 1];
+  // INT_DOTS: the input's scales for integer dots over 4-bit rows (see chunk_integers).
+  __shared__ float xscale[INT_DOTS ? K / 32 : 1];
   __shared__ bool is_last;
   constexpr int NQ = NH * D;
   constexpr int NK = NKV * D;
@@ -66,6 +68,7 @@ const SOURCE: &str = r#"
   }
   stage_input<T, K, true>(x, nw, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
+  if constexpr (INT_DOTS) chunk_integers<T, K>(xs, xscale);
   if (row < NQ + NK + NV) {
     const T* s;
     const T* b;
@@ -74,6 +77,8 @@ const SOURCE: &str = r#"
     if constexpr (BITS == 0) {
       const T* dense = static_cast<const T*>(wrow);
       rows_dot<T, K, 1>(&dense, xs, &d);
+    } else if constexpr (INT_DOTS) {
+      rows_dot_affine4_int<T, K, 1, G>(&wrow, &s, &b, xs, xscale, sums, &d);
     } else {
       rows_dot_affine4<T, K, 1, G, false>(&wrow, &s, &b, xs, sums, &d);
     }
@@ -341,6 +346,10 @@ pub fn attention_heads(
                 (c"G", TemplateArg::Int(group)),
                 (c"PER_HEAD", TemplateArg::Bool(per_head)),
                 (c"TOUCH", TemplateArg::Bool(rows_touched_first())),
+                (
+                    c"INT_DOTS",
+                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
+                ),
             ],
         )?;
         Ok(out.swap_remove(0))

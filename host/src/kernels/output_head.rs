@@ -19,7 +19,8 @@ use mlx_rs::{Array, Dtype};
 
 use super::post_attention::Weight;
 use super::products::{
-    blocks_for_rows_per_warp, rows_per_warp_for, serves, weight_rows_header, THREADS,
+    blocks_for_rows_per_warp, integer_dots_for, rows_per_warp_for, serves, weight_rows_header,
+    THREADS,
 };
 use super::{PerEpsilon, TemplateArg};
 
@@ -29,8 +30,11 @@ const SOURCE: &str = r#"
   __shared__ float red[32];
   // The input's chunk sums, for 4-bit rows (BITS 4; see chunk_sums).
   __shared__ float sums[BITS != 0 ? K / 32 : 1];
+  // INT_DOTS: the input's scales for integer dots over 4-bit rows (see chunk_integers).
+  __shared__ float xscale[INT_DOTS ? K / 32 : 1];
   stage_input<T, K, true>(x, nw, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
+  if constexpr (INT_DOTS) chunk_integers<T, K>(xs, xscale);
   const decltype(w) ws[1] = {w};
   const T* const ss[1] = {w_s};
   const T* const bs[1] = {w_b};
@@ -39,7 +43,7 @@ const SOURCE: &str = r#"
   const int stride = gridDim.x * WARPS * RPW;
   for (int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW; first < N; first += stride) {
     float d[RPW];
-    weight_rows<T, K, RPW, BITS, G, 1>(ws, ss, bs, first, N, xs, sums, d);
+    weight_rows<T, K, RPW, BITS, G, 1, 8, INT_DOTS>(ws, ss, bs, first, N, xs, sums, d, xscale);
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
       for (int i = 0; i < RPW; i++) {
@@ -121,6 +125,10 @@ pub fn output_head(
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
                 (c"CAP_BITS", TemplateArg::Int(cap_bits as i32)),
+                (
+                    c"INT_DOTS",
+                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
+                ),
             ],
         )?;
         Ok(out.remove(0))

@@ -548,9 +548,10 @@ fn loads_for(bits: i32) -> i32 {
 /// ([`set_affine4_integer_dots`]).
 static AFFINE4_INTEGER_DOTS: AtomicBool = AtomicBool::new(false);
 
-/// Sets whether [`gated_product`] and [`product_residual`] compute 4-bit rows by integer dots
-/// over a half-precision input (`chunk_integers` and `rows_dot_affine4_int` in
-/// [`super::affine4::HEADER`]): the input as int16 with a power-of-two scale per 32 values,
+/// Sets whether [`gated_product`], [`product_residual`], the attention-heads kernel and the
+/// output head compute 4-bit rows by integer dots over a half-precision input (`chunk_integers` and
+/// `rows_dot_affine4_int` in [`super::affine4::HEADER`]): the input as int16 with a
+/// power-of-two scale per 32 values,
 /// two products an instruction summed exactly in int32, against float unpacking at about six
 /// instructions a value, which bounds the float path's rate. The input keeps 15 bits below
 /// each 32 values' largest (bf16 has 8), so results move by float32 roundings only. Float32
@@ -582,7 +583,7 @@ pub fn rows_touched_first() -> bool {
 }
 
 /// Whether a product over rows of `bits` with inputs of `dtype` takes integer dots.
-fn integer_dots_for(bits: i32, dtype: Dtype) -> bool {
+pub(crate) fn integer_dots_for(bits: i32, dtype: Dtype) -> bool {
     bits == 4 && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16) && affine4_integer_dots()
 }
 
