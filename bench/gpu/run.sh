@@ -47,11 +47,12 @@
 #              kind's real time a step, and how long the device sits idle between kernels
 #   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
 #              memcheck of our kernels with the post-attention path
-#   quick      E4B bf16 decode with each set of fused kernels and the variants still in question of the
-#              default, alternated in one process (~2 minutes)
+#   quick      E4B bf16 decode with each set of fused kernels and the kernel variants still in
+#              question, alternated in one process, with each set's logit gap to MLX's
+#              operations at the first step (~2 minutes)
 #   quick-q4   the same for the 4-bit E4B: MLX's quantized products, the 4-bit post-attention
 #              kernel, the 4-bit attention-heads and product kernels at 1 and 2 rows a warp,
-#              with the output head kernel, then with the per-layer-input kernel
+#              with the output head kernel, the variants, then with the per-layer-input kernel
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
