@@ -1,0 +1,1138 @@
+//! `mlx-spec bench`: prefill and decode speed, plain and speculative, and the diagnostics of
+//! the decode path (fused-kernel comparisons, CPU cross-checks, repeatability, host time per
+//! operation, kernel checks). Part of the command line; the measured work lives in the library.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use mlx_rs::Dtype;
+use serde_json::json;
+
+use mlx_spec::device::{self, DeviceKind};
+use mlx_spec::generate::{generate, greedy_step, greedy_token, prefill, GenerateRequest};
+use mlx_spec::model::gemma4::{Gemma4Model, LogitsFor};
+use mlx_spec::plugins::{self, instantiate, Registry};
+use mlx_spec::sampler::SamplingParams;
+use mlx_spec::spec::{generate_speculative, SpecOptions};
+use mlx_spec::tokenizer::ChatMessage;
+
+use crate::{load_model, parse_overrides, read_config, BenchArgs};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 0 {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
+}
+
+/// Plain and speculative greedy decoding of the same prompt, alternated, in one process.
+fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
+    let registry = Registry::scan(&args.spec.plugins_dirs)?;
+    let (manifest, module) = registry.get(drafter)?;
+    let provider = instantiate(manifest, module, &parse_overrides(&args.spec.drafter_set)?)?;
+    let k = args
+        .spec
+        .num_draft_tokens
+        .or_else(|| {
+            manifest
+                .defaults
+                .get(plugins::HOST_KEY_NUM_DRAFT_TOKENS)
+                .and_then(|v| v.as_integer())
+                .map(|v| v as usize)
+        })
+        .unwrap_or(10);
+    let loaded = load_model(&args.model)?;
+    let model = &loaded.model;
+    let need_tokenizer = || {
+        loaded
+            .tokenizer
+            .as_ref()
+            .context("--prompt-file/--prompt-set need a model with tokenizer.json")
+    };
+    let prompts: Vec<Vec<u32>> = if let Some(path) = &args.prompt_set {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let mut prompts = Vec::new();
+        for (i, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("{} line {}: not JSON", path.display(), i + 1))?;
+            let messages = v["messages"]
+                .as_array()
+                .with_context(|| format!("{} line {}: no `messages` list", path.display(), i + 1))?
+                .iter()
+                .map(|m| ChatMessage {
+                    role: m["role"].as_str().unwrap_or("user").to_owned(),
+                    content: m["content"].as_str().unwrap_or_default().to_owned(),
+                })
+                .collect::<Vec<_>>();
+            prompts.push(need_tokenizer()?.encode_chat(&messages)?);
+        }
+        prompts
+    } else if let Some(path) = &args.prompt_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if args.chat {
+            vec![need_tokenizer()?.encode_chat(&[ChatMessage {
+                role: "user".into(),
+                content: text,
+            }])?]
+        } else {
+            vec![need_tokenizer()?.encode_prompt(&text)?]
+        }
+    } else {
+        vec![synthetic_prompt(
+            model.config.vocab_size,
+            args.prompt_tokens,
+        )]
+    };
+    if prompts.is_empty() {
+        bail!("the prompt set is empty");
+    }
+    let options = SpecOptions {
+        num_draft_tokens: k,
+        auto_off: !args.spec.no_auto_off,
+    };
+    let (mut plain_rates, mut spec_rates) = (Vec::new(), Vec::new());
+    let mut totals = mlx_spec::spec::SpecStats::default();
+    for round in 0..=args.repeats {
+        let (mut plain_s, mut spec_s, mut generated) = (0.0, 0.0, 0usize);
+        for prompt in &prompts {
+            let request = GenerateRequest {
+                prompt_ids: prompt.clone(),
+                max_tokens: args.gen_tokens,
+                sampling: SamplingParams::default(),
+                stop_ids: Vec::new(),
+                ignore_eos: true,
+            };
+            // Whole requests, prefill included: both paths prefill the same prompt.
+            let start = Instant::now();
+            let (plain_tokens, _) = generate(model, &request, |_| Ok(()))?;
+            plain_s += start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            let (spec_tokens, _, stats) =
+                generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
+            spec_s += start.elapsed().as_secs_f64();
+            if spec_tokens != plain_tokens {
+                bail!("speculative output differs from plain output (round {round}): this is a bug, please report it");
+            }
+            generated += spec_tokens.len();
+            if round == args.repeats {
+                totals.num_drafts += stats.num_drafts;
+                totals.num_draft_tokens += stats.num_draft_tokens;
+                totals.num_accepted_tokens += stats.num_accepted_tokens;
+                totals.target_forwards += stats.target_forwards;
+                totals.drafter_seconds += stats.drafter_seconds;
+            }
+        }
+        if round > 0 {
+            plain_rates.push(generated as f64 / plain_s);
+            spec_rates.push(generated as f64 / spec_s);
+        }
+    }
+    totals.mean_acceptance_length = if totals.num_drafts > 0 {
+        1.0 + totals.num_accepted_tokens as f64 / totals.num_drafts as f64
+    } else {
+        0.0
+    };
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let stats = totals;
+    let (plain, spec) = (median(plain_rates), median(spec_rates));
+    if args.json {
+        println!(
+            "{}",
+            json!({"model": args.model.model.display().to_string(), "drafter": drafter, "num_draft_tokens": k,
+                   "prompts": prompts.len(), "prompt_tokens": prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+                   "plain_tokens_per_s": plain, "spec_tokens_per_s": spec, "speedup": spec / plain,
+                   "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+                   "num_accepted_tokens": stats.num_accepted_tokens, "mean_acceptance_length": stats.mean_acceptance_length,
+                   "target_forwards": stats.target_forwards, "drafter_seconds": stats.drafter_seconds,
+                   "drafter_us_per_forward": 1e6 * stats.drafter_seconds / stats.target_forwards.max(1) as f64})
+        );
+    } else {
+        println!("| model | drafter (k) | prompts (tokens) | generated each | plain tok/s | spec tok/s | speedup | acceptance length | forwards | drafter µs/forward |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!(
+            "| {} | {drafter} ({k}) | {} ({prompt_tokens}) | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} | {} | {:.1} |",
+            args.model.model.file_name().unwrap_or_default().to_string_lossy(),
+            prompts.len(),
+            args.gen_tokens,
+            spec / plain,
+            stats.mean_acceptance_length,
+            stats.target_forwards,
+            1e6 * stats.drafter_seconds / stats.target_forwards.max(1) as f64
+        );
+    }
+    Ok(())
+}
+
+/// Deterministic prompt ids away from the special-token range.
+fn synthetic_prompt(vocab: usize, len: usize) -> Vec<u32> {
+    let vocab = vocab as u64;
+    let low = 3.min(vocab - 1);
+    (0..len as u64)
+        .map(|i| (low + (i * 2_654_435_761) % (vocab - low)) as u32)
+        .collect()
+}
+
+/// What [`check_against_cpu`] found.
+struct CpuCheck {
+    device_tokens: Vec<u32>,
+    /// The device's tokens again with decode attention in 32-slot shares, so that both of the
+    /// kernel's paths (one round, several rounds) are checked (on CUDA; elsewhere the same
+    /// operations run again).
+    device_tokens_other_shares: Vec<u32>,
+    cpu_tokens: Vec<u32>,
+    /// Largest |difference| between the two devices' logits after the prompt.
+    max_logit_diff: f32,
+    /// Gap between the best and second-best logit there (how far from a tie the first pick was).
+    top2_margin: f32,
+}
+
+/// Greedy decode of `n` tokens after `prompt` on the default device, then on the CPU with the
+/// same weight arrays, so both runs compute the same function on the same values.
+fn check_against_cpu(
+    model: &Gemma4Model,
+    prompt: &[u32],
+    n: usize,
+    device: DeviceKind,
+) -> Result<CpuCheck> {
+    let run = || -> Result<(Vec<u32>, Vec<f32>)> {
+        let mut cache = model.new_cache();
+        let logits = prefill(model, &mut cache, prompt)?;
+        let first = logits.as_dtype(Dtype::Float32)?;
+        first.eval()?;
+        let first = first.as_slice::<f32>().to_vec();
+        let (tokens, _, _) = decode_step_by_step(model, &mut cache, &logits, n.saturating_sub(1))?;
+        Ok((tokens, first))
+    };
+    let (device_tokens, device_logits) = run()?;
+    use mlx_spec::kernels::{decode_attention::ONE_ROUND_SHARE_SLOTS, Tuning};
+    let tuning = Tuning::current();
+    Tuning {
+        attention_share: ONE_ROUND_SHARE_SLOTS,
+        ..tuning
+    }
+    .apply()?;
+    let other_shares = run();
+    tuning.apply()?;
+    let (device_tokens_other_shares, _) = other_shares?;
+    // A CUDA build of libmlx cannot JIT-compile fused CPU kernels (it has no host compiler
+    // setup), so the CPU reference runs every operation unfused.
+    // SAFETY: plain global switches of libmlx, called between evaluations.
+    unsafe { mlx_sys::mlx_disable_compile() };
+    device::select(DeviceKind::Cpu)?;
+    let cpu = run();
+    unsafe { mlx_sys::mlx_enable_compile() };
+    device::select(device)?;
+    let (cpu_tokens, cpu_logits) = cpu?;
+    let max_logit_diff = device_logits
+        .iter()
+        .zip(&cpu_logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    Ok(CpuCheck {
+        device_tokens,
+        device_tokens_other_shares,
+        cpu_tokens,
+        max_logit_diff,
+        top2_margin: top2_margin(&cpu_logits),
+    })
+}
+
+/// Greedy tokens and the float32 logits behind each (`logits[0]`: the prefill's last), one
+/// synchronised step at a time from a fresh cache. With `forced`, step `i` is fed `forced[i]`
+/// instead of its own pick, so the logits of two runs stay comparable after a pick differs.
+fn stepwise_logits(
+    model: &Gemma4Model,
+    prompt: &[u32],
+    n: usize,
+    forced: Option<&[u32]>,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let to_host = |logits: &mlx_rs::Array| -> Result<Vec<f32>> {
+        let logits = logits.as_dtype(Dtype::Float32)?;
+        logits.eval()?;
+        Ok(logits.as_slice::<f32>().to_vec())
+    };
+    let mut cache = model.new_cache();
+    let mut logits = prefill(model, &mut cache, prompt)?;
+    let mut tokens = Vec::with_capacity(n + 1);
+    let mut all = Vec::with_capacity(n + 1);
+    for step in 0..=n {
+        tokens.push(greedy_token(&logits)?);
+        all.push(to_host(&logits)?);
+        if step == n {
+            break;
+        }
+        let fed = forced.map_or(tokens[step], |f| f[step]);
+        logits = model
+            .forward(&[fed], &mut cache, LogitsFor::Last, false)?
+            .logits;
+    }
+    Ok((tokens, all))
+}
+
+/// Gap between the best and the second-best of `logits`.
+fn top2_margin(logits: &[f32]) -> f32 {
+    let (mut best, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in logits {
+        if v > best {
+            (best, second) = (v, best);
+        } else if v > second {
+            second = v;
+        }
+    }
+    best - second
+}
+
+/// `bench --repeatability RUNS`: decodes `n` greedy tokens `runs` times pipelined, first
+/// thing in the process (the condition of the one 4-bit disagreement seen on CUDA), then
+/// `runs` times step by step from fresh caches. Prints where each pipelined run's tokens first
+/// differ from the first step-by-step run's, and where each later step-by-step run's logits
+/// first differ from the first's (every run fed the first run's tokens). A bitwise-repeatable
+/// device gives identical logits everywhere; then a pipelined run that departs points at the
+/// pipelining, not at an operation.
+fn report_repeatability(model: &Gemma4Model, prompt: &[u32], runs: usize, n: usize) -> Result<()> {
+    let runs = runs.max(2);
+    let mut pipelined = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let mut cache = model.new_cache();
+        let logits = prefill(model, &mut cache, prompt)?;
+        pipelined.push(decode_pipelined(model, &mut cache, &logits, n)?.0);
+    }
+    let (reference, reference_logits) = stepwise_logits(model, prompt, n, None)?;
+    println!("repeatability: reference tokens {reference:?}");
+    for run in 1..runs {
+        let (picks, logits) = stepwise_logits(model, prompt, n, Some(&reference))?;
+        let diffs: Vec<f32> = logits
+            .iter()
+            .zip(&reference_logits)
+            .map(|(a, b)| {
+                a.iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f32::max)
+            })
+            .collect();
+        let first_diff = diffs.iter().position(|d| *d > 0.0);
+        let first_pick = picks.iter().zip(&reference).position(|(a, b)| a != b);
+        let worst = diffs.iter().copied().fold(0.0, f32::max);
+        match first_diff {
+            None => println!(
+                "repeatability: step-by-step run {run}: logits identical at all {} steps",
+                diffs.len()
+            ),
+            Some(step) => println!(
+                "repeatability: step-by-step run {run}: logits first differ at step {step} (0 = prefill) by {:.3e}, at most {worst:.3e}; picks first differ at {first_pick:?} (reference top-2 margin there {:.3e})",
+                diffs[step],
+                first_pick.map_or(f32::NAN, |i| top2_margin(&reference_logits[i])),
+            ),
+        }
+    }
+    for (run, tokens) in pipelined.iter().enumerate() {
+        match tokens.iter().zip(&reference).position(|(a, b)| a != b) {
+            None => println!("repeatability: pipelined run {run}: tokens identical"),
+            Some(i) => println!(
+                "repeatability: pipelined run {run}: tokens first differ at {i} (reference top-2 margin there {:.3e}): {tokens:?}",
+                top2_margin(&reference_logits[i])
+            ),
+        }
+    }
+    Ok(())
+}
+
+/// Milliseconds of one forward over `k` new tokens after `prompt`, for k = 1, 2, 4, … 32
+/// (median over `repeats`, the cache rolled back after each).
+fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<Vec<(usize, f64)>> {
+    let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, 64);
+    prefill(model, &mut cache, prompt)?;
+    let vocab = model.config.vocab_size as u32;
+    let mut curve = Vec::new();
+    for k in [1usize, 2, 4, 8, 16, 32] {
+        let window: Vec<u32> = (0..k as u32)
+            .map(|i| 3 + (i * 7919) % (vocab - 3))
+            .collect();
+        let mut times = Vec::new();
+        for round in 0..=repeats {
+            let start = Instant::now();
+            let logits = model
+                .forward(&window, &mut cache, LogitsFor::All, false)?
+                .logits;
+            let picks = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?;
+            picks.eval()?;
+            if round > 0 {
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+            cache.trim(k)?;
+        }
+        curve.push((k, median(times)));
+    }
+    Ok(curve)
+}
+
+/// Where the host spends a pipelined decode step, in milliseconds per step.
+#[derive(Default, Clone, Copy)]
+struct HostSplit {
+    /// Building the step's lazy graph (our model code).
+    build_ms: f64,
+    /// Handing the graph to MLX (`async_eval`: MLX walks it and encodes its kernels).
+    submit_ms: f64,
+    /// Blocked reading the previous token while the device finishes it.
+    wait_ms: f64,
+}
+
+/// Greedy decode of `n` forwards after `logits` (`n + 1` tokens), the host queueing each step
+/// before reading the token it consumes (as `generate` does). Returns the tokens, the
+/// seconds taken and where the host spent them.
+fn decode_pipelined(
+    model: &Gemma4Model,
+    cache: &mut mlx_spec::model::gemma4::ModelCache,
+    logits: &mlx_rs::Array,
+    n: usize,
+) -> Result<(Vec<u32>, f64, HostSplit)> {
+    let start = Instant::now();
+    let mut next = mlx_rs::ops::indexing::argmax_axis(logits, -1, false)?;
+    let mut tokens = Vec::with_capacity(n + 1);
+    let mut split = HostSplit::default();
+    for _ in 0..n {
+        // `queue_greedy_step`, timed in its two halves.
+        let t0 = Instant::now();
+        let following = greedy_step(model, cache, &next)?;
+        let t1 = Instant::now();
+        mlx_rs::transforms::async_eval([&following])?;
+        let t2 = Instant::now();
+        tokens.push(mlx_spec::generate::read_token(&next)?);
+        let t3 = Instant::now();
+        split.build_ms += (t1 - t0).as_secs_f64();
+        split.submit_ms += (t2 - t1).as_secs_f64();
+        split.wait_ms += (t3 - t2).as_secs_f64();
+        next = following;
+    }
+    tokens.push(mlx_spec::generate::read_token(&next)?);
+    let per_step = 1e3 / n as f64;
+    split.build_ms *= per_step;
+    split.submit_ms *= per_step;
+    split.wait_ms *= per_step;
+    Ok((tokens, start.elapsed().as_secs_f64(), split))
+}
+
+/// One set of `bench --compare-fused`: its median decode rate and host split over the rounds.
+struct FusedSetResult {
+    name: String,
+    tokens_per_s: f64,
+    /// Whether its tokens equal those of MLX's operations alone.
+    same_as_none: bool,
+    /// Where the host spent a step (medians of each part): tells a host-bound set from a
+    /// device-bound one (waiting near 0: the host is the bound).
+    host: HostSplit,
+    /// Largest |difference| between the logits of its first decode step and those of MLX's
+    /// operations alone (the same prompt and first token): sets that round otherwise differ
+    /// a little; a fault in a kernel shows as a large gap.
+    logit_gap: f32,
+}
+
+/// Pipelined greedy decode with each set of fused kernels, the sets alternating round by
+/// round so that drifts of the machine's speed hit them alike.
+fn compare_fused(
+    model: &Gemma4Model,
+    prompt: &[u32],
+    args: &BenchArgs,
+) -> Result<Vec<FusedSetResult>> {
+    use mlx_spec::kernels::{set_allowed, Fused, Tuning};
+    let fused = |attention, products| Fused {
+        attention,
+        products,
+        ..Fused::default()
+    };
+    let all_three = Fused {
+        post_attention: true,
+        ..fused(true, true)
+    };
+    let with_head = |kernels: Fused| Fused {
+        output_head: true,
+        ..kernels
+    };
+    let with_ple = |kernels: Fused| Fused {
+        per_layer_input: true,
+        ..kernels
+    };
+    /// One configuration: which kernels run, and how.
+    struct Set {
+        name: String,
+        kernels: Fused,
+        tuning: Tuning,
+    }
+    let default = Tuning::current();
+    let set = |name: &str, kernels| Set {
+        name: name.to_string(),
+        kernels,
+        tuning: default,
+    };
+    let on_off = |on: bool| if on { "on" } else { "off" };
+    let row_pairs = Tuning {
+        row_pairs: !default.row_pairs,
+        ..default
+    };
+    // Decode attention as first written: four slots a warp at a time.
+    let narrow = Tuning {
+        attention_wide_rounds: false,
+        ..default
+    };
+    let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
+    let sets: Vec<Set> = if four_bit {
+        // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows,
+        // and the attention-heads and product kernels over 4-bit rows at one and two rows a
+        // warp (four lost in lease 2 of 2026-12-01), with and without the output head kernel,
+        // the per-layer-input kernel, integer dots over 4-bit rows, the attention heads
+        // finished apart, weight lines requested before staging, the step's integers in device
+        // memory, and decode attention's first (narrow) rounds.
+        let post_attention = Fused {
+            affine4: true,
+            ..fused(true, true)
+        };
+        let products = Fused {
+            affine4_heads: true,
+            affine4_products: true,
+            ..fused(true, true)
+        };
+        let rows = |n: i32, kernels: Fused, name: &str| Set {
+            name: format!("{name}, {n} rows a warp"),
+            kernels,
+            tuning: Tuning {
+                affine4_rows_per_warp: n,
+                ..default
+            },
+        };
+        let products_name = "attention,products,affine4-heads,affine4-products";
+        let head_name = "attention,products,affine4-heads,affine4-products,output-head";
+        vec![
+            set("none", fused(false, false)),
+            set("attention,products", fused(true, true)),
+            set("attention,products,affine4", post_attention),
+            set(
+                "attention,products,affine4,affine4-heads",
+                Fused {
+                    affine4_heads: true,
+                    ..post_attention
+                },
+            ),
+            rows(1, products, products_name),
+            rows(2, products, products_name),
+            rows(1, with_head(products), head_name),
+            rows(2, with_head(products), head_name),
+            Set {
+                name: format!("{head_name}, 2 rows a warp, integer dots"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    affine4_integer_dots: true,
+                    ..default
+                },
+            },
+            Set {
+                name: format!("{head_name}, 1 rows a warp, integer dots"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 1,
+                    affine4_integer_dots: true,
+                    ..default
+                },
+            },
+            Set {
+                name: format!("{head_name}, 2 rows a warp, heads finished apart"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    heads_finished_apart: true,
+                    ..default
+                },
+            },
+            Set {
+                name: format!("{head_name}, 2 rows a warp, rows touched first"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    rows_touched_first: true,
+                    ..default
+                },
+            },
+            Set {
+                name: format!("{head_name}, 2 rows a warp, step integers on the device"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    step_ints_on_device: true,
+                    ..default
+                },
+            },
+            Set {
+                name: format!("{head_name}, 2 rows a warp, narrow attention rounds"),
+                kernels: with_head(products),
+                tuning: Tuning {
+                    affine4_rows_per_warp: 2,
+                    ..narrow
+                },
+            },
+            rows(
+                1,
+                with_ple(with_head(products)),
+                &format!("{head_name},per-layer-input"),
+            ),
+            rows(
+                2,
+                with_ple(with_head(products)),
+                &format!("{head_name},per-layer-input"),
+            ),
+        ]
+    } else {
+        // Variants that lost in several leases (barriers polling with acquire loads, L2
+        // prefetch, 16 loads in flight in the post-attention kernel, three blocks a
+        // multiprocessor, 32-slot attention shares) are no longer measured; their figures
+        // are in BENCHMARKS.md.
+        vec![
+            set("none", fused(false, false)),
+            set("attention", fused(true, false)),
+            set("products", fused(false, true)),
+            set("attention,products", fused(true, true)),
+            set(
+                "attention,products,output-head",
+                with_head(fused(true, true)),
+            ),
+            Set {
+                name: "attention,products,output-head, heads finished apart".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: Tuning {
+                    heads_finished_apart: true,
+                    ..default
+                },
+            },
+            Set {
+                name: "attention,products,output-head, rows touched first".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: Tuning {
+                    rows_touched_first: true,
+                    ..default
+                },
+            },
+            Set {
+                name: "attention,products,output-head, step integers on the device".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: Tuning {
+                    step_ints_on_device: true,
+                    ..default
+                },
+            },
+            Set {
+                name: "attention,products,output-head, narrow attention rounds".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: narrow,
+            },
+            Set {
+                name: "attention,products,output-head, 16 loads in flight over dense rows".into(),
+                kernels: with_head(fused(true, true)),
+                tuning: Tuning {
+                    dense_loads: 16,
+                    ..default
+                },
+            },
+            set("attention,products,post-attention", all_three),
+            Set {
+                name: format!(
+                    "attention,products,post-attention, row pairs {}",
+                    on_off(row_pairs.row_pairs)
+                ),
+                kernels: all_three,
+                tuning: row_pairs,
+            },
+            set(
+                "attention,products,output-head,per-layer-input",
+                with_ple(with_head(fused(true, true))),
+            ),
+        ]
+    };
+    let mut rates = vec![Vec::new(); sets.len()];
+    let mut splits = vec![Vec::new(); sets.len()];
+    let mut tokens = vec![Vec::new(); sets.len()];
+    let mut first_step_logits = vec![Vec::new(); sets.len()];
+    let repeats = args.repeats.max(3);
+    let mut run_all = || -> Result<()> {
+        for round in 0..=repeats {
+            for (i, s) in sets.iter().enumerate() {
+                set_allowed(s.kernels);
+                s.tuning.apply()?;
+                if round == 0 {
+                    let (_, mut logits) = stepwise_logits(model, prompt, 1, None)?;
+                    first_step_logits[i] = logits.pop().unwrap_or_default();
+                }
+                let mut cache = model.new_cache();
+                let logits = prefill(model, &mut cache, prompt)?;
+                let (got, seconds, split) =
+                    decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
+                let rate = args.gen_tokens as f64 / seconds;
+                // Logged as it comes, so that a set that ends the process (a kernel trap)
+                // leaves the others' figures behind.
+                tracing::info!(round, set = %s.name, "compare-fused: {rate:.1} tok/s");
+                if round > 0 {
+                    rates[i].push(rate);
+                    splits[i].push(split);
+                }
+                tokens[i] = got;
+            }
+        }
+        Ok(())
+    };
+    let result = run_all();
+    args.model.allow_fused_kernels();
+    default.apply()?;
+    result?;
+    // Twins must decode the same tokens:
+    // * the one post-attention kernel and the per-layer-input kernel regroup the arithmetic
+    //   of their plain twin (the same kernels without them, the same attention shares);
+    // * the rows a warp takes, the loads a lane keeps in flight, which block finishes the
+    //   attention heads, early requests for weight lines and where the step's integers live
+    //   change no value: sets that differ only in them.
+    // Other share sizes, and decode attention's narrow rounds, add softmax terms in another
+    // order, and integer dots round the input's small values otherwise, which may move a
+    // rounding; the 4-bit kernels sum otherwise than MLX's quantized products, and the output
+    // head otherwise than MLX's product.
+    for (i, s) in sets.iter().enumerate() {
+        let plain = Fused {
+            post_attention: false,
+            per_layer_input: false,
+            ..s.kernels
+        };
+        let mlx_sums = !(s.kernels.affine4
+            || s.kernels.affine4_heads
+            || s.kernels.affine4_products
+            || s.kernels.output_head);
+        let Some(twin) = sets.iter().position(|t| {
+            t.tuning.attention_share == s.tuning.attention_share
+                && t.tuning.attention_wide_rounds == s.tuning.attention_wide_rounds
+                && ((mlx_sums && t.kernels == plain)
+                    || (s.kernels.per_layer_input
+                        && t.kernels == plain
+                        && t.tuning.affine4_rows_per_warp == s.tuning.affine4_rows_per_warp)
+                    || (t.kernels == s.kernels
+                        && t.tuning != s.tuning
+                        && Tuning {
+                            affine4_rows_per_warp: s.tuning.affine4_rows_per_warp,
+                            dense_loads: s.tuning.dense_loads,
+                            heads_finished_apart: s.tuning.heads_finished_apart,
+                            rows_touched_first: s.tuning.rows_touched_first,
+                            step_ints_on_device: s.tuning.step_ints_on_device,
+                            ..t.tuning
+                        } == s.tuning))
+        }) else {
+            continue;
+        };
+        if i != twin && tokens[i] != tokens[twin] {
+            bail!(
+                "{} changed the greedy tokens of {}: {:?} vs {:?}; this is a bug",
+                s.name,
+                sets[twin].name,
+                tokens[i],
+                tokens[twin]
+            );
+        }
+    }
+    let median_split = |v: &[HostSplit]| HostSplit {
+        build_ms: median(v.iter().map(|h| h.build_ms).collect()),
+        submit_ms: median(v.iter().map(|h| h.submit_ms).collect()),
+        wait_ms: median(v.iter().map(|h| h.wait_ms).collect()),
+    };
+    Ok(sets
+        .iter()
+        .zip(rates)
+        .zip(&splits)
+        .zip(&tokens)
+        .zip(&first_step_logits)
+        .map(|((((s, r), h), t), l)| FusedSetResult {
+            name: s.name.clone(),
+            tokens_per_s: median(r),
+            same_as_none: *t == tokens[0],
+            host: median_split(h),
+            logit_gap: l
+                .iter()
+                .zip(&first_step_logits[0])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, |m, d| if d.is_nan() || d > m { d } else { m }),
+        })
+        .collect())
+}
+
+/// Greedy decode of `n` forwards after `logits`, building and evaluating one step at a time.
+/// Returns the tokens, the seconds taken, and the seconds spent building graphs.
+fn decode_step_by_step(
+    model: &Gemma4Model,
+    cache: &mut mlx_spec::model::gemma4::ModelCache,
+    logits: &mlx_rs::Array,
+    n: usize,
+) -> Result<(Vec<u32>, f64, f64)> {
+    let start = Instant::now();
+    let mut token = greedy_token(logits)?;
+    let mut tokens = vec![token];
+    let mut build_s = 0.0;
+    for _ in 0..n {
+        let build_start = Instant::now();
+        let logits = model
+            .forward(&[token], cache, LogitsFor::Last, false)?
+            .logits;
+        build_s += build_start.elapsed().as_secs_f64();
+        token = greedy_token(&logits)?;
+        tokens.push(token);
+    }
+    Ok((tokens, start.elapsed().as_secs_f64(), build_s))
+}
+
+/// `bench --op-cost`: host time per operation, by kind.
+fn run_op_cost(args: &BenchArgs) -> Result<()> {
+    device::select(args.model.device)?;
+    args.model.allow_fused_kernels();
+    let costs = mlx_spec::diagnostics::operation_costs(400, 1024, args.repeats)?;
+    if args.json {
+        let rows: Vec<_> = costs
+            .iter()
+            .map(|c| {
+                json!({"kind": c.kind, "build_us": c.build_us, "submit_us": c.submit_us,
+                       "total_us": c.total_us})
+            })
+            .collect();
+        println!("{}", json!({ "op_cost": rows }));
+        return Ok(());
+    }
+    println!("| operation | build µs/op | async_eval µs/op | total µs/op |");
+    println!("|---|---|---|---|");
+    for c in &costs {
+        println!(
+            "| {} | {:.2} | {:.2} | {:.2} |",
+            c.kind, c.build_us, c.submit_us, c.total_us
+        );
+    }
+    Ok(())
+}
+
+/// `bench --check-kernels`: fused kernels against references on random data.
+fn run_check_kernels(args: &BenchArgs) -> Result<()> {
+    device::select(args.model.device)?;
+    if !(cfg!(target_os = "linux") && device::default_is(mlx_rs::DeviceType::Gpu)) {
+        bail!("--check-kernels needs a CUDA GPU (--device gpu with the CUDA libmlx)");
+    }
+    args.model.allow_fused_kernels();
+    let attention = mlx_spec::diagnostics::decode_attention_errors(Dtype::Bfloat16, 1e-2)?;
+    let products = mlx_spec::diagnostics::affine4_integer_dot_errors(1.0 / 64.0)?;
+    if args.json {
+        let attention: Vec<_> = attention
+            .iter()
+            .map(|r| {
+                json!({"case": r.case, "wide_error": r.wide_error, "narrow_error": r.narrow_error,
+                       "wide_vs_narrow": r.wide_vs_narrow})
+            })
+            .collect();
+        let products: Vec<_> = products
+            .iter()
+            .map(|r| json!({"case": r.case, "difference": r.difference, "largest_output": r.largest_output}))
+            .collect();
+        println!(
+            "{}",
+            json!({ "decode_attention": attention, "affine4_integer_dots": products })
+        );
+        return Ok(());
+    }
+    println!("| decode attention (bf16, 8 query heads, 2 KV heads) | wide rounds: largest error | narrow rounds | wide vs narrow |");
+    println!("|---|---|---|---|");
+    for r in &attention {
+        println!(
+            "| {} | {:.2e} | {:.2e} | {:.2e} |",
+            r.case, r.wide_error, r.narrow_error, r.wide_vs_narrow
+        );
+    }
+    println!();
+    println!("| 4-bit product (bf16, groups of 64) | integer dots vs float unpacking: largest difference | largest output |");
+    println!("|---|---|---|");
+    for r in &products {
+        println!(
+            "| {} | {:.2e} | {:.2e} |",
+            r.case, r.difference, r.largest_output
+        );
+    }
+    println!("kernel checks passed: decode attention within 1e-2 of MLX's operations, integer dots within 1/64 of the largest output of float unpacking");
+    Ok(())
+}
+
+/// `bench --feed-forward-speed`: the feed-forward block's weight streaming rate, by method.
+fn run_feed_forward_speed(args: &BenchArgs) -> Result<()> {
+    device::select(args.model.device)?;
+    args.model.allow_fused_kernels();
+    let (_, _, config) = read_config(&args.model.model)?;
+    let (hidden, intermediate) = (config.hidden_size as i32, config.intermediate_size as i32);
+    // The first layer's heads (a sliding-window layer in every released size).
+    let head_dim = config.layers.first().map_or(0, |l| l.head_dim);
+    let attention_width = (config.num_heads * head_dim) as i32;
+    let speeds = mlx_spec::diagnostics::feed_forward_speed(
+        hidden,
+        intermediate,
+        attention_width,
+        16,
+        args.repeats,
+    )?;
+    if args.json {
+        let rows: Vec<_> = speeds
+            .iter()
+            .map(|s| {
+                json!({"kind": s.kind, "build_us": s.build_us, "submit_us": s.submit_us,
+                       "total_us": s.total_us, "gb_per_s": s.gb_per_s})
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({ "feed_forward_speed": rows, "hidden": hidden, "intermediate": intermediate })
+        );
+        return Ok(());
+    }
+    println!(
+        "feed-forward block, hidden {hidden}, intermediate {intermediate} (attention output \
+         {attention_width} wide in the last rows), bf16, 16 layers:"
+    );
+    println!("| method | build µs/layer | async_eval µs/layer | total µs/layer | GB/s |");
+    println!("|---|---|---|---|---|");
+    for s in &speeds {
+        println!(
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            s.kind, s.build_us, s.submit_us, s.total_us, s.gb_per_s
+        );
+    }
+    Ok(())
+}
+
+pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
+    if args.prompt_tokens == 0 || args.gen_tokens == 0 || args.repeats == 0 {
+        bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
+    }
+    if let Some(drafter) = args.spec.drafter.clone() {
+        return run_bench_spec(&args, &drafter);
+    }
+    if args.op_cost {
+        return run_op_cost(&args);
+    }
+    if args.feed_forward_speed {
+        return run_feed_forward_speed(&args);
+    }
+    if args.check_kernels {
+        return run_check_kernels(&args);
+    }
+    let loaded = load_model(&args.model)?;
+    let model = &loaded.model;
+    let weight_bytes = mlx_rs::memory::active_memory().unwrap_or(0);
+    let prompt = synthetic_prompt(model.config.vocab_size, args.prompt_tokens);
+    if let Some(runs) = args.repeatability {
+        return report_repeatability(model, &prompt, runs, args.gen_tokens);
+    }
+
+    let mut prefill_rates = Vec::new();
+    let mut decode_rates = Vec::new();
+    let mut stepwise_rates = Vec::new();
+    // Time a step-by-step decode step spends building its lazy graph on the host.
+    let mut build_ms = Vec::new();
+    let mut splits = Vec::new();
+    for round in 0..=args.repeats {
+        let mut cache = model.new_cache();
+        let start = Instant::now();
+        let logits = prefill(model, &mut cache, &prompt)?;
+        let prefill_s = start.elapsed().as_secs_f64();
+        let (pipelined, decode_s, split) =
+            decode_pipelined(model, &mut cache, &logits, args.gen_tokens)?;
+
+        // The same decode, one synchronised step at a time, from a fresh cache.
+        let mut cache = model.new_cache();
+        let logits = prefill(model, &mut cache, &prompt)?;
+        let (stepwise, stepwise_s, build_s) =
+            decode_step_by_step(model, &mut cache, &logits, args.gen_tokens)?;
+        if pipelined != stepwise {
+            let first = pipelined.iter().zip(&stepwise).position(|(a, b)| a != b);
+            bail!(
+                "pipelined and step-by-step greedy decoding disagree in round {round} ({}), from token {first:?}: {pipelined:?} vs {stepwise:?}",
+                if round == 0 { "the warm-up, the process's first decode" } else { "measured" }
+            );
+        }
+        if round > 0 {
+            prefill_rates.push(args.prompt_tokens as f64 / prefill_s);
+            decode_rates.push(args.gen_tokens as f64 / decode_s);
+            stepwise_rates.push(args.gen_tokens as f64 / stepwise_s);
+            build_ms.push(build_s * 1e3 / args.gen_tokens as f64);
+            splits.push(split);
+        }
+    }
+    let (prefill_rate, decode_rate) = (median(prefill_rates), median(decode_rates));
+    let stepwise_rate = median(stepwise_rates);
+    let build_ms = median(build_ms);
+    let host = HostSplit {
+        build_ms: median(splits.iter().map(|s| s.build_ms).collect()),
+        submit_ms: median(splits.iter().map(|s| s.submit_ms).collect()),
+        wait_ms: median(splits.iter().map(|s| s.wait_ms).collect()),
+    };
+    let step_ms = 1e3 / stepwise_rate;
+    let curve = if args.verify_curve {
+        verify_curve(model, &prompt, args.repeats)?
+    } else {
+        Vec::new()
+    };
+    let step_ops = match &args.dump_step_graph {
+        Some(path) => {
+            let mut cache = model.new_cache();
+            let logits = prefill(model, &mut cache, &prompt)?;
+            let token = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?;
+            let out =
+                model.forward_ids(&token.reshape(&[1, 1])?, &mut cache, LogitsFor::Last, false)?;
+            let next = mlx_rs::ops::indexing::argmax_axis(&out.logits, -1, false)?;
+            mlx_spec::diagnostics::export_dot(&next, path)?;
+            let dot = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read back {}", path.display()))?;
+            Some(mlx_spec::diagnostics::count_operations(&dot))
+        }
+        None => None,
+    };
+    let fused_comparison = if args.compare_fused {
+        let cuda =
+            cfg!(target_os = "linux") && mlx_spec::device::default_is(mlx_rs::DeviceType::Gpu);
+        if !cuda {
+            tracing::warn!(
+                "--compare-fused: the fused kernels run on a CUDA GPU only; here every set runs \
+                 MLX's operations, and their rates differ by noise alone"
+            );
+        }
+        compare_fused(model, &prompt, &args)?
+    } else {
+        Vec::new()
+    };
+    let check = match args.check_cpu {
+        Some(n) => {
+            let short = &prompt[..prompt.len().min(16)];
+            Some(check_against_cpu(
+                model,
+                short,
+                n.max(1),
+                args.model.device,
+            )?)
+        }
+        None => None,
+    };
+    let name = args.model.model.display().to_string();
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "model": name, "random_weights": args.model.random_weights, "dtype": format!("{:?}", model.dtype),
+                "device": args.model.device, "mlx_version": device::mlx_version(), "weight_bytes": weight_bytes,
+                "weight_bytes_read_per_token": model.weight_bytes_read_per_token(weight_bytes),
+                "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+                "prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": decode_rate,
+                "stepwise_decode_tokens_per_s": stepwise_rate, "stepwise_step_ms": step_ms,
+                "stepwise_graph_build_ms": build_ms,
+                "pipelined_host_ms": json!({"build": host.build_ms, "submit": host.submit_ms, "wait": host.wait_ms}),
+                "fused_comparison": fused_comparison.iter().map(|f| json!({"kernels": f.name, "decode_tokens_per_s": f.tokens_per_s, "same_tokens_as_none": f.same_as_none, "first_step_logit_gap": f.logit_gap, "host_ms": {"build": f.host.build_ms, "submit": f.host.submit_ms, "wait": f.host.wait_ms}})).collect::<Vec<_>>(),
+                "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
+                "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
+                "cpu_check": check.as_ref().map(|c| json!({
+                    "same_tokens": c.device_tokens == c.cpu_tokens && c.device_tokens_other_shares == c.cpu_tokens,
+                    "device_tokens": c.device_tokens, "device_tokens_other_shares": c.device_tokens_other_shares,
+                    "cpu_tokens": c.cpu_tokens, "max_logit_diff": c.max_logit_diff, "top2_margin": c.top2_margin,
+                })),
+            })
+        );
+    } else {
+        println!("| model | dtype | device | weights (MB) | prefill {} tok (tok/s) | decode {} tok (tok/s) |", args.prompt_tokens, args.gen_tokens);
+        println!("|---|---|---|---|---|---|");
+        println!(
+            "| {name}{} | {:?} | {:?} | {:.1} | {prefill_rate:.1} | {decode_rate:.1} |",
+            if args.model.random_weights {
+                " (random)"
+            } else {
+                ""
+            },
+            model.dtype,
+            args.model.device,
+            weight_bytes as f64 / 1e6
+        );
+        println!();
+        println!(
+            "decode: {decode_rate:.1} tok/s with the next step queued before each token is read; \
+             {stepwise_rate:.1} tok/s one synchronised step at a time ({step_ms:.2} ms a step: \
+             {build_ms:.2} ms building the graph on the host, {:.2} ms evaluating it)",
+            step_ms - build_ms
+        );
+        println!(
+            "pipelined host time per step: {:.2} ms building the graph, {:.2} ms handing it to \
+             MLX (async_eval), {:.2} ms waiting for the device",
+            host.build_ms, host.submit_ms, host.wait_ms
+        );
+        if !fused_comparison.is_empty() {
+            println!();
+            println!("| fused kernels | decode (tok/s) | host ms a step: build, submit, waiting | tokens as with none | first step's logits vs none: largest difference |");
+            println!("|---|---|---|---|---|");
+            for f in &fused_comparison {
+                println!(
+                    "| {} | {:.1} | {:.2}, {:.2}, {:.2} | {} | {:.3e} |",
+                    f.name,
+                    f.tokens_per_s,
+                    f.host.build_ms,
+                    f.host.submit_ms,
+                    f.host.wait_ms,
+                    if f.same_as_none { "same" } else { "differ" },
+                    f.logit_gap
+                );
+            }
+        }
+        if !curve.is_empty() {
+            println!();
+            println!("| verify window k | 1 | 2 | 4 | 8 | 16 | 32 |");
+            println!("|---|---|---|---|---|---|---|");
+            let cells: Vec<String> = curve.iter().map(|(_, ms)| format!("{ms:.2} ms")).collect();
+            println!("| one forward | {} |", cells.join(" | "));
+        }
+        if let Some(ops) = &step_ops {
+            let mut by_count: Vec<_> = ops.iter().collect();
+            by_count.sort_by(|a, b| b.1.cmp(a.1));
+            let list: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            println!();
+            println!(
+                "one decode step: {} operations ({})",
+                ops.values().sum::<usize>(),
+                list.join(", ")
+            );
+        }
+        if let Some(c) = &check {
+            println!();
+            println!(
+                "{} vs CPU, same weights: {} greedy tokens {} (again with 32-slot attention shares: {}); logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
+                format!("{:?}", args.model.device).to_uppercase(),
+                c.cpu_tokens.len(),
+                if c.device_tokens == c.cpu_tokens { "identical" } else { "DIFFER" },
+                if c.device_tokens_other_shares == c.cpu_tokens { "identical" } else { "DIFFER" },
+                c.max_logit_diff,
+                c.top2_margin
+            );
+        }
+    }
+    if let Some(c) = &check {
+        for (tokens, how) in [
+            (&c.device_tokens, ""),
+            (&c.device_tokens_other_shares, " (32-slot attention shares)"),
+        ] {
+            if *tokens != c.cpu_tokens {
+                bail!(
+                    "greedy tokens differ between {:?}{how} and CPU: {:?} vs {:?}",
+                    args.model.device,
+                    tokens,
+                    c.cpu_tokens
+                );
+            }
+        }
+    }
+    Ok(())
+}
