@@ -402,6 +402,26 @@ fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
     }
     source.push_str("  return 0;\n}\n");
     let printed = compile_and_run(dir.path(), &source);
+    check_printed(
+        &printed,
+        &CASES,
+        &expected,
+        |c| c.rows_per_call > 1 && !c.in_place,
+        "",
+    );
+}
+
+/// Checks the driver's "case row value" lines: each row within a float32 sum's rounding of
+/// MLX's dequantized product (`expected[case]`: the products and the sums of |w x|), every
+/// row of every case present, and each row that `again` ran a second time one a call (case
+/// numbers from [`ONE_ROW`]) summed to the same bits. `what` names the path in messages.
+fn check_printed(
+    printed: &str,
+    cases: &[Case],
+    expected: &[(Vec<f64>, Vec<f64>)],
+    again: impl Fn(&Case) -> bool,
+    what: &str,
+) {
     let mut checked = 0;
     let mut sums = std::collections::HashMap::new();
     let mut one_row_sums = Vec::new();
@@ -418,30 +438,26 @@ fn the_kernels_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
         let got: f64 = parts[2].parse().unwrap();
         let (want, magnitude) = (&expected[case].0, &expected[case].1);
         // A float32 sum's rounding, relative to the terms' size; a wrong nibble, piece,
-        // group or chunk sum moves the result by a sizeable part of it.
+        // group, chunk sum, pair order or slot moves the result by a sizeable part of it.
         let tolerance = 1e-5 * magnitude[row];
         assert!(
             (got - want[row]).abs() <= tolerance,
-            "case {case} row {row}: {got} vs MLX's {} (tolerance {tolerance})",
+            "{what}case {case} row {row}: {got} vs MLX's {} (tolerance {tolerance})",
             want[row]
         );
-        assert!(magnitude[row] > 1.0, "case {case}: a trivial product");
+        assert!(magnitude[row] > 1.0, "{what}case {case}: a trivial product");
         checked += 1;
     }
-    let rows: i32 = CASES.iter().map(|c| c.rows).sum();
+    let rows: i32 = cases.iter().map(|c| c.rows).sum();
     assert_eq!(checked, rows as usize, "every row of every case: {printed}");
-    let several: i32 = CASES
-        .iter()
-        .filter(|c| c.rows_per_call > 1 && !c.in_place)
-        .map(|c| c.rows)
-        .sum();
+    let several: i32 = cases.iter().filter(|c| again(c)).map(|c| c.rows).sum();
     assert_eq!(one_row_sums.len(), several as usize, "{printed}");
     for (case, row, bits) in one_row_sums {
         assert_eq!(
             Some(&bits),
             sums.get(&(case, row)),
-            "case {case} row {row}: one row a call sums otherwise than {} a call",
-            CASES[case].rows_per_call
+            "{what}case {case} row {row}: one row a call sums otherwise than {} a call",
+            cases[case].rows_per_call
         );
     }
 }
@@ -583,48 +599,13 @@ fn integer_dots_over_4bit_rows_give_the_products_of_mlx_dequantized_weights() {
     }
     source.push_str("  return 0;\n}\n");
     let printed = compile_and_run(dir.path(), &source);
-    let mut checked = 0;
-    let mut sums = std::collections::HashMap::new();
-    let mut one_row_sums = Vec::new();
-    for line in printed.lines() {
-        let parts: Vec<&str> = line.split_whitespace().collect();
-        assert_eq!(parts.len(), 3, "unexpected driver output: {line}");
-        let (case, row): (usize, usize) = (parts[0].parse().unwrap(), parts[1].parse().unwrap());
-        let bits = parts[2].parse::<f32>().unwrap().to_bits();
-        if case >= ONE_ROW {
-            one_row_sums.push((case - ONE_ROW, row, bits));
-            continue;
-        }
-        sums.insert((case, row), bits);
-        let got: f64 = parts[2].parse().unwrap();
-        let (want, magnitude) = (&expected[case].0, &expected[case].1);
-        // As the float path: a float32 sum's rounding; a wrong pair order, byte or slot moves
-        // the result by a sizeable part of it.
-        let tolerance = 1e-5 * magnitude[row];
-        assert!(
-            (got - want[row]).abs() <= tolerance,
-            "integer dots, case {case} row {row}: {got} vs MLX's {} (tolerance {tolerance})",
-            want[row]
-        );
-        assert!(magnitude[row] > 1.0, "case {case}: a trivial product");
-        checked += 1;
-    }
-    let rows: i32 = INTEGER_CASES.iter().map(|c| c.rows).sum();
-    assert_eq!(checked, rows as usize, "every row of every case: {printed}");
-    let several: i32 = INTEGER_CASES
-        .iter()
-        .filter(|c| c.rows_per_call > 1)
-        .map(|c| c.rows)
-        .sum();
-    assert_eq!(one_row_sums.len(), several as usize, "{printed}");
-    for (case, row, bits) in one_row_sums {
-        assert_eq!(
-            Some(&bits),
-            sums.get(&(case, row)),
-            "integer dots, case {case} row {row}: one row a call sums otherwise than {} a call",
-            INTEGER_CASES[case].rows_per_call
-        );
-    }
+    check_printed(
+        &printed,
+        &INTEGER_CASES,
+        &expected,
+        |c| c.rows_per_call > 1,
+        "integer dots, ",
+    );
 }
 
 #[test]

@@ -720,14 +720,7 @@ fn compare_fused(
                         && t.tuning.affine4_rows_per_warp == s.tuning.affine4_rows_per_warp)
                     || (t.kernels == s.kernels
                         && t.tuning != s.tuning
-                        && Tuning {
-                            affine4_rows_per_warp: s.tuning.affine4_rows_per_warp,
-                            dense_loads: s.tuning.dense_loads,
-                            heads_finished_apart: s.tuning.heads_finished_apart,
-                            rows_touched_first: s.tuning.rows_touched_first,
-                            step_ints_on_device: s.tuning.step_ints_on_device,
-                            ..t.tuning
-                        } == s.tuning))
+                        && t.tuning.value_settings() == s.tuning.value_settings()))
         }) else {
             continue;
         };
@@ -817,10 +810,15 @@ fn run_op_cost(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// Whether MLX's default device is a CUDA GPU, where the fused kernels run.
+fn on_cuda() -> bool {
+    cfg!(target_os = "linux") && device::default_is(mlx_rs::DeviceType::Gpu)
+}
+
 /// `bench --check-kernels`: fused kernels against references on random data.
 fn run_check_kernels(args: &BenchArgs) -> Result<()> {
     device::select(args.model.device)?;
-    if !(cfg!(target_os = "linux") && device::default_is(mlx_rs::DeviceType::Gpu)) {
+    if !on_cuda() {
         bail!("--check-kernels needs a CUDA GPU (--device gpu with the CUDA libmlx)");
     }
     args.model.allow_fused_kernels();
@@ -998,9 +996,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         None => None,
     };
     let fused_comparison = if args.compare_fused {
-        let cuda =
-            cfg!(target_os = "linux") && mlx_spec::device::default_is(mlx_rs::DeviceType::Gpu);
-        if !cuda {
+        if !on_cuda() {
             tracing::warn!(
                 "--compare-fused: the fused kernels run on a CUDA GPU only; here every set runs \
                  MLX's operations, and their rates differ by noise alone"

@@ -18,8 +18,8 @@ use mlx_rs::{Array, Dtype};
 use crate::kernels::post_attention::{self, PostAttention, Weight};
 use crate::kernels::products::device_array;
 use crate::kernels::products::{
-    gated_product, gated_product_rows, new_counter, normed_products, product_residual,
-    product_residual_rows, GateUp, ROWS_PER_WARP_CHOICES,
+    gated_product, gated_product_rows, new_counter, new_counters, normed_products,
+    product_residual, product_residual_rows, GateUp, ROWS_PER_WARP_CHOICES,
 };
 use crate::kernels::{CudaKernel, Fused, TemplateArg};
 use crate::model::gemma4::activation::gated_gelu;
@@ -467,7 +467,7 @@ pub struct AttentionCheck {
 /// Fails if an error exceeds `tolerance`.
 pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<AttentionCheck>> {
     use crate::kernels::decode_attention::{
-        decode_attention, new_counters, set_wide_rounds, splits_for, wide_rounds,
+        decode_attention, set_wide_rounds, splits_for, wide_rounds,
     };
     let (heads, kv_heads) = (8, 2);
     let cases: [(i32, i32, std::ops::Range<usize>); 6] = [

@@ -111,6 +111,34 @@ __device__ inline void chunk_sums(const T* xs, float* sums) {
   }
 }
 
+// One batch of a lane's loads over R rows of 4-bit weights, all in flight together: the
+// 16-byte chunks lane + 32 (base + b), b < BATCH, of each row with their scales and biases
+// (zeros past the row, which is not read there).
+template <typename T, int K, int R, int G, int BATCH>
+__device__ inline void load_affine4_batch(const void* const* rows, const T* const* scales,
+                                          const T* const* biases, int base,
+                                          uint4 (&wc)[BATCH][R], float (&sc)[BATCH][R],
+                                          float (&bi)[BATCH][R]) {
+  constexpr int CHUNKS = K / 32;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int b = 0; b < BATCH; b++) {
+    const int c = lane + 32 * (base + b);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      if (c < CHUNKS) {
+        wc[b][r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
+        sc[b][r] = static_cast<float>(__ldg(scales[r] + c * 32 / G));
+        bi[b][r] = static_cast<float>(__ldg(biases[r] + c * 32 / G));
+      } else {
+        wc[b][r] = make_uint4(0, 0, 0, 0);
+        sc[b][r] = 0.f;
+        bi[b][r] = 0.f;
+      }
+    }
+  }
+}
+
 // Dots of R rows of 4-bit affine weights with the staged input, summed over the warp. A lane
 // takes 16 bytes of a row at a time (32 values, within one group as G is a multiple of 32),
 // about eight such loads in flight across its rows and chunks: per chunk,
@@ -131,22 +159,7 @@ __device__ inline void rows_dot_affine4(const void* const* rows, const T* const*
     // The batch's loads first, all in flight together; chunks past the row are not read.
     uint4 wc[BATCH][R];
     float sc[BATCH][R], bi[BATCH][R];
-#pragma unroll
-    for (int b = 0; b < BATCH; b++) {
-      const int c = lane + 32 * (base + b);
-#pragma unroll
-      for (int r = 0; r < R; r++) {
-        if (c < CHUNKS) {
-          wc[b][r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
-          sc[b][r] = static_cast<float>(__ldg(scales[r] + c * 32 / G));
-          bi[b][r] = static_cast<float>(__ldg(biases[r] + c * 32 / G));
-        } else {
-          wc[b][r] = make_uint4(0, 0, 0, 0);
-          sc[b][r] = 0.f;
-          bi[b][r] = 0.f;
-        }
-      }
-    }
+    load_affine4_batch<T, K, R, G, BATCH>(rows, scales, biases, base, wc, sc, bi);
 #pragma unroll
     for (int b = 0; b < BATCH; b++) {
       const int c = lane + 32 * (base + b);
@@ -274,22 +287,7 @@ __device__ inline void rows_dot_affine4_int(const void* const* rows, const T* co
   for (int base = 0; base < PER_LANE; base += BATCH) {
     uint4 wc[BATCH][R];
     float sc[BATCH][R], bi[BATCH][R];
-#pragma unroll
-    for (int b = 0; b < BATCH; b++) {
-      const int c = lane + 32 * (base + b);
-#pragma unroll
-      for (int r = 0; r < R; r++) {
-        if (c < CHUNKS) {
-          wc[b][r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
-          sc[b][r] = static_cast<float>(__ldg(scales[r] + c * 32 / G));
-          bi[b][r] = static_cast<float>(__ldg(biases[r] + c * 32 / G));
-        } else {
-          wc[b][r] = make_uint4(0, 0, 0, 0);
-          sc[b][r] = 0.f;
-          bi[b][r] = 0.f;
-        }
-      }
-    }
+    load_affine4_batch<T, K, R, G, BATCH>(rows, scales, biases, base, wc, sc, bi);
 #pragma unroll
     for (int b = 0; b < BATCH; b++) {
       const int c = lane + 32 * (base + b);

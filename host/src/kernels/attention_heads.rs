@@ -28,7 +28,7 @@ use mlx_rs::{Array, Dtype};
 use super::affine4::HEADER as AFFINE4_HEADER;
 use super::post_attention::Weight;
 use super::products::{
-    device_array, integer_dots_for, rows_touched_first, HEADER as PRODUCTS_HEADER, THREADS, WARPS,
+    integer_dots_for, rows_touched_first, HEADER as PRODUCTS_HEADER, THREADS, WARPS,
 };
 use super::{step_ints, PerEpsilon, TemplateArg};
 
@@ -171,7 +171,8 @@ static HEADS_FINISHED_APART: AtomicBool = AtomicBool::new(false);
 /// Sets whether each head is finished (normed, rotated, written to the cache) by the last of
 /// the blocks that made its rows, as soon as they are done, rather than all heads by the last
 /// block of the call, two rounds of a block's eight warps for E4B's twelve. Needs a counter per
-/// head at the call site ([`counters_for`]); the values are the same either way.
+/// head whose rows the kernel makes at the call site ([`super::products::new_counters`] of
+/// queries + 2 x KV heads); the values are the same either way.
 pub fn set_heads_finished_apart(apart: bool) {
     HEADS_FINISHED_APART.store(apart, Ordering::Relaxed);
 }
@@ -179,15 +180,6 @@ pub fn set_heads_finished_apart(apart: bool) {
 /// The current [`set_heads_finished_apart`] setting.
 pub fn heads_finished_apart() -> bool {
     HEADS_FINISHED_APART.load(Ordering::Relaxed)
-}
-
-/// The counters a call site of [`attention_heads`] owns, in device memory: one per head whose
-/// rows the kernel makes (queries, keys, values), at least 16.
-pub fn counters_for(heads: usize, kv_heads: usize) -> Result<Array> {
-    device_array(
-        &Array::from_slice(&[0u32], &[1]),
-        (heads + 2 * kv_heads).max(16) as i32,
-    )
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
@@ -227,7 +219,8 @@ pub struct HeadShape {
 
 /// The query heads `[1, heads, 1, D]` of the token `x` (`[1, hidden]`) at `position`, its
 /// key and value written into `cache` on a KV-owning layer. `counter` comes from
-/// [`counters_for`] (or [`super::products::new_counter`], then heads are not finished apart),
+/// [`super::products::new_counters`], one per head whose rows the kernel makes (or
+/// [`super::products::new_counter`], then heads are not finished apart),
 /// one per call site. Check [`serves`] and
 /// [`super::products::serves_token`] first.
 #[allow(clippy::too_many_arguments)]

@@ -29,7 +29,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
-use super::products::device_array;
 use super::{step_ints, CudaKernel, TemplateArg, REDUCE_HEADER};
 
 const SOURCE: &str = r#"
@@ -323,16 +322,11 @@ pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> 
     (slots.div_ceil(splits) <= MAX_CHUNK).then_some(splits)
 }
 
-/// The per-head block counters one call site of [`decode_attention`] owns (a layer), in
-/// device memory, for `heads` query heads.
-pub fn new_counters(heads: usize) -> Result<Array> {
-    device_array(&Array::from_slice(&[0u32], &[1]), heads.max(16) as i32)
-}
-
 /// `q`: `[1, heads, 1, D]`; `keys`, `values`: `[1, kv_heads, slots, D]`; `visible`: the
 /// slots the query attends to (what the cache's slot mask leaves visible). Returns `[1, heads * D]`. `splits` is what [`splits_for`] gave
 /// for the shape (the caller asks it first, to know whether the kernel serves the shape);
-/// `counters` come from [`new_counters`], one set per call site (calls of one site never
+/// `counters` come from [`super::products::new_counters`] (one per query head), one set per
+/// call site (calls of one site never
 /// overlap: each step's depends on the previous step's token).
 ///
 /// Every (head, share of the slots) block computes its share's softmax maximum, sum and

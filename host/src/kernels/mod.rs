@@ -154,8 +154,7 @@ pub(crate) fn step_ints(values: &[i32]) -> Result<Array> {
         }
         let mut a = Array::from_slice(values, &[values.len() as i32]);
         if on_device {
-            let pad = 4usize.saturating_sub(values.len()).max(1) as i32;
-            a = mlx_rs::ops::concatenate(&[a, mlx_rs::ops::zeros::<i32>(&[pad])?], 0)?;
+            a = products::padded(&a, (values.len() as i32 + 1).max(4))?;
         }
         if memo.len() >= STEP_INTS_KEPT {
             memo.remove(0);
@@ -208,6 +207,21 @@ impl Tuning {
             affine4_integer_dots: products::affine4_integer_dots(),
             rows_touched_first: products::rows_touched_first(),
             step_ints_on_device: step_ints_on_device(),
+        }
+    }
+
+    /// These settings with those that change no value (how rows are spread over warps, loads
+    /// in flight, which block finishes the attention heads, weight lines requested early,
+    /// where the step's integers live) put to fixed values: two tunings with equal
+    /// `value_settings` compute the same values bit for bit, with the same kernels.
+    pub fn value_settings(self) -> Tuning {
+        Tuning {
+            affine4_rows_per_warp: 0,
+            dense_loads: 0,
+            heads_finished_apart: false,
+            rows_touched_first: false,
+            step_ints_on_device: false,
+            ..self
         }
     }
 

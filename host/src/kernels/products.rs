@@ -461,14 +461,22 @@ pub fn serves(k: usize, dtype: Dtype) -> bool {
 /// access: measured on an H200, a counter kept there made the fused products ~8x slower
 /// than MLX's own operations.
 pub fn device_array(values: &Array, len: i32) -> Result<Array> {
+    let padded = padded(values, len)?;
+    padded.eval()?;
+    Ok(padded)
+}
+
+/// [`device_array`]'s operation, not evaluated (a lazy part of a step's graph).
+pub(crate) fn padded(values: &Array, len: i32) -> Result<Array> {
     let values = values.flatten(None, None)?;
     let pad = len - values.size() as i32;
     if pad < 0 {
         bail!("device_array: {} values do not fit {len}", values.size());
     }
-    let padded = concatenate(&[values.clone(), zeros_dtype(&[pad], values.dtype())?], 0)?;
-    padded.eval()?;
-    Ok(padded)
+    Ok(concatenate(
+        &[values.clone(), zeros_dtype(&[pad], values.dtype())?],
+        0,
+    )?)
 }
 
 /// Whether a forward with `fused` runs these kernels on `x`: one token (`[1, K]`) whose width
@@ -481,7 +489,13 @@ pub fn serves_token(fused: Fused, x: &Array) -> bool {
 /// because the last block of a call resets it for the site's next call, and calls of one
 /// site never overlap (each step's depends on the previous step's token).
 pub fn new_counter() -> Result<Array> {
-    device_array(&Array::from_slice(&[0u32], &[1]), 16)
+    new_counters(1)
+}
+
+/// `n` such counters (at least 16), for kernels that count per head: decode attention's
+/// blocks of each query head, the attention heads finished apart.
+pub fn new_counters(n: usize) -> Result<Array> {
+    device_array(&Array::from_slice(&[0u32], &[1]), n.max(16) as i32)
 }
 
 fn rows_of(w: &Array, k: i32) -> Result<i32> {

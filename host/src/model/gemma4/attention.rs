@@ -13,13 +13,12 @@ use super::config::{AttentionKind, Gemma4Config, LayerPlan};
 use super::linear::{Linear, Loader};
 use super::rope::Rope;
 use crate::kernels::attention_heads::{
-    attention_heads, counters_for as heads_counters_for, serves as heads_kernel_serves, CacheSlot,
-    HeadShape, HeadWeights,
+    attention_heads, serves as heads_kernel_serves, CacheSlot, HeadShape, HeadWeights,
 };
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
-use crate::kernels::decode_attention::{decode_attention, new_counters, splits_for};
+use crate::kernels::decode_attention::{decode_attention, splits_for};
 use crate::kernels::post_attention::Weight;
-use crate::kernels::products::{normed_products, serves_token};
+use crate::kernels::products::{new_counters, normed_products, serves_token};
 use crate::kernels::Fused;
 
 /// K/V projections, present only on KV-owning layers.
@@ -81,7 +80,8 @@ impl Attention {
             o_proj: w.linear(&format!("{p}o_proj"), h, nh * hd)?,
             kv,
             rope: Rope::new(cfg.rope(plan.kind), hd),
-            heads_counter: heads_counters_for(nh, nkv)?,
+            // One per head whose rows the attention-heads kernel makes: queries, keys, values.
+            heads_counter: new_counters(nh + 2 * nkv)?,
             attention_counters: new_counters(nh)?,
         })
     }
