@@ -15,6 +15,8 @@
 #   fixtures-ple   the same with the per-layer-input kernel added too (experimental)
 #   fixtures-variants  the same with the kernel variants being measured (--kernel-variants)
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
+#   stage-bound  one cuBLAS product per dependent stage of an E4B step in one CUDA graph (no
+#              host): the fastest any one-kernel-per-stage design runs here, and one boundary's cost
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
 #   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
@@ -25,7 +27,7 @@
 #              (float32 reference), 4-bit products with integer dots vs float unpacking
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
 #   cpu-check-q4  the same with 4-bit weights, for each set of 4-bit kernels in CPU_Q4_SETS
-#              (default: the default set, then with the output head kernel)
+#              (default: the default set, then the attention-heads and product kernels over 4-bit rows)
 #   host       where a pipelined E4B decode step's time goes, with and without our fused kernels
 #              (HOST_SETS: the --fused-kernels sets), also with one CUDA graph per step
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
@@ -38,7 +40,8 @@
 #   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
 #              fused kernels and without (PROFILE_SETS: the --fused-kernels sets to profile;
-#              PROFILE_ARGS: more mlx-spec options, e.g. --kernel-variants integer-dots)
+#              PROFILE_ARGS: more mlx-spec options, e.g. --kernel-variants integer-dots;
+#              PROFILE_NCU_ARGS: more ncu options, e.g. --cache-control none to keep caches warm)
 #   profile-q4 the same for E4B with 4-bit weights (PROFILE_Q4_SETS)
 #   stalls     the post-attention kernel (bf16, and 4-bit with affine4) and the default's
 #              feed-forward kernels in Nsight Compute's occupancy, scheduler and warp-state
@@ -53,6 +56,8 @@
 #   quick-q4   the same for the 4-bit E4B: MLX's quantized products, the 4-bit post-attention
 #              kernel, the 4-bit attention-heads and product kernels at 1 and 2 rows a warp,
 #              with the output head kernel, the variants, then with the per-layer-input kernel
+#              QUICK_ROUNDS (default 2; at least 3 are run) and QUICK_TOKENS (default 64) set
+#              the rounds of quick and quick-q4 and the tokens decoded in each
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
@@ -148,6 +153,13 @@ if want bandwidth; then
     row "device copy bandwidth (read + write) | $(cat "$RES/bandwidth.txt") TB/s"
 fi
 BW="$(cat "$RES/bandwidth.txt" 2>/dev/null)"
+if want stage-bound; then
+    # The best a design of one kernel per dependent stage can do on this device: one cuBLAS
+    # product per stage of an E4B step (attention as a product over its key and value bytes),
+    # from one CUDA graph with no host; the same bytes in a few products; one boundary's cost.
+    python3 "$ROOT/bench/gpu/stage_bound.py" "$ROOT/configs/gemma-4-e4b.json" 512 ${BW:-} | tee "$RES/stage-bound.md"
+    row "E4B step as one cuBLAS product per stage, one CUDA graph | $(tail -n 1 "$RES/stage-bound.md")"
+fi
 if want gemv; then
     # What cuBLAS reaches on one token's products, back to back in a CUDA graph (no host).
     python3 "$ROOT/bench/gpu/gemv_bandwidth.py" | tee "$RES/gemv.md"
@@ -215,10 +227,10 @@ if want profile; then
     # Device time of one E4B decode step, kernel by kernel (Nsight Compute, clocks unlocked so
     # durations are those of a normal run): what the device does when no host is in the way.
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in ${PROFILE_SETS:-attention,products,output-head attention,products,post-attention none}; do
+    for fused in ${PROFILE_SETS:-attention,products,post-attention,output-head attention,products,output-head none}; do
         # MLX_SPEC_PROFILE_DECODE: mlx-spec starts the capture after the prefill, so the
         # thousands of kernels of the weight generation and the prefill are not profiled.
-        MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none \
+        MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none ${PROFILE_NCU_ARGS:-} \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \
             "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" ${PROFILE_ARGS:-} \
@@ -233,10 +245,10 @@ if want profile-q4; then
     # The same for E4B with 4-bit weights: the default set, where MLX's quantized products do
     # the layer's products, and the post-attention kernel over 4-bit rows (affine4).
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in ${PROFILE_Q4_SETS:-attention,products attention,products,affine4 attention,products,affine4-heads,affine4-products \
-        attention,products,affine4-heads,affine4-products,output-head}; do
+    for fused in ${PROFILE_Q4_SETS:-attention,products attention,products,affine4-heads,affine4-products,output-head \
+        attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head}; do
         tag="profile-q4-${fused//,/_}"
-        MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --csv --profile-from-start off --clock-control none \
+        MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --csv --profile-from-start off --clock-control none ${PROFILE_NCU_ARGS:-} \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \
             "$BIN" generate --device gpu --random-weights --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
             --dtype bf16 --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" ${PROFILE_ARGS:-} \
@@ -324,14 +336,14 @@ if want quick; then
     # Nine sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
     # on a cold kernel cache.
     # -v: each set's rate is logged as it comes (bench.err), kept should a set end the process.
-    BENCH_TIMEOUT=480 bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused
+    BENCH_TIMEOUT="${QUICK_TIMEOUT:-480}" bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused
 fi
 
 if want quick-q4; then
     # The 4-bit E4B: MLX's quantized products against our kernels over 4-bit rows, in each
     # of their ways, alternated in one process.
-    BENCH_TIMEOUT=400 bench "mlx-spec E4B 4-bit g64 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
-        --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2 --compare-fused
+    BENCH_TIMEOUT="${QUICK_TIMEOUT:-400}" bench "mlx-spec E4B 4-bit g64 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+        --random-bits 4 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused
 fi
 
 if want host; then
@@ -339,7 +351,7 @@ if want host; then
     # once more than 10 committed graphs are in flight), so "submit" is the host's own work and
     # a synchronised step is build + submit + the device's own time.
     ONE_GRAPH="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"
-    for fused in ${HOST_SETS:-attention,products,output-head none}; do
+    for fused in ${HOST_SETS:-attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head attention,products,output-head none}; do
         bench "mlx-spec E4B bf16, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --prompt-tokens 512 --gen-tokens 64 --repeats 2 --fused-kernels "$fused"
         BENCH_ENV="$ONE_GRAPH" bench "mlx-spec E4B bf16, --fused-kernels $fused, one graph per step" \
@@ -440,7 +452,7 @@ if want cpu-check-q4; then
     # The 4-bit kernels at a real shape: E4B with 4-bit weights (groups of 64) and float32
     # activations, greedy on the GPU with each set of 4-bit kernels == greedy on the CPU
     # (MLX's quantized products there), the same weight arrays.
-    for fused in ${CPU_Q4_SETS:-attention,products,affine4-heads,affine4-products \
+    for fused in ${CPU_Q4_SETS:-attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head \
         attention,products,affine4-heads,affine4-products,output-head}; do
         line="$(MLX_ENABLE_TF32=0 timeout 300 "$BIN" bench --device gpu --random-weights --random-bits 4 --dtype f32 \
             --model "$ROOT/configs/gemma-4-e4b.json" --prompt-tokens 16 --gen-tokens 2 --repeats 1 --check-cpu 8 \

@@ -522,6 +522,17 @@ fn compare_fused(
                     ..post_attention
                 },
             ),
+            // The default: the post-attention kernel over 4-bit rows, the attention heads and
+            // the output head over them too.
+            set(
+                "attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head",
+                Fused {
+                    post_attention: true,
+                    affine4_heads: true,
+                    affine4_products: true,
+                    ..with_head(post_attention)
+                },
+            ),
             rows(1, products, products_name),
             rows(2, products, products_name),
             rows(1, with_head(products), head_name),
@@ -594,65 +605,72 @@ fn compare_fused(
         // Variants that lost in several leases (barriers polling with acquire loads, L2
         // prefetch, 16 loads in flight in the post-attention kernel, three blocks a
         // multiprocessor, 32-slot attention shares) are no longer measured; their figures
-        // are in BENCHMARKS.md.
+        // are in BENCHMARKS.md. The default (the post-attention kernel with the output head)
+        // comes first among our sets, then the five product kernels it replaces, then the
+        // variants on top of the one they touch.
+        let default_set = with_head(all_three);
+        let default_name = "attention,products,post-attention,output-head";
+        let variant = |what: &str, kernels: Fused, name: &str, tuning: Tuning| Set {
+            name: format!("{name}, {what}"),
+            kernels,
+            tuning,
+        };
+        let products_name = "attention,products,output-head";
+        let products_set = with_head(fused(true, true));
         vec![
             set("none", fused(false, false)),
             set("attention", fused(true, false)),
             set("products", fused(false, true)),
             set("attention,products", fused(true, true)),
-            set(
-                "attention,products,output-head",
-                with_head(fused(true, true)),
+            set(default_name, default_set),
+            set(products_name, products_set),
+            set("attention,products,post-attention", all_three),
+            variant(
+                &format!("row pairs {}", on_off(row_pairs.row_pairs)),
+                default_set,
+                default_name,
+                row_pairs,
             ),
-            Set {
-                name: "attention,products,output-head, heads finished apart".into(),
-                kernels: with_head(fused(true, true)),
-                tuning: Tuning {
+            variant(
+                "heads finished apart",
+                default_set,
+                default_name,
+                Tuning {
                     heads_finished_apart: true,
                     ..default
                 },
-            },
-            Set {
-                name: "attention,products,output-head, rows touched first".into(),
-                kernels: with_head(fused(true, true)),
-                tuning: Tuning {
-                    rows_touched_first: true,
-                    ..default
-                },
-            },
-            Set {
-                name: "attention,products,output-head, step integers on the device".into(),
-                kernels: with_head(fused(true, true)),
-                tuning: Tuning {
+            ),
+            variant(
+                "step integers on the device",
+                default_set,
+                default_name,
+                Tuning {
                     step_ints_on_device: true,
                     ..default
                 },
-            },
-            Set {
-                name: "attention,products,output-head, narrow attention rounds".into(),
-                kernels: with_head(fused(true, true)),
-                tuning: narrow,
-            },
-            Set {
-                name: "attention,products,output-head, 16 loads in flight over dense rows".into(),
-                kernels: with_head(fused(true, true)),
-                tuning: Tuning {
+            ),
+            variant("narrow attention rounds", default_set, default_name, narrow),
+            variant(
+                "rows touched first",
+                products_set,
+                products_name,
+                Tuning {
+                    rows_touched_first: true,
+                    ..default
+                },
+            ),
+            variant(
+                "16 loads in flight over dense rows",
+                products_set,
+                products_name,
+                Tuning {
                     dense_loads: 16,
                     ..default
                 },
-            },
-            set("attention,products,post-attention", all_three),
-            Set {
-                name: format!(
-                    "attention,products,post-attention, row pairs {}",
-                    on_off(row_pairs.row_pairs)
-                ),
-                kernels: all_three,
-                tuning: row_pairs,
-            },
+            ),
             set(
                 "attention,products,output-head,per-layer-input",
-                with_ple(with_head(fused(true, true))),
+                with_ple(products_set),
             ),
         ]
     };
@@ -692,8 +710,9 @@ fn compare_fused(
     default.apply()?;
     result?;
     // Twins must decode the same tokens:
-    // * the one post-attention kernel and the per-layer-input kernel regroup the arithmetic
-    //   of their plain twin (the same kernels without them, the same attention shares);
+    // * the one post-attention kernel over dense weights and the per-layer-input kernel
+    //   regroup the arithmetic of their plain twin (the same kernels without them, the same
+    //   attention shares);
     // * the rows a warp takes, the loads a lane keeps in flight, which block finishes the
     //   attention heads, early requests for weight lines and where the step's integers live
     //   change no value: sets that differ only in them.
@@ -711,10 +730,13 @@ fn compare_fused(
             || s.kernels.affine4_heads
             || s.kernels.affine4_products
             || s.kernels.output_head);
+        // Over dense weights the post-attention kernel sums as the product kernels do, with
+        // or without the output head (which both sets then share).
+        let regrouped = !four_bit && s.kernels.post_attention;
         let Some(twin) = sets.iter().position(|t| {
             t.tuning.attention_share == s.tuning.attention_share
                 && t.tuning.attention_wide_rounds == s.tuning.attention_wide_rounds
-                && ((mlx_sums && t.kernels == plain)
+                && (((mlx_sums || regrouped) && t.kernels == plain)
                     || (s.kernels.per_layer_input
                         && t.kernels == plain
                         && t.tuning.affine4_rows_per_warp == s.tuning.affine4_rows_per_warp)

@@ -149,8 +149,10 @@ struct ModelArgs {
     /// products of `products` over 4-bit weights too), `output-head` (the final norm, the
     /// output head's product and the logit soft-cap as one kernel), `per-layer-input` (a
     /// layer's per-layer-input block as one kernel), or `none` (MLX's operations only).
-    /// Default: the fastest measured on an H200 for each kind of weight:
-    /// `attention,products,affine4-heads,affine4-products,output-head`.
+    /// Default: the set that held its rate on every H200 host measured, for each kind of
+    /// weight (the post-attention kernel's fewer launches keep a slow host from bounding the
+    /// step; BENCHMARKS.md):
+    /// `attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head`.
     #[arg(
         long,
         value_enum,
@@ -171,7 +173,8 @@ struct ModelArgs {
 }
 
 /// `--fused-kernels`' default, also that of config-driven runs (`mlx-spec run`).
-const DEFAULT_FUSED_KERNELS: &str = "attention,products,affine4-heads,affine4-products,output-head";
+const DEFAULT_FUSED_KERNELS: &str =
+    "attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head";
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum KernelVariantArg {
@@ -843,6 +846,8 @@ mod tests {
         };
         assert!(args.model.fused_kernels == defaults);
         assert!(args.model.kernel_variants.is_empty());
+        // And the library's own default, which runs until a command sets it.
+        assert_eq!(args.model.fused(), mlx_spec::kernels::Fused::allowed());
     }
 
     #[test]

@@ -19,12 +19,11 @@
 //!   and layer scalar) as one kernel with one grid-wide barrier (`per-layer-input`);
 //! * [`post_attention`]: everything of a layer after its attention heads (the output product,
 //!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers, over
-//!   dense weights (`post-attention`: opt-in, as the three products it replaces were faster
-//!   in the latest measurements) or 4-bit ones (`affine4`: faster than MLX's quantized
-//!   products, slower than `affine4-heads,affine4-products`, the default for 4-bit weights,
-//!   which runs [`attention_heads`] and [`products`] over 4-bit rows).
+//!   dense weights (`post-attention`) or 4-bit ones (`affine4`); the default for both, as it
+//!   keeps its rate on hosts too slow for the five launches of [`products`] it replaces
+//!   (which remain for layers it does not serve, and `--fused-kernels` without it).
 //!
-//! An E4B decode step is about 300 operations with the default set. Their source text reaches MLX as
+//! An E4B decode step is about 140 operations with the default set. Their source text reaches MLX as
 //! `#include` lines of files ([`source_files`]), because MLX handles a custom kernel's whole
 //! source at every call.
 //!
@@ -56,8 +55,8 @@ use mlx_rs::{Array, Dtype};
 // What `--fused-kernels` allows; until it is set, its default set.
 static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
 static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
-static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(false);
-static AFFINE4_ALLOWED: AtomicBool = AtomicBool::new(false);
+static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
+static AFFINE4_ALLOWED: AtomicBool = AtomicBool::new(true);
 static AFFINE4_HEADS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static AFFINE4_PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static OUTPUT_HEAD_ALLOWED: AtomicBool = AtomicBool::new(true);
@@ -96,6 +95,12 @@ impl Fused {
         if !cfg!(target_os = "linux") || !crate::device::default_is(mlx_rs::DeviceType::Gpu) {
             return Fused::default();
         }
+        Fused::allowed()
+    }
+
+    /// What `--fused-kernels` allows for this process ([`set_allowed`]); until it is set, the
+    /// library's default set, which is the command line's default too.
+    pub fn allowed() -> Fused {
         Fused {
             attention: ATTENTION_ALLOWED.load(Ordering::Relaxed),
             products: PRODUCTS_ALLOWED.load(Ordering::Relaxed),
@@ -210,12 +215,14 @@ impl Tuning {
         }
     }
 
-    /// These settings with those that change no value (how rows are spread over warps, loads
-    /// in flight, which block finishes the attention heads, weight lines requested early,
-    /// where the step's integers live) put to fixed values: two tunings with equal
-    /// `value_settings` compute the same values bit for bit, with the same kernels.
+    /// These settings with those that change no value (how rows are spread over warps, the
+    /// post-attention kernel's row pairs, loads in flight, which block finishes the attention
+    /// heads, weight lines requested early, where the step's integers live) put to fixed
+    /// values: two tunings with equal `value_settings` compute the same values bit for bit,
+    /// with the same kernels.
     pub fn value_settings(self) -> Tuning {
         Tuning {
+            row_pairs: false,
             affine4_rows_per_warp: 0,
             dense_loads: 0,
             heads_finished_apart: false,

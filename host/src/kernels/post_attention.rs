@@ -34,15 +34,15 @@
 //! integer-to-float conversions, the input is read from shared memory in turned 16-byte
 //! pieces (no bank conflicts), and each stage's chunk sums of the input are computed once.
 //!
-//! Where it pays, measured on the H200 (BENCHMARKS.md): over 4-bit weights it replaces MLX's
-//! quantized products and the operations around them, and is the default (`affine4`); over
-//! dense weights the three fused products of [`super::products`] were faster in the latest
-//! measurements, so there it is opt-in (`post-attention`).
+//! Where it pays, measured on the H200 (BENCHMARKS.md): its device time equals that of the
+//! five product kernels it replaces, so what it buys is host time, and the host is what
+//! bounds a step on many machines: there it keeps its rate (213-226 tok/s on E4B) where the
+//! five kernels fall to 150-180. On the fastest hosts the five kernels were ahead by 3-12 %.
+//! It is the default for dense (`post-attention`) and 4-bit weights (`affine4`).
 //!
-//! Two ways of running it are measured against the default before either becomes it
-//! ([`super::Tuning`]): two rows a warp in the single-product stages ([`set_row_pairs`]),
-//! and, for 4-bit weights, values unpacked where they lie in the word
-//! ([`set_affine4_in_place`]). Others lost on the H200 in several leases and were removed
+//! Two ways of running it ([`super::Tuning`]): two rows a warp in the single-product stages
+//! ([`set_row_pairs`], the default: about 1 % faster in three leases), and, for 4-bit weights,
+//! values unpacked where they lie in the word ([`set_affine4_in_place`]). Others lost on the H200 in several leases and were removed
 //! (BENCHMARKS.md): barriers polling with acquire loads, the next stage's weights prefetched
 //! into L2, 16 loads in flight a lane, three blocks a multiprocessor.
 
@@ -477,7 +477,7 @@ pub fn affine4_in_place() -> bool {
     IN_PLACE.load(Ordering::Relaxed)
 }
 
-static ROW_PAIRS: AtomicBool = AtomicBool::new(false);
+static ROW_PAIRS: AtomicBool = AtomicBool::new(true);
 
 /// Makes each warp take two rows at a time in the stages of one product (the attention's
 /// output, down, the per-layer projection): twice the loads in flight, the input read once
