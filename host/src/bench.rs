@@ -486,12 +486,14 @@ fn compare_fused(
     };
     let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
     let sets: Vec<Set> = if four_bit {
-        // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows,
-        // and the attention-heads and product kernels over 4-bit rows at one and two rows a
-        // warp (four lost in lease 2 of 2026-12-01), with and without the output head kernel,
-        // the per-layer-input kernel, integer dots over 4-bit rows, the attention heads
-        // finished apart, weight lines requested before staging, the step's integers in device
-        // memory, and decode attention's first (narrow) rounds.
+        // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows
+        // (with the attention heads and the output head over them: the default), and the
+        // attention-heads and product kernels over 4-bit rows at one and two rows a warp (four
+        // lost in lease 2 of 2026-12-01), with and without the output head kernel, integer
+        // dots over 4-bit rows and the per-layer-input kernel; then the variants that change
+        // no value on top of the default: the attention heads finished apart, weight lines
+        // requested before staging, the step's integers in device memory, and decode
+        // attention's first (narrow) rounds.
         let post_attention = Fused {
             affine4: true,
             ..fused(true, true)
@@ -511,6 +513,14 @@ fn compare_fused(
         };
         let products_name = "attention,products,affine4-heads,affine4-products";
         let head_name = "attention,products,affine4-heads,affine4-products,output-head";
+        let default_name =
+            "attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head";
+        let default_set = Fused {
+            post_attention: true,
+            affine4_heads: true,
+            affine4_products: true,
+            ..with_head(post_attention)
+        };
         vec![
             set("none", fused(false, false)),
             set("attention,products", fused(true, true)),
@@ -524,15 +534,7 @@ fn compare_fused(
             ),
             // The default: the post-attention kernel over 4-bit rows, the attention heads and
             // the output head over them too.
-            set(
-                "attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head",
-                Fused {
-                    post_attention: true,
-                    affine4_heads: true,
-                    affine4_products: true,
-                    ..with_head(post_attention)
-                },
-            ),
+            set(default_name, default_set),
             rows(1, products, products_name),
             rows(2, products, products_name),
             rows(1, with_head(products), head_name),
@@ -555,40 +557,35 @@ fn compare_fused(
                     ..default
                 },
             },
+            // The variants that change no value, on top of the default.
             Set {
-                name: format!("{head_name}, 2 rows a warp, heads finished apart"),
-                kernels: with_head(products),
+                name: format!("{default_name}, heads finished apart"),
+                kernels: default_set,
                 tuning: Tuning {
-                    affine4_rows_per_warp: 2,
                     heads_finished_apart: true,
                     ..default
                 },
             },
             Set {
-                name: format!("{head_name}, 2 rows a warp, rows touched first"),
-                kernels: with_head(products),
+                name: format!("{default_name}, rows touched first"),
+                kernels: default_set,
                 tuning: Tuning {
-                    affine4_rows_per_warp: 2,
                     rows_touched_first: true,
                     ..default
                 },
             },
             Set {
-                name: format!("{head_name}, 2 rows a warp, step integers on the device"),
-                kernels: with_head(products),
+                name: format!("{default_name}, step integers on the device"),
+                kernels: default_set,
                 tuning: Tuning {
-                    affine4_rows_per_warp: 2,
                     step_ints_on_device: true,
                     ..default
                 },
             },
             Set {
-                name: format!("{head_name}, 2 rows a warp, narrow attention rounds"),
-                kernels: with_head(products),
-                tuning: Tuning {
-                    affine4_rows_per_warp: 2,
-                    ..narrow
-                },
+                name: format!("{default_name}, narrow attention rounds"),
+                kernels: default_set,
+                tuning: narrow,
             },
             rows(
                 1,

@@ -84,8 +84,18 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// One `mlx-spec` process at a time per test binary. MLX compiles its fused CPU kernels into
+/// a shared cache folder (under the system's temporary folder) at first use, writing each
+/// library in place: a second process that finds a library still being written fails to load
+/// it ("file too short"), which the tests, run in parallel threads on a fresh machine, hit.
+static ONE_PROCESS_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Runs the built `mlx-spec` binary.
 pub fn mlx_spec(args: &[&str]) -> Output {
+    // A test that failed while holding the lock leaves it poisoned; the next may still run.
+    let _one = ONE_PROCESS_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     Command::new(env!("CARGO_BIN_EXE_mlx-spec"))
         .args(args)
         .env_remove("MLX_SPEC_MODEL")
