@@ -17,6 +17,9 @@
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   stage-bound  one cuBLAS product per dependent stage of an E4B step in one CUDA graph (no
 #              host): the fastest any one-kernel-per-stage design runs here, and one boundary's cost
+#   stage-overlap  the same stages as one matrix-vector kernel each (stage_overlap.cu, nvcc):
+#              plain launches vs programmatic dependent launch, with and without L2 prefetch
+#              of each block's first weights: what overlap at the boundaries would win back
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
 #   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
@@ -159,6 +162,20 @@ if want stage-bound; then
     # from one CUDA graph with no host; the same bytes in a few products; one boundary's cost.
     python3 "$ROOT/bench/gpu/stage_bound.py" "$ROOT/configs/gemma-4-e4b.json" 512 ${BW:-} | tee "$RES/stage-bound.md"
     row "E4B step as one cuBLAS product per stage, one CUDA graph | $(tail -n 1 "$RES/stage-bound.md")"
+fi
+if want stage-overlap; then
+    # What launching the same stages with programmatic dependent launch would win back (MLX's
+    # custom kernels cannot ask for it): one matrix-vector kernel per stage of an E4B step,
+    # plain launches against PDL and PDL with L2 prefetch of each block's first weights
+    # (stage_overlap.cu, built here with the image's nvcc).
+    NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+    python3 "$ROOT/bench/gpu/stage_bound.py" "$ROOT/configs/gemma-4-e4b.json" 512 --write-shapes "$RES/stage-shapes.txt"
+    if "$NVCC" -O3 -std=c++17 -arch=sm_90a -o "$G/stage_overlap" "$ROOT/bench/gpu/stage_overlap.cu" 2>"$RES/stage-overlap.err"; then
+        "$G/stage_overlap" "$RES/stage-shapes.txt" ${BW:-} 2>>"$RES/stage-overlap.err" | tee "$RES/stage-overlap.md"
+        row "E4B stages, plain launches vs programmatic dependent launch | $(tail -n 1 "$RES/stage-overlap.md") $(tail -n 1 "$RES/stage-overlap.err")"
+    else
+        row "E4B stages, plain launches vs programmatic dependent launch | build failed: $(head -n 3 "$RES/stage-overlap.err")"
+    fi
 fi
 if want gemv; then
     # What cuBLAS reaches on one token's products, back to back in a CUDA graph (no host).

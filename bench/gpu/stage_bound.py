@@ -16,11 +16,16 @@ of the next ramp up. This script measures that on the device, with no host in th
 * the cost of a boundary: a chain of tiny dependent products in one CUDA graph.
 
 Usage: stage_bound.py CONFIG.json [PROMPT_TOKENS] [COPY_TB_S]. Prints a markdown table.
+       stage_bound.py CONFIG.json PROMPT_TOKENS --write-shapes FILE: writes the stages' shapes
+       ("rows cols" a line, in order) for stage_overlap.cu, and measures nothing.
 """
 import json
 import sys
 
-import torch
+try:
+    import torch
+except ImportError:  # --write-shapes needs no GPU
+    torch = None
 
 BF16 = 2
 REPLAYS = 7
@@ -106,6 +111,12 @@ def products(shapes):
 def main():
     config = read_config(sys.argv[1])
     prompt = int(sys.argv[2]) if len(sys.argv) > 2 else 512
+    if len(sys.argv) > 4 and sys.argv[3] == "--write-shapes":
+        sliding = min(prompt, config["sliding_window"])
+        with open(sys.argv[4], "w") as f:
+            for _, n, k in stage_shapes(config, sliding, prompt):
+                f.write(f"{n} {k}\n")
+        return
     copy_tb_s = float(sys.argv[3]) if len(sys.argv) > 3 else None
     sliding = min(prompt, config["sliding_window"])
     shapes = stage_shapes(config, sliding, prompt)
