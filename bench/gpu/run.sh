@@ -198,7 +198,7 @@ read = j["weight_bytes_read_per_token"]
 floor = "floor %.0f tok/s (%.2f GB read per token), decode at %.1f %% of it" % (
     float(bw) * 1e12 / read, read / 1e9, 100 * j["decode_tokens_per_s"] * read / (float(bw) * 1e12)) if bw else "no bandwidth measured"
 host = j["pipelined_host_ms"]
-fused = " ".join("[%s] %.1f tok/s (host %.2f + %.2f ms, waiting %.2f)%s, logits %.2g from none" % (f["kernels"], f["decode_tokens_per_s"], f["host_ms"]["build"], f["host_ms"]["submit"], f["host_ms"]["wait"], "" if f["same_tokens_as_none"] else " (tokens differ)", f.get("first_step_logit_gap", float("nan"))) for f in j.get("fused_comparison", []))
+fused = " ".join("[%s] %.1f tok/s (rounds %.0f-%.0f; host %.2f + %.2f ms, waiting %.2f)%s, logits %.2g from none" % (f["kernels"], f["decode_tokens_per_s"], f.get("slowest_round_tokens_per_s", float("nan")), f.get("fastest_round_tokens_per_s", float("nan")), f["host_ms"]["build"], f["host_ms"]["submit"], f["host_ms"]["wait"], "" if f["same_tokens_as_none"] else " (tokens differ)", f.get("first_step_logit_gap", float("nan"))) for f in j.get("fused_comparison", []))
 curve = (curve + " | fused kernels, alternated in one process: " + fused) if fused else curve
 print("prefill %.0f tok/s | decode %.1f tok/s (host per step: build %.2f ms, submit %.2f ms, wait %.2f ms; one synchronised step at a time: %.1f tok/s) | %s %s" % (
     j["prefill_tokens_per_s"], j["decode_tokens_per_s"], host["build"], host["submit"], host["wait"],

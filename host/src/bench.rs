@@ -426,6 +426,10 @@ fn decode_pipelined(
 struct FusedSetResult {
     name: String,
     tokens_per_s: f64,
+    /// Its slowest and fastest rounds: a set bound by the host swings between rounds (on the
+    /// H200 from ~150 to ~230 tok/s within one process), which its median hides.
+    slowest_tokens_per_s: f64,
+    fastest_tokens_per_s: f64,
     /// Whether its tokens equal those of MLX's operations alone.
     same_as_none: bool,
     /// Where the host spent a step (medians of each part): tells a host-bound set from a
@@ -766,7 +770,9 @@ fn compare_fused(
         .zip(&first_step_logits)
         .map(|((((s, r), h), t), l)| FusedSetResult {
             name: s.name.clone(),
-            tokens_per_s: median(r),
+            tokens_per_s: median(r.clone()),
+            slowest_tokens_per_s: r.iter().copied().fold(f64::INFINITY, f64::min),
+            fastest_tokens_per_s: r.iter().copied().fold(0.0, f64::max),
             same_as_none: *t == tokens[0],
             host: median_split(h),
             logit_gap: l
@@ -1050,7 +1056,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
                 "stepwise_decode_tokens_per_s": stepwise_rate, "stepwise_step_ms": step_ms,
                 "stepwise_graph_build_ms": build_ms,
                 "pipelined_host_ms": json!({"build": host.build_ms, "submit": host.submit_ms, "wait": host.wait_ms}),
-                "fused_comparison": fused_comparison.iter().map(|f| json!({"kernels": f.name, "decode_tokens_per_s": f.tokens_per_s, "same_tokens_as_none": f.same_as_none, "first_step_logit_gap": f.logit_gap, "host_ms": {"build": f.host.build_ms, "submit": f.host.submit_ms, "wait": f.host.wait_ms}})).collect::<Vec<_>>(),
+                "fused_comparison": fused_comparison.iter().map(|f| json!({"kernels": f.name, "decode_tokens_per_s": f.tokens_per_s, "slowest_round_tokens_per_s": f.slowest_tokens_per_s, "fastest_round_tokens_per_s": f.fastest_tokens_per_s, "same_tokens_as_none": f.same_as_none, "first_step_logit_gap": f.logit_gap, "host_ms": {"build": f.host.build_ms, "submit": f.host.submit_ms, "wait": f.host.wait_ms}})).collect::<Vec<_>>(),
                 "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
@@ -1088,13 +1094,15 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         );
         if !fused_comparison.is_empty() {
             println!();
-            println!("| fused kernels | decode (tok/s) | host ms a step: build, submit, waiting | tokens as with none | first step's logits vs none: largest difference |");
+            println!("| fused kernels | decode (tok/s): median (slowest-fastest round) | host ms a step: build, submit, waiting | tokens as with none | first step's logits vs none: largest difference |");
             println!("|---|---|---|---|---|");
             for f in &fused_comparison {
                 println!(
-                    "| {} | {:.1} | {:.2}, {:.2}, {:.2} | {} | {:.3e} |",
+                    "| {} | {:.1} ({:.1}-{:.1}) | {:.2}, {:.2}, {:.2} | {} | {:.3e} |",
                     f.name,
                     f.tokens_per_s,
+                    f.slowest_tokens_per_s,
+                    f.fastest_tokens_per_s,
                     f.host.build_ms,
                     f.host.submit_ms,
                     f.host.wait_ms,
