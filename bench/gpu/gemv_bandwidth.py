@@ -7,6 +7,8 @@ and the launches are captured in one CUDA graph so that host time does not count
 markdown table: shape, MB per product, microseconds per product, TB/s."""
 import torch
 
+from stage_bound import replay_us
+
 L2_BYTES = 60 * 1024**2
 SHAPES = [
     ("q,k,v fused (E4B)", 2048 + 2 * 512, 2560),
@@ -29,25 +31,7 @@ def rate(n, k):
         for i in range(CALLS):
             torch.matmul(x, weights[i % copies].t(), out=outs[i % copies])
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    us = sorted(times)[len(times) // 2]
+    us = replay_us(run) / CALLS
     return per / 1e6, us, per / us / 1e6
 
 
