@@ -256,7 +256,8 @@ int main(int argc, char** argv) {
         CHECK(cudaGetLastError());
         CHECK(cudaDeviceSynchronize());
     };
-    for (auto kernel : {matvec<false, false>, matvec<true, false>, matvec<true, true>})
+    using Kernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*, int, int);
+    for (Kernel kernel : {matvec<false, false>, matvec<true, false>, matvec<true, true>})
         CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, widest * 2));
     CHECK(cudaDeviceSynchronize());
 
