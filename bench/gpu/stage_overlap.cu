@@ -13,9 +13,13 @@
 //                 and waits for its predecessor before reading its input
 //   pdl+prefetch  as pdl, and before waiting each block asks L2 for the first bytes of its
 //                 weight rows
+//   one kernel    every stage in one cooperative kernel, the stages meeting at grid-wide
+//                 barriers (what a persistent kernel can do inside MLX's API), without and
+//                 with each block asking for its next stage's first weights before the barrier
 //
-// All three run the same arithmetic on the same data, chained (each stage reads the output
-// of the one before), from one CUDA graph; their final outputs must be equal bit for bit.
+// All of them run the same arithmetic on the same data, chained (each stage reads the output
+// of the one before), the chains of kernels from one CUDA graph; their final outputs must be
+// equal bit for bit.
 //
 // Build and run on the GPU machine (bench/gpu/run.sh stage-overlap does both):
 //   nvcc -O3 -arch=sm_90a -o stage_overlap stage_overlap.cu
@@ -23,6 +27,7 @@
 // SHAPES_FILE holds one "rows cols" line per stage, in order (stage_bound.py --write-shapes).
 // Prints a markdown table; the last line sums it up.
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -72,48 +77,39 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// y = W x for one token: W is [rows, cols] bf16, row-major; cols a multiple of 8. A warp takes
-// two rows at a time (grid-stride over rows), each lane 16 bytes of each row at a time. The
-// input comes from the previous stage: it is read only after `griddepcontrol.wait`, which
-// returns once the previous grid has finished and its writes are visible (a no-op without
-// PDL). The weights do not depend on it, so with PREFETCH a block asks L2 for the first
-// bytes of its rows before waiting.
-template <bool PDL, bool PREFETCH>
-__global__ void __launch_bounds__(kThreads, 2 * kBlocksPerSm)
-    matvec(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
-           __nv_bfloat16* __restrict__ y, int rows, int cols) {
-    // Let the next stage's blocks be scheduled now: they wait for this grid to finish before
-    // they read what it writes.
-    if (PDL) asm volatile("griddepcontrol.launch_dependents;");
-    const int lane = threadIdx.x & 31;
-    const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
-    const int warps = gridDim.x * kWarps;
-    const int chunks = cols / 8;
-    const uint4* w4 = reinterpret_cast<const uint4*>(w);
-
-    if (PREFETCH) {
-        // This warp's first rows, up to its share of the block's prefetch budget, one 128-byte
-        // line a lane at a time.
-        const size_t row_bytes = static_cast<size_t>(cols) * 2;
-        const size_t budget = kPrefetchBytesPerBlock / kWarps;
-        size_t asked = 0;
-        for (int r = 2 * warp; r < rows && asked < budget; r += 2 * warps) {
-            for (int k = 0; k < 2 && r + k < rows && asked < budget; k++) {
-                const char* row = reinterpret_cast<const char*>(w) + static_cast<size_t>(r + k) * row_bytes;
-                const size_t n = row_bytes < budget - asked ? row_bytes : budget - asked;
-                for (size_t off = static_cast<size_t>(lane) * 128; off < n; off += 32 * 128)
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
-                asked += n;
-            }
+// The first bytes of this warp's rows of W ([rows, cols] bf16, two rows a warp at a time as
+// `rows_times_input` takes them), up to its share of a block's prefetch budget, asked of L2 one
+// 128-byte line a lane at a time. The weights do not depend on the previous stage, so a block
+// can ask for them before it waits for that stage.
+__device__ __forceinline__ void prefetch_rows(const __nv_bfloat16* w, int rows, int cols, int warp,
+                                              int warps, int lane) {
+    const size_t row_bytes = static_cast<size_t>(cols) * 2;
+    const size_t budget = kPrefetchBytesPerBlock / kWarps;
+    size_t asked = 0;
+    for (int r = 2 * warp; r < rows && asked < budget; r += 2 * warps) {
+        for (int k = 0; k < 2 && r + k < rows && asked < budget; k++) {
+            const char* row = reinterpret_cast<const char*>(w) + static_cast<size_t>(r + k) * row_bytes;
+            const size_t n = row_bytes < budget - asked ? row_bytes : budget - asked;
+            for (size_t off = static_cast<size_t>(lane) * 128; off < n; off += 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+            asked += n;
         }
     }
-    if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+}
 
-    extern __shared__ uint4 staged[];
+// y = W x for one token: W is [rows, cols] bf16, row-major; cols a multiple of 8. The block
+// stages x in shared memory, then a warp takes two rows at a time (grid-stride over rows),
+// each lane 16 bytes of each row at a time. A row's sum depends only on the row, not on the
+// warp or the grid, so every way of launching gives the same bits.
+__device__ __forceinline__ void rows_times_input(const __nv_bfloat16* __restrict__ w,
+                                                 const __nv_bfloat16* __restrict__ x,
+                                                 __nv_bfloat16* __restrict__ y, int rows, int cols,
+                                                 uint4* staged, int warp, int warps, int lane) {
+    const int chunks = cols / 8;
+    const uint4* w4 = reinterpret_cast<const uint4*>(w);
     const uint4* x4 = reinterpret_cast<const uint4*>(x);
     for (int i = threadIdx.x; i < chunks; i += kThreads) staged[i] = x4[i];
     __syncthreads();
-
     for (int r = 2 * warp; r < rows; r += 2 * warps) {
         const bool second = r + 1 < rows;
         const uint4* a = w4 + static_cast<size_t>(r) * chunks;
@@ -136,6 +132,62 @@ __global__ void __launch_bounds__(kThreads, 2 * kBlocksPerSm)
     }
 }
 
+// One stage as one kernel. The input comes from the previous stage: it is read only after
+// `griddepcontrol.wait`, which returns once the previous grid has finished and its writes are
+// visible (with PDL; without, the stream orders the kernels). With PREFETCH a block asks L2
+// for the first bytes of its rows before waiting.
+template <bool PDL, bool PREFETCH>
+__global__ void __launch_bounds__(kThreads, 2 * kBlocksPerSm)
+    matvec(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
+           __nv_bfloat16* __restrict__ y, int rows, int cols) {
+    // Let the next stage's blocks be scheduled now: they wait for this grid to finish before
+    // they read what it writes.
+    if (PDL) asm volatile("griddepcontrol.launch_dependents;");
+    const int lane = threadIdx.x & 31;
+    const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
+    const int warps = gridDim.x * kWarps;
+    if (PREFETCH) prefetch_rows(w, rows, cols, warp, warps, lane);
+    if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+    extern __shared__ uint4 staged[];
+    rows_times_input(w, x, y, rows, cols, staged, warp, warps, lane);
+}
+
+struct StageOnDevice {
+    const __nv_bfloat16* weight;
+    int rows;
+    int cols;
+};
+
+// Every stage in one kernel whose blocks all stay resident (a cooperative launch) and meet at
+// a grid-wide barrier between stages: no launch at the boundaries, but the same drain. With
+// PREFETCH a block that has finished its rows of one stage asks L2 for the first bytes of its
+// rows of the next before it arrives at the barrier, so its next weights are on their way
+// while the slowest blocks finish. Stage i reads buffer i % 2 (stage 0: `first`) and writes
+// buffer (i + 1) % 2, as the chain of kernels does.
+template <bool PREFETCH>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    all_stages(const StageOnDevice* __restrict__ stages, int count, const __nv_bfloat16* first,
+               __nv_bfloat16* buffer0, __nv_bfloat16* buffer1) {
+    cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+    const int lane = threadIdx.x & 31;
+    const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
+    const int warps = gridDim.x * kWarps;
+    extern __shared__ uint4 staged[];
+    for (int i = 0; i < count; i++) {
+        const StageOnDevice s = stages[i];
+        const __nv_bfloat16* in = i == 0 ? first : (i % 2 ? buffer1 : buffer0);
+        __nv_bfloat16* out = (i + 1) % 2 ? buffer1 : buffer0;
+        rows_times_input(s.weight, in, out, s.rows, s.cols, staged, warp, warps, lane);
+        if (i + 1 < count) {
+            if (PREFETCH) {
+                const StageOnDevice next = stages[i + 1];
+                prefetch_rows(next.weight, next.rows, next.cols, warp, warps, lane);
+            }
+            grid.sync();
+        }
+    }
+}
+
 // Pseudo-random bf16 values in (-scale, scale), from the element's index and a seed.
 __global__ void fill(__nv_bfloat16* p, size_t n, uint32_t seed, float scale) {
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
@@ -154,16 +206,20 @@ struct Stage {
     __nv_bfloat16* weight;
 };
 
-enum class Mode { Launches, Pdl, PdlPrefetch };
+enum class Mode { Launches, Pdl, PdlPrefetch, OneKernel, OneKernelPrefetch };
 
 const char* mode_name(Mode m) {
     switch (m) {
         case Mode::Launches: return "launches";
         case Mode::Pdl: return "pdl";
         case Mode::PdlPrefetch: return "pdl+prefetch";
+        case Mode::OneKernel: return "one kernel, grid barriers";
+        case Mode::OneKernelPrefetch: return "one kernel, grid barriers, prefetch";
     }
     return "?";
 }
+
+bool one_kernel(Mode m) { return m == Mode::OneKernel || m == Mode::OneKernelPrefetch; }
 
 // Launches the whole chain on `stream`: stage i reads buffer i % 2 (stage 0 reads `first`)
 // and writes buffer (i + 1) % 2.
@@ -256,38 +312,74 @@ int main(int argc, char** argv) {
         CHECK(cudaGetLastError());
         CHECK(cudaDeviceSynchronize());
     };
+    cudaStream_t stream;
+    CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    // The one-kernel modes: the stages' descriptions in device memory, and a grid that fits on
+    // the device at once (a cooperative launch refuses one that does not).
+    std::vector<StageOnDevice> described;
+    for (const Stage& s : stages) described.push_back({s.weight, s.rows, s.cols});
+    StageOnDevice* on_device = nullptr;
+    CHECK(cudaMalloc(&on_device, described.size() * sizeof(StageOnDevice)));
+    CHECK(cudaMemcpy(on_device, described.data(), described.size() * sizeof(StageOnDevice), cudaMemcpyHostToDevice));
+    int resident = 0;
+    using OneKernel = void (*)(const StageOnDevice*, int, const __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*);
+    for (OneKernel kernel : {all_stages<false>, all_stages<true>}) {
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, widest * 2));
+        int per_sm = 0;
+        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, widest * 2));
+        resident = resident == 0 ? per_sm : std::min(resident, per_sm);
+    }
+    const int one_kernel_grid = std::min(resident, kBlocksPerSm) * sms;
+    int count = static_cast<int>(stages.size());
+    auto launch_one_kernel = [&](Mode mode) {
+        void* args[] = {&on_device, &count, &first, &buffers[0], &buffers[1]};
+        const void* kernel = mode == Mode::OneKernelPrefetch ? reinterpret_cast<const void*>(all_stages<true>)
+                                                              : reinterpret_cast<const void*>(all_stages<false>);
+        CHECK(cudaLaunchCooperativeKernel(kernel, dim3(one_kernel_grid), dim3(kThreads), args,
+                                          static_cast<size_t>(widest) * 2, stream));
+    };
+
     using Kernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*, int, int);
     for (Kernel kernel : {matvec<false, false>, matvec<true, false>, matvec<true, true>})
         CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, widest * 2));
     CHECK(cudaDeviceSynchronize());
 
-    cudaStream_t stream;
-    CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     cudaEvent_t start, stop;
     CHECK(cudaEventCreate(&start));
     CHECK(cudaEventCreate(&stop));
     const size_t last = stages.size() % 2;  // the buffer the last stage writes
     std::vector<__nv_bfloat16> reference(stages.back().rows), result(stages.back().rows);
 
-    std::printf("%zu dependent stages, %.2f GB of weights, %d blocks of %d threads a stage\n\n",
-                stages.size(), bytes / 1e9, grid, kThreads);
+    std::printf("%zu dependent stages, %.2f GB of weights, %d blocks of %d threads a stage (%d in the one kernel)\n\n",
+                stages.size(), bytes / 1e9, grid, kThreads, one_kernel_grid);
     std::printf("| launch | µs a step | steps/s | share of the floor | µs lost a boundary | output |\n");
     std::printf("|---|---|---|---|---|---|\n");
     double base_us = 0;
-    for (Mode mode : {Mode::Launches, Mode::Pdl, Mode::PdlPrefetch}) {
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        launch_chain(stages, mode, first, buffers, grid, stream);
-        CHECK(cudaStreamEndCapture(stream, &graph));
-        CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    double pdl_us = 0;
+    for (Mode mode : {Mode::Launches, Mode::Pdl, Mode::PdlPrefetch, Mode::OneKernel, Mode::OneKernelPrefetch}) {
+        // The chains of kernels replay from a CUDA graph; the one kernel is launched as it is.
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        if (!one_kernel(mode)) {
+            CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            launch_chain(stages, mode, first, buffers, grid, stream);
+            CHECK(cudaStreamEndCapture(stream, &graph));
+            CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        }
+        auto one_step = [&] {
+            if (exec) {
+                CHECK(cudaGraphLaunch(exec, stream));
+            } else {
+                launch_one_kernel(mode);
+            }
+        };
         reset_buffers();
-        for (int i = 0; i < 3; i++) CHECK(cudaGraphLaunch(exec, stream));
+        for (int i = 0; i < 3; i++) one_step();
         CHECK(cudaStreamSynchronize(stream));
         std::vector<float> times;
         for (int i = 0; i < 9; i++) {
             CHECK(cudaEventRecord(start, stream));
-            CHECK(cudaGraphLaunch(exec, stream));
+            one_step();
             CHECK(cudaEventRecord(stop, stream));
             CHECK(cudaEventSynchronize(stop));
             float ms = 0;
@@ -309,16 +401,20 @@ int main(int argc, char** argv) {
         }
         std::printf("| %s | %.0f | %.1f | %s | %s | %s |\n", mode_name(mode), us, 1e6 / us, share, lost,
                     same ? (mode == Mode::Launches ? "reference" : "equal") : "DIFFERS");
-        CHECK(cudaGraphExecDestroy(exec));
-        CHECK(cudaGraphDestroy(graph));
+        if (exec) {
+            CHECK(cudaGraphExecDestroy(exec));
+            CHECK(cudaGraphDestroy(graph));
+        }
         if (!same) {
             std::fprintf(stderr, "%s: the output differs from plain launches: a dependency was not waited for\n",
                          mode_name(mode));
             return 1;
         }
-        if (mode == Mode::PdlPrefetch)
-            std::printf("\nstage-overlap: launches %.0f us, pdl+prefetch %.0f us (%.1f %% less) over %zu stages\n",
-                        base_us, us, 100 * (1 - us / base_us), stages.size());
+        if (mode == Mode::PdlPrefetch) pdl_us = us;
+        if (mode == Mode::OneKernelPrefetch)
+            std::printf("\nstage-overlap: %zu stages; launches %.0f us, pdl+prefetch %.0f us (%.1f %% less), "
+                        "one kernel with prefetch %.0f us (%.1f %% less)\n",
+                        stages.size(), base_us, pdl_us, 100 * (1 - pdl_us / base_us), us, 100 * (1 - us / base_us));
     }
     return 0;
 }
