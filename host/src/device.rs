@@ -147,3 +147,31 @@ pub fn cuda_multiprocessor_count() -> Option<i32> {
         (code == 0 && count > 0).then_some(count)
     })
 }
+
+/// Whether contexts on CUDA device 0 are shared with other processes through MPS (the
+/// Multi-Process Service), asked once of the CUDA runtime; `false` where there is no CUDA
+/// runtime, or one too old to know the attribute. Under MPS the multiprocessors are shared,
+/// so a kernel whose blocks must all be resident at once (a grid-wide barrier) may never see
+/// them all start.
+pub fn cuda_shared_through_mps() -> bool {
+    static SHARED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SHARED.get_or_init(|| {
+        let Ok((_, library)) = cuda_runtime() else {
+            return false;
+        };
+        // cudaDevAttrMpsEnabled (CUDA 12.3 and later; older runtimes reject it).
+        const MPS_ENABLED: i32 = 133;
+        let mut enabled = 0i32;
+        // SAFETY: cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) writes
+        // one int and returns a cudaError_t.
+        let code = unsafe {
+            let Ok(get) = library.get::<unsafe extern "C" fn(*mut i32, i32, i32) -> i32>(
+                b"cudaDeviceGetAttribute\0",
+            ) else {
+                return false;
+            };
+            get(&mut enabled, MPS_ENABLED, 0)
+        };
+        code == 0 && enabled != 0
+    })
+}

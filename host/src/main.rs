@@ -153,6 +153,8 @@ struct ModelArgs {
     /// weight (the post-attention kernel's fewer launches keep a slow host from bounding the
     /// step; BENCHMARKS.md):
     /// `attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head`.
+    /// On a GPU shared through MPS the kernels with grid-wide barriers (`post-attention`,
+    /// `affine4`, `per-layer-input`) give way to the product kernels.
     #[arg(
         long,
         value_enum,

@@ -491,8 +491,20 @@ pub fn row_pairs() -> bool {
     ROW_PAIRS.load(Ordering::Relaxed)
 }
 
-/// Blocks of the grid, or `None` where the device's multiprocessors are unknown.
+/// Blocks of the grid, or `None` where the device's multiprocessors are unknown, or shared
+/// with other processes through MPS: then no grid-wide barrier is safe, and the layers run the
+/// product kernels instead (this kernel, `affine4` and the per-layer-input kernel give way).
 pub fn grid_blocks() -> Option<i32> {
+    if crate::device::cuda_shared_through_mps() {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            tracing::info!(
+                "the GPU is shared through MPS: the kernels with grid-wide barriers \
+                 (post-attention, affine4, per-layer-input) give way to the product kernels"
+            )
+        });
+        return None;
+    }
     crate::device::cuda_multiprocessor_count().map(|sms| sms * BLOCKS_PER_MULTIPROCESSOR)
 }
 
