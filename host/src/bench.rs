@@ -587,6 +587,14 @@ fn compare_fused(
                 },
             },
             Set {
+                name: format!("{default_name}, step integers from the heads kernel"),
+                kernels: default_set,
+                tuning: Tuning {
+                    step_ints_from_heads: true,
+                    ..default
+                },
+            },
+            Set {
                 name: format!("{default_name}, narrow attention rounds"),
                 kernels: default_set,
                 tuning: narrow,
@@ -647,6 +655,15 @@ fn compare_fused(
                 default_name,
                 Tuning {
                     step_ints_on_device: true,
+                    ..default
+                },
+            ),
+            variant(
+                "step integers from the heads kernel",
+                default_set,
+                default_name,
+                Tuning {
+                    step_ints_from_heads: true,
                     ..default
                 },
             ),

@@ -496,7 +496,7 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
             let mut outputs = Vec::new();
             for wide in [true, false] {
                 set_wide_rounds(wide);
-                let out = decode_attention(&q, &k, &v, visible.clone(), splits, &counters)?;
+                let out = decode_attention(&q, &k, &v, visible.clone(), None, splits, &counters)?;
                 outputs.push(out.as_dtype(Dtype::Float32)?);
             }
             // Reference: the query heads of each KV head as one [group, D] matrix.
@@ -526,6 +526,28 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
             let largest = |a: &Array, b: &Array| -> Result<f32> {
                 Ok(a.subtract(b)?.abs()?.max(None)?.try_item_exact::<f32>()?)
             };
+            // The visible range read from device memory (as the attention-heads kernel hands
+            // it on with `step-ints-from-heads`) must give the same bits as from host memory.
+            set_wide_rounds(true);
+            let range = Array::from_slice(&[visible.start as i32, visible.end as i32], &[2]);
+            let on_device = crate::kernels::products::padded(&range, 4)?;
+            let from_device = decode_attention(
+                &q,
+                &k,
+                &v,
+                visible.clone(),
+                Some(&on_device),
+                splits,
+                &counters,
+            )?
+            .as_dtype(Dtype::Float32)?;
+            let device_gap = largest(&from_device, &outputs[0])?;
+            if device_gap != 0.0 {
+                bail!(
+                    "decode attention, D {d}, {slots} slots, {visible:?}: the range in device \
+                     memory changed the output by {device_gap:e}"
+                );
+            }
             let row = AttentionCheck {
                 case: format!("D {d}, {slots} slots, {visible:?}"),
                 wide_error: largest(&outputs[0], &reference)?,

@@ -169,7 +169,10 @@ struct ModelArgs {
     /// inputs and dp2a; half-precision inputs only), `rows-touched-first` (the product
     /// kernels ask for their first weight lines before staging their input),
     /// `step-ints-on-device` (the step's position, cache slots and visible ranges copied to
-    /// device memory by an operation each, instead of read across the bus).
+    /// device memory by an operation each, instead of read across the bus),
+    /// `step-ints-from-heads` (one thread of the attention-heads kernel reads them across the
+    /// bus early and hands them to the kernel's last block and to decode attention in device
+    /// memory: no operation more).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
@@ -185,6 +188,7 @@ enum KernelVariantArg {
     IntegerDots,
     RowsTouchedFirst,
     StepIntsOnDevice,
+    StepIntsFromHeads,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -242,6 +246,7 @@ impl ModelArgs {
             affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
             rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
+            step_ints_from_heads: variants.contains(&KernelVariantArg::StepIntsFromHeads),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep

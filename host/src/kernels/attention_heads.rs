@@ -58,6 +58,23 @@ const SOURCE: &str = r#"
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * WARPS + warp;
+  // EARLY: the step's integers (position, cache slot, the visible slots) live in host-visible
+  // memory, a bus crossing away. The first block of each group the finishing block waits for
+  // requests them now, one thread, and publishes them in `step_copy` (device memory) with its
+  // rows, so that the finishing block, and decode attention after it, read them there instead
+  // of crossing the bus on their critical path. Layout: the visible range at 0 and 1, then
+  // position, slot and capacity at 4 + 4 g for group g.
+  const bool first_of_group = PER_HEAD ? (blockIdx.x * WARPS) % D == 0 : blockIdx.x == 0;
+  int early[5] = {0, 0, 0, 0, 0};
+  if (EARLY && first_of_group && threadIdx.x == 0) {
+    early[0] = position[0];
+    early[1] = cache_slot[0];
+    early[2] = cache_slot[1];
+    if (blockIdx.x == 0) {
+      early[3] = visible[0];
+      early[4] = visible[1];
+    }
+  }
   if constexpr (TOUCH) {
     if (row < NQ + NK + NV) {
       const T* s;
@@ -93,6 +110,15 @@ const SOURCE: &str = r#"
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
   const int group = PER_HEAD ? blockIdx.x * WARPS / D : 0;
   const unsigned int arrivals = PER_HEAD ? D / WARPS : gridDim.x;
+  if (EARLY && first_of_group && threadIdx.x == 0) {
+    step_copy[4 + 4 * group] = early[0];
+    step_copy[5 + 4 * group] = early[1];
+    step_copy[6 + 4 * group] = early[2];
+    if (blockIdx.x == 0) {
+      step_copy[0] = early[3];
+      step_copy[1] = early[4];
+    }
+  }
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(done + group, 1u) == arrivals - 1;
@@ -102,9 +128,9 @@ const SOURCE: &str = r#"
 
   constexpr int HALF = D / 2;
   constexpr int PAIRS = HALF / 32;
-  const float pos = static_cast<float>(position[0]);
-  const int slot = cache_slot[0];
-  const int capacity = cache_slot[1];
+  const float pos = static_cast<float>(EARLY ? __ldcg(step_copy + 4 + 4 * group) : position[0]);
+  const int slot = EARLY ? __ldcg(step_copy + 5 + 4 * group) : cache_slot[0];
+  const int capacity = EARLY ? __ldcg(step_copy + 6 + 4 * group) : cache_slot[1];
   // Heads this block takes: all of them, or its own (then a key head's value head too, K = V).
   const int heads_here = !PER_HEAD ? NH + 2 * NKV : (K_EQ_V && group >= NH) ? 2 : 1;
   for (int i = warp; i < heads_here; i += WARPS) {
@@ -160,8 +186,9 @@ thread_local! {
         &[
             "x", "nw", "wq", "wk", "wv", "q_w", "k_w", "periods", "position", "cache_slot",
             "counter", "k_cache", "v_cache", "wq_s", "wq_b", "wk_s", "wk_b", "wv_s", "wv_b",
+            "visible",
         ],
-        &["q", "raw"],
+        &["q", "raw", "step_copy"],
         SOURCE,
     ).with_header(Box::leak(format!("{PRODUCTS_HEADER}{AFFINE4_HEADER}").into_boxed_str())));
 }
@@ -180,6 +207,24 @@ pub fn set_heads_finished_apart(apart: bool) {
 /// The current [`set_heads_finished_apart`] setting.
 pub fn heads_finished_apart() -> bool {
     HEADS_FINISHED_APART.load(Ordering::Relaxed)
+}
+
+static STEP_INTS_FROM_HEADS: AtomicBool = AtomicBool::new(false);
+
+/// Sets whether the step's integers (position, cache slot, visible slots), which the host
+/// writes into host-visible memory, cross the bus once per call, requested early by one
+/// thread of the first block of each group of blocks, and reach the block that finishes the
+/// heads, and decode attention ([`AttentionHeads::step_copy`]), in device memory; rather than
+/// being read across the bus by the finishing block, after the products, and by every block
+/// of decode attention. Changes no value, and adds no operation (the copy is an output of
+/// this kernel).
+pub fn set_step_ints_from_heads(on: bool) {
+    STEP_INTS_FROM_HEADS.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_step_ints_from_heads`] setting.
+pub fn step_ints_from_heads() -> bool {
+    STEP_INTS_FROM_HEADS.load(Ordering::Relaxed)
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
@@ -217,8 +262,20 @@ pub struct HeadShape {
     pub head_dim: i32,
 }
 
+/// What [`attention_heads`] gives.
+#[derive(Debug)]
+pub struct AttentionHeads {
+    /// The query heads, `[1, heads, 1, D]`.
+    pub q: Array,
+    /// With [`set_step_ints_from_heads`]: the visible slots the call was given, as two int32
+    /// values in device memory at its start (what decode attention takes as its range).
+    pub step_copy: Option<Array>,
+}
+
 /// The query heads `[1, heads, 1, D]` of the token `x` (`[1, hidden]`) at `position`, its
-/// key and value written into `cache` on a KV-owning layer. `counter` comes from
+/// key and value written into `cache` on a KV-owning layer; `visible` is the range of slots
+/// the query will attend to (handed on in device memory with [`set_step_ints_from_heads`]).
+/// `counter` comes from
 /// [`super::products::new_counters`], one per head whose rows the kernel makes (or
 /// [`super::products::new_counter`], then heads are not finished apart),
 /// one per call site. Check [`serves`] and
@@ -232,8 +289,9 @@ pub fn attention_heads(
     shape: &HeadShape,
     position: usize,
     cache: Option<CacheSlot>,
+    visible: std::ops::Range<usize>,
     counter: &Array,
-) -> Result<Array> {
+) -> Result<AttentionHeads> {
     let dtype = x.dtype();
     let k = x.shape()[x.ndim() - 1];
     let d = shape.head_dim;
@@ -297,6 +355,11 @@ pub fn attention_heads(
         && counter.size() >= row_heads as usize
         && counter.dtype() == Dtype::Uint32;
     let position = step_ints(&[position as i32])?;
+    let early = step_ints_from_heads();
+    let visible = step_ints(&[visible.start as i32, visible.end as i32])?;
+    // The visible range, then position, slot and capacity for each group of blocks (one, or
+    // one per head whose rows the kernel makes).
+    let copy_len = 4 + 4 * row_heads.max(1);
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
@@ -324,8 +387,13 @@ pub fn attention_heads(
                 wk_b,
                 wv_s,
                 wv_b,
+                &visible,
             ],
-            &[(&[1, shape.heads, 1, d], dtype), (&[rows.max(1)], dtype)],
+            &[
+                (&[1, shape.heads, 1, d], dtype),
+                (&[rows.max(1)], dtype),
+                (&[copy_len], Dtype::Int32),
+            ],
             ((rows + WARPS - 1) / WARPS * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
@@ -343,9 +411,14 @@ pub fn attention_heads(
                     c"INT_DOTS",
                     TemplateArg::Bool(integer_dots_for(bits, dtype)),
                 ),
+                (c"EARLY", TemplateArg::Bool(early)),
             ],
         )?;
-        Ok(out.swap_remove(0))
+        let step_copy = out.pop().filter(|_| early);
+        Ok(AttentionHeads {
+            q: out.swap_remove(0),
+            step_copy,
+        })
     })
 }
 
@@ -407,8 +480,8 @@ mod tests {
             head_dim: 64,
         };
         let counter = Array::zeros::<u32>(&[16]).unwrap();
-        let err =
-            attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, None, &counter).unwrap_err();
+        let err = attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, None, 0..0, &counter)
+            .unwrap_err();
         assert!(err.to_string().contains("needs both"), "{err}");
     }
 
@@ -447,8 +520,18 @@ mod tests {
             slot: 0,
         };
         let counter = Array::zeros::<u32>(&[16]).unwrap();
-        let err = attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, Some(cache), &counter)
-            .unwrap_err();
+        let err = attention_heads(
+            &x,
+            &norm,
+            1e-6,
+            &weights,
+            &shape,
+            0,
+            Some(cache),
+            0..0,
+            &counter,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("mix layouts"), "{err}");
         // A k weight of the wrong shape is named.
         let narrow = Array::zeros::<f32>(&[32, 64]).unwrap();
@@ -461,8 +544,18 @@ mod tests {
             values: &buffer,
             slot: 0,
         };
-        let err = attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, Some(cache), &counter)
-            .unwrap_err();
+        let err = attention_heads(
+            &x,
+            &norm,
+            1e-6,
+            &weights,
+            &shape,
+            0,
+            Some(cache),
+            0..0,
+            &counter,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("the k weight"), "{err}");
     }
 }

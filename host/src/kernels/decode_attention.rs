@@ -323,7 +323,9 @@ pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> 
 }
 
 /// `q`: `[1, heads, 1, D]`; `keys`, `values`: `[1, kv_heads, slots, D]`; `visible`: the
-/// slots the query attends to (what the cache's slot mask leaves visible). Returns `[1, heads * D]`. `splits` is what [`splits_for`] gave
+/// slots the query attends to (what the cache's slot mask leaves visible), and optionally the
+/// same two values already in device memory (the attention-heads kernel's
+/// [`super::attention_heads::AttentionHeads::step_copy`]), read there instead of across the bus. Returns `[1, heads * D]`. `splits` is what [`splits_for`] gave
 /// for the shape (the caller asks it first, to know whether the kernel serves the shape);
 /// `counters` come from [`super::products::new_counters`] (one per query head), one set per
 /// call site (calls of one site never
@@ -339,6 +341,7 @@ pub fn decode_attention(
     keys: &Array,
     values: &Array,
     visible: std::ops::Range<usize>,
+    visible_on_device: Option<&Array>,
     splits: usize,
     counters: &Array,
 ) -> Result<Array> {
@@ -350,7 +353,11 @@ pub fn decode_attention(
     if visible.end > slots as usize || visible.start > visible.end {
         bail!("decode_attention: slots {visible:?} outside a buffer of {slots}");
     }
-    let visible = step_ints(&[visible.start as i32, visible.end as i32])?;
+    let visible = match visible_on_device {
+        Some(copy) if copy.dtype() == Dtype::Int32 && copy.size() >= 2 => copy.clone(),
+        Some(copy) => bail!("decode_attention: visible slots in {copy:?}, not int32 x 2"),
+        None => step_ints(&[visible.start as i32, visible.end as i32])?,
+    };
     let splits = splits as i32;
     KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();

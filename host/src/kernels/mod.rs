@@ -196,6 +196,8 @@ pub struct Tuning {
     pub rows_touched_first: bool,
     /// [`set_step_ints_on_device`].
     pub step_ints_on_device: bool,
+    /// [`attention_heads::set_step_ints_from_heads`].
+    pub step_ints_from_heads: bool,
 }
 
 impl Tuning {
@@ -212,14 +214,15 @@ impl Tuning {
             affine4_integer_dots: products::affine4_integer_dots(),
             rows_touched_first: products::rows_touched_first(),
             step_ints_on_device: step_ints_on_device(),
+            step_ints_from_heads: attention_heads::step_ints_from_heads(),
         }
     }
 
     /// These settings with those that change no value (how rows are spread over warps, the
     /// post-attention kernel's row pairs, loads in flight, which block finishes the attention
-    /// heads, weight lines requested early, where the step's integers live) put to fixed
-    /// values: two tunings with equal `value_settings` compute the same values bit for bit,
-    /// with the same kernels.
+    /// heads, weight lines requested early, where the step's integers live and how they reach
+    /// the kernels) put to fixed values: two tunings with equal `value_settings` compute the
+    /// same values bit for bit, with the same kernels.
     pub fn value_settings(self) -> Tuning {
         Tuning {
             row_pairs: false,
@@ -228,6 +231,7 @@ impl Tuning {
             heads_finished_apart: false,
             rows_touched_first: false,
             step_ints_on_device: false,
+            step_ints_from_heads: false,
             ..self
         }
     }
@@ -243,6 +247,7 @@ impl Tuning {
         products::set_affine4_integer_dots(self.affine4_integer_dots);
         products::set_rows_touched_first(self.rows_touched_first);
         set_step_ints_on_device(self.step_ints_on_device);
+        attention_heads::set_step_ints_from_heads(self.step_ints_from_heads);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

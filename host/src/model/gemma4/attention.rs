@@ -155,10 +155,18 @@ impl Attention {
         fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[0];
-        let (q, view, produced) = match self.fused_head_weights(x, cache.is_some(), fused) {
-            Some(weights) => self.fused_heads(x, input_norm, offset, &weights, cache, shared)?,
-            None => self.heads(x, input_norm, offset, cache, shared, fused)?,
-        };
+        let (q, view, produced, visible_on_device) =
+            match self.fused_head_weights(x, cache.is_some(), fused) {
+                Some(weights) => {
+                    let h = self.fused_heads(x, input_norm, offset, &weights, cache, shared)?;
+                    (h.q, h.view, h.produced, h.visible_on_device)
+                }
+                None => {
+                    let (q, view, produced) =
+                        self.heads(x, input_norm, offset, cache, shared, fused)?;
+                    (q, view, produced, None)
+                }
+            };
 
         if let Some(slot_mask) = &view.slot_mask {
             let slots = view.keys.shape()[2] as usize;
@@ -171,6 +179,7 @@ impl Attention {
                     &view.keys,
                     &view.values,
                     view.first_query_slots.clone(),
+                    visible_on_device.as_ref(),
                     splits,
                     &self.attention_counters,
                 )?,
@@ -243,7 +252,8 @@ impl Attention {
 
     /// Queries, and the view they attend over, from [`attention_heads`]: one kernel from the
     /// hidden state to normed, rotated heads, writing a KV-owning layer's key and value into
-    /// its cache.
+    /// its cache. Also the view's visible slots in device memory, when the kernel hands them
+    /// on ([`crate::kernels::attention_heads::set_step_ints_from_heads`]).
     fn fused_heads(
         &self,
         x: &Array,
@@ -252,14 +262,14 @@ impl Attention {
         weights: &HeadWeights,
         cache: Option<&mut LayerKv>,
         shared: Option<&KvView>,
-    ) -> Result<(Array, KvView, Option<KvView>)> {
+    ) -> Result<FusedHeads> {
         let shape = HeadShape {
             heads: self.num_heads,
             kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
         };
         let dtype = x.dtype();
-        let heads = |target: Option<CacheSlot>| {
+        let heads = |target: Option<CacheSlot>, view: &KvView| {
             attention_heads(
                 x,
                 input_norm,
@@ -268,6 +278,7 @@ impl Attention {
                 &shape,
                 offset,
                 target,
+                view.first_query_slots.clone(),
                 &self.heads_counter,
             )
         };
@@ -275,15 +286,35 @@ impl Attention {
             Some(cache) if weights.kv.is_some() => {
                 let kv_shape = [1, self.num_kv_heads, 1, self.head_dim];
                 let (keys, values, slot) = cache.slot_for_next(&kv_shape, dtype)?;
-                let q = heads(Some(CacheSlot {
-                    keys: &keys,
-                    values: &values,
-                    slot,
-                }))?;
+                // Counted before the kernel is built, so that it knows the slots the query
+                // will see: only bookkeeping, as the write's readers all depend on the
+                // kernel's queries.
                 let view = cache.count_written(1, dtype)?;
-                Ok((q, view.clone(), Some(view)))
+                let out = heads(
+                    Some(CacheSlot {
+                        keys: &keys,
+                        values: &values,
+                        slot,
+                    }),
+                    &view,
+                )?;
+                Ok(FusedHeads {
+                    q: out.q,
+                    view: view.clone(),
+                    produced: Some(view),
+                    visible_on_device: out.step_copy,
+                })
             }
-            _ => Ok((heads(None)?, donor_view(shared)?, None)),
+            _ => {
+                let view = donor_view(shared)?;
+                let out = heads(None, &view)?;
+                Ok(FusedHeads {
+                    q: out.q,
+                    view,
+                    produced: None,
+                    visible_on_device: out.step_copy,
+                })
+            }
         }
     }
 
@@ -345,6 +376,16 @@ impl Attention {
 
         Ok((q, view, produced))
     }
+}
+
+/// What [`Attention::fused_heads`] gives: the queries, the view they attend over, the view a
+/// KV-owning layer leaves for its sharers, and the view's visible slots in device memory when
+/// the attention-heads kernel handed them on.
+struct FusedHeads {
+    q: Array,
+    view: KvView,
+    produced: Option<KvView>,
+    visible_on_device: Option<Array>,
 }
 
 /// The donor's view a KV-sharing layer attends over.
