@@ -126,26 +126,29 @@ fn cuda_profiler_start() -> Result<&'static str> {
     Ok(name)
 }
 
+/// An attribute of CUDA device 0 (`cudaDeviceAttr`), asked of the CUDA runtime the CUDA
+/// libmlx loaded; `None` where there is no runtime, or it refuses the attribute.
+fn cuda_device_attribute(attribute: i32) -> Option<i32> {
+    let (_, library) = cuda_runtime().ok()?;
+    let mut value = 0i32;
+    // SAFETY: cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) writes one
+    // int and returns a cudaError_t.
+    let code = unsafe {
+        let get = library
+            .get::<unsafe extern "C" fn(*mut i32, i32, i32) -> i32>(b"cudaDeviceGetAttribute\0")
+            .ok()?;
+        get(&mut value, attribute, 0)
+    };
+    (code == 0).then_some(value)
+}
+
 /// Streaming multiprocessors of CUDA device 0, asked once of the CUDA runtime; `None` where
 /// there is none (a CPU libmlx, macOS). Kernels whose blocks must all be resident at once
 /// (grid-wide barriers) size their grid from it.
 pub fn cuda_multiprocessor_count() -> Option<i32> {
     static COUNT: std::sync::OnceLock<Option<i32>> = std::sync::OnceLock::new();
-    *COUNT.get_or_init(|| {
-        let (_, library) = cuda_runtime().ok()?;
-        // cudaDevAttrMultiProcessorCount
-        const MULTIPROCESSOR_COUNT: i32 = 16;
-        let mut count = 0i32;
-        // SAFETY: cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) writes
-        // one int and returns a cudaError_t.
-        let code = unsafe {
-            let get = library
-                .get::<unsafe extern "C" fn(*mut i32, i32, i32) -> i32>(b"cudaDeviceGetAttribute\0")
-                .ok()?;
-            get(&mut count, MULTIPROCESSOR_COUNT, 0)
-        };
-        (code == 0 && count > 0).then_some(count)
-    })
+    // cudaDevAttrMultiProcessorCount
+    *COUNT.get_or_init(|| cuda_device_attribute(16).filter(|&count| count > 0))
 }
 
 /// Whether contexts on CUDA device 0 are shared with other processes through MPS (the
@@ -155,23 +158,6 @@ pub fn cuda_multiprocessor_count() -> Option<i32> {
 /// them all start.
 pub fn cuda_shared_through_mps() -> bool {
     static SHARED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SHARED.get_or_init(|| {
-        let Ok((_, library)) = cuda_runtime() else {
-            return false;
-        };
-        // cudaDevAttrMpsEnabled (CUDA 12.3 and later; older runtimes reject it).
-        const MPS_ENABLED: i32 = 133;
-        let mut enabled = 0i32;
-        // SAFETY: cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) writes
-        // one int and returns a cudaError_t.
-        let code = unsafe {
-            let Ok(get) = library.get::<unsafe extern "C" fn(*mut i32, i32, i32) -> i32>(
-                b"cudaDeviceGetAttribute\0",
-            ) else {
-                return false;
-            };
-            get(&mut enabled, MPS_ENABLED, 0)
-        };
-        code == 0 && enabled != 0
-    })
+    // cudaDevAttrMpsEnabled (CUDA 12.3 and later; older runtimes refuse it).
+    *SHARED.get_or_init(|| cuda_device_attribute(133).is_some_and(|enabled| enabled != 0))
 }

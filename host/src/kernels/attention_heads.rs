@@ -58,7 +58,8 @@ const SOURCE: &str = r#"
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * WARPS + warp;
-  // EARLY: the step's integers (position, cache slot, the visible slots) live in host-visible
+#if STEP_INTS_FROM_HEADS
+  // The step's integers (position, cache slot, the visible slots) live in host-visible
   // memory, a bus crossing away. The first block of each group the finishing block waits for
   // requests them now, one thread, and publishes them in `step_copy` (device memory) with its
   // rows, so that the finishing block, and decode attention after it, read them there instead
@@ -66,7 +67,7 @@ const SOURCE: &str = r#"
   // position, slot and capacity at 4 + 4 g for group g.
   const bool first_of_group = PER_HEAD ? (blockIdx.x * WARPS) % D == 0 : blockIdx.x == 0;
   int early[5] = {0, 0, 0, 0, 0};
-  if (EARLY && first_of_group && threadIdx.x == 0) {
+  if (first_of_group && threadIdx.x == 0) {
     early[0] = position[0];
     early[1] = cache_slot[0];
     early[2] = cache_slot[1];
@@ -75,6 +76,7 @@ const SOURCE: &str = r#"
       early[4] = visible[1];
     }
   }
+#endif
   if constexpr (TOUCH) {
     if (row < NQ + NK + NV) {
       const T* s;
@@ -110,7 +112,8 @@ const SOURCE: &str = r#"
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
   const int group = PER_HEAD ? blockIdx.x * WARPS / D : 0;
   const unsigned int arrivals = PER_HEAD ? D / WARPS : gridDim.x;
-  if (EARLY && first_of_group && threadIdx.x == 0) {
+#if STEP_INTS_FROM_HEADS
+  if (first_of_group && threadIdx.x == 0) {
     step_copy[4 + 4 * group] = early[0];
     step_copy[5 + 4 * group] = early[1];
     step_copy[6 + 4 * group] = early[2];
@@ -119,6 +122,7 @@ const SOURCE: &str = r#"
       step_copy[1] = early[4];
     }
   }
+#endif
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(done + group, 1u) == arrivals - 1;
@@ -128,9 +132,15 @@ const SOURCE: &str = r#"
 
   constexpr int HALF = D / 2;
   constexpr int PAIRS = HALF / 32;
-  const float pos = static_cast<float>(EARLY ? __ldcg(step_copy + 4 + 4 * group) : position[0]);
-  const int slot = EARLY ? __ldcg(step_copy + 5 + 4 * group) : cache_slot[0];
-  const int capacity = EARLY ? __ldcg(step_copy + 6 + 4 * group) : cache_slot[1];
+#if STEP_INTS_FROM_HEADS
+  const float pos = static_cast<float>(__ldcg(step_copy + 4 + 4 * group));
+  const int slot = __ldcg(step_copy + 5 + 4 * group);
+  const int capacity = __ldcg(step_copy + 6 + 4 * group);
+#else
+  const float pos = static_cast<float>(position[0]);
+  const int slot = cache_slot[0];
+  const int capacity = cache_slot[1];
+#endif
   // Heads this block takes: all of them, or its own (then a key head's value head too, K = V).
   const int heads_here = !PER_HEAD ? NH + 2 * NKV : (K_EQ_V && group >= NH) ? 2 : 1;
   for (int i = warp; i < heads_here; i += WARPS) {
@@ -180,17 +190,56 @@ const SOURCE: &str = r#"
   if (threadIdx.x == 0) done[group] = 0u;
 "#;
 
+/// The kernel's inputs; with [`set_step_ints_from_heads`] also `visible`.
+const INPUTS: [&str; 19] = [
+    "x",
+    "nw",
+    "wq",
+    "wk",
+    "wv",
+    "q_w",
+    "k_w",
+    "periods",
+    "position",
+    "cache_slot",
+    "counter",
+    "k_cache",
+    "v_cache",
+    "wq_s",
+    "wq_b",
+    "wk_s",
+    "wk_b",
+    "wv_s",
+    "wv_b",
+];
+
+/// The kernel's header: the products' and 4-bit helpers, and whether the step's integers are
+/// handed on in device memory (the default kernel has neither the extra input nor the extra
+/// output, so it allocates nothing more per call).
+fn header(step_ints_from_heads: bool) -> &'static str {
+    Box::leak(
+        format!(
+            "#define STEP_INTS_FROM_HEADS {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}",
+            step_ints_from_heads as i32
+        )
+        .into_boxed_str(),
+    )
+}
+
 thread_local! {
-    static KERNELS: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
-        "attention_heads",
-        &[
-            "x", "nw", "wq", "wk", "wv", "q_w", "k_w", "periods", "position", "cache_slot",
-            "counter", "k_cache", "v_cache", "wq_s", "wq_b", "wk_s", "wk_b", "wv_s", "wv_b",
-            "visible",
-        ],
-        &["q", "raw", "step_copy"],
-        SOURCE,
-    ).with_header(Box::leak(format!("{PRODUCTS_HEADER}{AFFINE4_HEADER}").into_boxed_str())));
+    static KERNELS: RefCell<PerEpsilon> = RefCell::new(
+        PerEpsilon::new("attention_heads", &INPUTS, &["q", "raw"], SOURCE).with_header(header(false)),
+    );
+    // Its own name: MLX finds compiled kernels by name and template arguments.
+    static KERNELS_STEP_INTS_FROM_HEADS: RefCell<PerEpsilon> = RefCell::new(
+        PerEpsilon::new(
+            "attention_heads_step_ints",
+            INPUTS.iter().copied().chain(["visible"]).collect::<Vec<_>>().leak(),
+            &["q", "raw", "step_copy"],
+            SOURCE,
+        )
+        .with_header(header(true)),
+    );
 }
 
 static HEADS_FINISHED_APART: AtomicBool = AtomicBool::new(false);
@@ -356,44 +405,55 @@ pub fn attention_heads(
         && counter.dtype() == Dtype::Uint32;
     let position = step_ints(&[position as i32])?;
     let early = step_ints_from_heads();
-    let visible = step_ints(&[visible.start as i32, visible.end as i32])?;
+    let visible = if early {
+        Some(step_ints(&[visible.start as i32, visible.end as i32])?)
+    } else {
+        None
+    };
+    let [wq, wq_s, wq_b] = weights.q.inputs();
+    let [wk, wk_s, wk_b] = wk.inputs();
+    let [wv, wv_s, wv_b] = wv.inputs();
+    let mut inputs = vec![
+        x,
+        input_norm,
+        wq,
+        wk,
+        wv,
+        weights.q_norm,
+        k_norm,
+        weights.periods,
+        &position,
+        &slot,
+        counter,
+        k_cache,
+        v_cache,
+        wq_s,
+        wq_b,
+        wk_s,
+        wk_b,
+        wv_s,
+        wv_b,
+    ];
+    inputs.extend(visible.as_ref());
+    let (q_shape, raw_shape) = ([1, shape.heads, 1, d], [rows.max(1)]);
     // The visible range, then position, slot and capacity for each group of blocks (one, or
     // one per head whose rows the kernel makes).
-    let copy_len = 4 + 4 * row_heads.max(1);
-    KERNELS.with(|cell| {
+    let copy_shape = [4 + 4 * row_heads.max(1)];
+    let mut outputs = vec![(&q_shape[..], dtype), (&raw_shape[..], dtype)];
+    if early {
+        outputs.push((&copy_shape[..], Dtype::Int32));
+    }
+    let kernels = if early {
+        &KERNELS_STEP_INTS_FROM_HEADS
+    } else {
+        &KERNELS
+    };
+    kernels.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
-        let [wq, wq_s, wq_b] = weights.q.inputs();
-        let [wk, wk_s, wk_b] = wk.inputs();
-        let [wv, wv_s, wv_b] = wv.inputs();
         let mut out = kernel.apply(
-            &[
-                x,
-                input_norm,
-                wq,
-                wk,
-                wv,
-                weights.q_norm,
-                k_norm,
-                weights.periods,
-                &position,
-                &slot,
-                counter,
-                k_cache,
-                v_cache,
-                wq_s,
-                wq_b,
-                wk_s,
-                wk_b,
-                wv_s,
-                wv_b,
-                &visible,
-            ],
-            &[
-                (&[1, shape.heads, 1, d], dtype),
-                (&[rows.max(1)], dtype),
-                (&[copy_len], Dtype::Int32),
-            ],
+            &inputs,
+            &outputs,
             ((rows + WARPS - 1) / WARPS * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
@@ -411,10 +471,9 @@ pub fn attention_heads(
                     c"INT_DOTS",
                     TemplateArg::Bool(integer_dots_for(bits, dtype)),
                 ),
-                (c"EARLY", TemplateArg::Bool(early)),
             ],
         )?;
-        let step_copy = out.pop().filter(|_| early);
+        let step_copy = if early { out.pop() } else { None };
         Ok(AttentionHeads {
             q: out.swap_remove(0),
             step_copy,
