@@ -102,13 +102,14 @@ __device__ __forceinline__ void prefetch_rows(const __nv_bfloat16* w, int rows, 
 // each lane 16 bytes of each row at a time. A row's sum depends only on the row, not on the
 // warp or the grid, so every way of launching gives the same bits.
 __device__ __forceinline__ void rows_times_input(const __nv_bfloat16* __restrict__ w,
-                                                 const __nv_bfloat16* __restrict__ x,
-                                                 __nv_bfloat16* __restrict__ y, int rows, int cols,
+                                                 const __nv_bfloat16* x, __nv_bfloat16* y, int rows, int cols,
                                                  uint4* staged, int warp, int warps, int lane) {
     const int chunks = cols / 8;
     const uint4* w4 = reinterpret_cast<const uint4*>(w);
     const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    for (int i = threadIdx.x; i < chunks; i += kThreads) staged[i] = x4[i];
+    // The input was written by other blocks of this launch in the one-kernel modes: read it
+    // from L2 (__ldcg), never through the non-coherent cache that may hold an older copy.
+    for (int i = threadIdx.x; i < chunks; i += kThreads) staged[i] = __ldcg(x4 + i);
     __syncthreads();
     for (int r = 2 * warp; r < rows; r += 2 * warps) {
         const bool second = r + 1 < rows;
@@ -250,6 +251,8 @@ void launch_chain(const std::vector<Stage>& stages, Mode mode, const __nv_bfloat
                 break;
             case Mode::PdlPrefetch:
                 CHECK(cudaLaunchKernelEx(&config, matvec<true, true>, s.weight, in, out, s.rows, s.cols));
+                break;
+            default:  // the one-kernel modes do not launch a chain
                 break;
         }
     }
