@@ -147,10 +147,8 @@ if want fixtures-variants; then
     # with these float32 fixtures they stay off).
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants heads-finished-apart,rows-touched-first,step-ints-on-device" \
         --kernel-variants heads-finished-apart,rows-touched-first,step-ints-on-device
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants step-ints-from-heads" \
-        --kernel-variants step-ints-from-heads
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants step-ints-from-heads,heads-finished-apart" \
-        --kernel-variants step-ints-from-heads,heads-finished-apart
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants step-ints-across-the-bus" \
+        --kernel-variants step-ints-across-the-bus
 fi
 unset MLX_ENABLE_TF32
 

@@ -579,18 +579,19 @@ fn compare_fused(
                 },
             },
             Set {
-                name: format!("{default_name}, step integers on the device"),
+                name: format!("{default_name}, step integers copied to the device"),
                 kernels: default_set,
                 tuning: Tuning {
                     step_ints_on_device: true,
+                    step_ints_from_heads: false,
                     ..default
                 },
             },
             Set {
-                name: format!("{default_name}, step integers from the heads kernel"),
+                name: format!("{default_name}, step integers across the bus"),
                 kernels: default_set,
                 tuning: Tuning {
-                    step_ints_from_heads: true,
+                    step_ints_from_heads: false,
                     ..default
                 },
             },
@@ -650,20 +651,21 @@ fn compare_fused(
                 },
             ),
             variant(
-                "step integers on the device",
+                "step integers copied to the device",
                 default_set,
                 default_name,
                 Tuning {
                     step_ints_on_device: true,
+                    step_ints_from_heads: false,
                     ..default
                 },
             ),
             variant(
-                "step integers from the heads kernel",
+                "step integers across the bus",
                 default_set,
                 default_name,
                 Tuning {
-                    step_ints_from_heads: true,
+                    step_ints_from_heads: false,
                     ..default
                 },
             ),

@@ -492,10 +492,12 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
             let v = normal(2, &[1, kv_heads, slots, d], 1.0)?;
             let splits = splits_for(slots as usize, d as usize, dtype)
                 .with_context(|| format!("decode attention does not serve D {d}, {slots} slots"))?;
-            let counters = new_counters(heads as usize)?;
+            // Each call gets its own counters: the calls do not depend on one another, so
+            // MLX may run them at once, and calls sharing counters would then miscount.
             let mut outputs = Vec::new();
             for wide in [true, false] {
                 set_wide_rounds(wide);
+                let counters = new_counters(heads as usize)?;
                 let out = decode_attention(&q, &k, &v, visible.clone(), None, splits, &counters)?;
                 outputs.push(out.as_dtype(Dtype::Float32)?);
             }
@@ -538,7 +540,7 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
                 visible.clone(),
                 Some(&on_device),
                 splits,
-                &counters,
+                &new_counters(heads as usize)?,
             )?
             .as_dtype(Dtype::Float32)?;
             let device_gap = largest(&from_device, &outputs[0])?;

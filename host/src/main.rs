@@ -170,9 +170,10 @@ struct ModelArgs {
     /// kernels ask for their first weight lines before staging their input),
     /// `step-ints-on-device` (the step's position, cache slots and visible ranges copied to
     /// device memory by an operation each, instead of read across the bus),
-    /// `step-ints-from-heads` (one thread of the attention-heads kernel reads them across the
-    /// bus early and hands them to the kernel's last block and to decode attention in device
-    /// memory: no operation more).
+    /// `step-ints-across-the-bus` (the kernels that need the step's position, cache slot and
+    /// visible range each read them from host-visible memory, as first written; by default one
+    /// thread of the attention-heads kernel reads them early and hands them on in device
+    /// memory).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
@@ -188,7 +189,7 @@ enum KernelVariantArg {
     IntegerDots,
     RowsTouchedFirst,
     StepIntsOnDevice,
-    StepIntsFromHeads,
+    StepIntsAcrossTheBus,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -246,7 +247,7 @@ impl ModelArgs {
             affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
             rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
-            step_ints_from_heads: variants.contains(&KernelVariantArg::StepIntsFromHeads),
+            step_ints_from_heads: !variants.contains(&KernelVariantArg::StepIntsAcrossTheBus),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep
