@@ -19,7 +19,8 @@
 #              host): the fastest any one-kernel-per-stage design runs here, and one boundary's cost
 #   stage-overlap  the same stages as one matrix-vector kernel each (stage_overlap.cu, nvcc):
 #              plain launches vs programmatic dependent launch, with and without L2 prefetch
-#              of each block's first weights: what overlap at the boundaries would win back
+#              of each block's first weights, and vs one persistent kernel with grid-wide
+#              barriers: what overlap at the boundaries would win back
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
 #   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
