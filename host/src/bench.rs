@@ -596,6 +596,14 @@ fn compare_fused(
                 },
             },
             Set {
+                name: format!("{default_name}, step integers handed between layers"),
+                kernels: default_set,
+                tuning: Tuning {
+                    step_ints_between_layers: true,
+                    ..default
+                },
+            },
+            Set {
                 name: format!("{default_name}, narrow attention rounds"),
                 kernels: default_set,
                 tuning: narrow,
@@ -666,6 +674,15 @@ fn compare_fused(
                 default_name,
                 Tuning {
                     step_ints_from_heads: false,
+                    ..default
+                },
+            ),
+            variant(
+                "step integers handed between layers",
+                default_set,
+                default_name,
+                Tuning {
+                    step_ints_between_layers: true,
                     ..default
                 },
             ),

@@ -198,6 +198,8 @@ pub struct Tuning {
     pub step_ints_on_device: bool,
     /// [`attention_heads::set_step_ints_from_heads`].
     pub step_ints_from_heads: bool,
+    /// [`attention_heads::set_step_ints_between_layers`].
+    pub step_ints_between_layers: bool,
 }
 
 impl Tuning {
@@ -215,6 +217,7 @@ impl Tuning {
             rows_touched_first: products::rows_touched_first(),
             step_ints_on_device: step_ints_on_device(),
             step_ints_from_heads: attention_heads::step_ints_from_heads(),
+            step_ints_between_layers: attention_heads::step_ints_between_layers(),
         }
     }
 
@@ -232,6 +235,7 @@ impl Tuning {
             rows_touched_first: false,
             step_ints_on_device: false,
             step_ints_from_heads: false,
+            step_ints_between_layers: false,
             ..self
         }
     }
@@ -248,6 +252,7 @@ impl Tuning {
         products::set_rows_touched_first(self.rows_touched_first);
         set_step_ints_on_device(self.step_ints_on_device);
         attention_heads::set_step_ints_from_heads(self.step_ints_from_heads);
+        attention_heads::set_step_ints_between_layers(self.step_ints_between_layers);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }
