@@ -611,7 +611,10 @@ mod tests {
         let copy = Array::from_slice(&[3i32, 40, 0, 0, 39, 7, 64, 0], &[8]);
         let values = |a: &Array| a.as_slice::<i32>().to_vec();
         begin_forward();
-        assert!(handed_on(39, [3, 40], Some([7, 64])).is_none(), "nothing published yet");
+        assert!(
+            handed_on(39, [3, 40], Some([7, 64])).is_none(),
+            "nothing published yet"
+        );
         hand_on(39, [3, 40], Some([7, 64]), &copy);
         let [position, slot, visible] =
             handed_on(39, [3, 40], Some([7, 64])).expect("the same integers");
