@@ -284,12 +284,12 @@ static STEP_INTS_BETWEEN_LAYERS: AtomicBool = AtomicBool::new(false);
 /// Sets whether a call whose step integers (position, visible range and, for a KV-owning
 /// layer, cache slot and capacity) equal those an earlier call of the same forward published
 /// in its `step_copy` takes them from there, in device memory, instead of from host-visible
-/// memory (`--kernel-variants step-ints-between-layers`). With [`set_step_ints_from_heads`]
-/// each call still crosses the bus once, early; the H200 profile shows the KV-owning calls
-/// paying for it (their first block cannot count itself done before the read returns). With
-/// this, only the first call of each kind of layer crosses, and the others read what it
-/// copied. Changes no value, adds three slice views per kind of layer and step (no kernel);
-/// nothing without `step_ints_from_heads`.
+/// memory (`--kernel-variants step-ints-between-layers`; [`super::hand_on_step_ints`]). With
+/// [`set_step_ints_from_heads`] each call still crosses the bus once, early; the H200 profile
+/// shows the KV-owning calls paying for it (their first block cannot count itself done
+/// before the read returns). With this, only the first call of each kind of layer crosses,
+/// and the others read what it copied. Changes no value, adds a slice view per distinct
+/// value and step (no kernel); nothing without `step_ints_from_heads`.
 pub fn set_step_ints_between_layers(on: bool) {
     STEP_INTS_BETWEEN_LAYERS.store(on, Ordering::Relaxed);
 }
@@ -299,68 +299,12 @@ pub fn step_ints_between_layers() -> bool {
     STEP_INTS_BETWEEN_LAYERS.load(Ordering::Relaxed)
 }
 
-/// Step integers a call of the current forward published in device memory, as the inputs a
-/// later call with the same values takes (views of its `step_copy`).
-struct HandedOn {
-    position: i32,
-    visible: [i32; 2],
-    /// Cache slot and capacity of a KV-owning call; `None` for a sharing one, which reads no
-    /// slot (a sharing call may take an owning call's, never the other way round).
-    slot: Option<[i32; 2]>,
-    position_input: Array,
-    slot_input: Array,
-    visible_input: Array,
-}
-
-thread_local! {
-    static HANDED_ON: RefCell<Vec<HandedOn>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Forgets the step integers earlier forwards handed on. Called as each forward starts, so a
-/// call only takes them from a kernel of its own forward: a graph an earlier forward left
-/// unevaluated must never be pulled in by a later one, since its kernels write KV caches.
-pub fn begin_forward() {
-    HANDED_ON.with(|h| h.borrow_mut().clear());
-}
-
-/// The inputs an earlier call of this forward left for these step integers, if any.
-fn handed_on(position: i32, visible: [i32; 2], slot: Option<[i32; 2]>) -> Option<[Array; 3]> {
-    HANDED_ON.with(|h| {
-        h.borrow()
-            .iter()
-            .find(|e| {
-                e.position == position && e.visible == visible && (slot.is_none() || e.slot == slot)
-            })
-            .map(|e| {
-                [
-                    e.position_input.clone(),
-                    e.slot_input.clone(),
-                    e.visible_input.clone(),
-                ]
-            })
-    })
-}
-
-/// Keeps the step integers of a call's `step_copy` for later calls of this forward. Layout
-/// (see the kernel): visible range at 0 and 1, then position, slot and capacity at 4, 5, 6
-/// for the first group of blocks.
-fn hand_on(position: i32, visible: [i32; 2], slot: Option<[i32; 2]>, copy: &Array) {
-    let entry = HandedOn {
-        position,
-        visible,
-        slot,
-        position_input: copy.index(4..5),
-        slot_input: copy.index(5..7),
-        visible_input: copy.index(0..2),
-    };
-    HANDED_ON.with(|h| {
-        let mut h = h.borrow_mut();
-        // A forward has two kinds of layer, each owning or sharing: a few entries at most.
-        if h.len() >= 8 {
-            h.remove(0);
-        }
-        h.push(entry);
-    });
+/// Views of a call's `step_copy` holding the integers the kernel read, for
+/// [`super::hand_on_step_ints`]: (position, slot and capacity, visible range). Layout (see the
+/// kernel): the visible range at 0 and 1, then position, slot and capacity at 4, 5 and 6 for
+/// the first group of blocks.
+fn step_copy_views(copy: &Array) -> [Array; 3] {
+    [copy.index(4..5), copy.index(5..7), copy.index(0..2)]
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
@@ -454,7 +398,7 @@ pub fn attention_heads(
         }
         None => (weights.q, weights.q, weights.q_norm, false),
     };
-    let (k_cache, v_cache, slot, own_slot) = match &cache {
+    let (k_cache, v_cache, slot_values) = match &cache {
         Some(c) => {
             let capacity = c.keys.shape()[2];
             for buffer in [c.keys, c.values] {
@@ -477,12 +421,12 @@ pub fn attention_heads(
                     c.slot
                 );
             }
-            let own = [c.slot as i32, capacity];
-            (c.keys, c.values, step_ints(&own)?, Some(own))
+            (c.keys, c.values, [c.slot as i32, capacity])
         }
         // A sharing layer writes nothing: the query's arrays stand in for the unused inputs.
-        None => (x, x, step_ints(&[0, 0])?, None),
+        None => (x, x, [0, 0]),
     };
+    let slot = step_ints(&slot_values)?;
     let rows = shape.heads * d + nkv * d * if k_eq_v { 1 } else { 2 };
     // A counter per head whose rows the kernel makes (set_heads_finished_apart), where the
     // call site has that many and a block's rows lie in one head.
@@ -492,23 +436,10 @@ pub fn attention_heads(
         && counter.size() >= row_heads as usize
         && counter.dtype() == Dtype::Uint32;
     let early = step_ints_from_heads();
-    let position_value = position as i32;
+    let position_values = [position as i32];
     let visible_values = [visible.start as i32, visible.end as i32];
-    let between_layers = early && step_ints_between_layers();
-    let handed = if between_layers {
-        handed_on(position_value, visible_values, own_slot)
-    } else {
-        None
-    };
-    let taken = handed.is_some();
-    let (position, slot, visible) = match handed {
-        Some([position, slot, visible]) => (position, slot, Some(visible)),
-        None => (
-            step_ints(&[position_value])?,
-            slot,
-            early.then(|| step_ints(&visible_values)).transpose()?,
-        ),
-    };
+    let position = step_ints(&position_values)?;
+    let visible = early.then(|| step_ints(&visible_values)).transpose()?;
     let [wq, wq_s, wq_b] = weights.q.inputs();
     let [wk, wk_s, wk_b] = wk.inputs();
     let [wv, wv_s, wv_b] = wv.inputs();
@@ -573,8 +504,12 @@ pub fn attention_heads(
             ],
         )?;
         let step_copy = if early { out.pop() } else { None };
-        if let (true, false, Some(copy)) = (between_layers, taken, &step_copy) {
-            hand_on(position_value, visible_values, own_slot, copy);
+        if let (true, Some(copy)) = (step_ints_between_layers(), &step_copy) {
+            // Later layers of this forward with the same values read them from this copy.
+            let [position, slot, visible] = step_copy_views(copy);
+            super::hand_on_step_ints(&position_values, || position);
+            super::hand_on_step_ints(&slot_values, || slot);
+            super::hand_on_step_ints(&visible_values, || visible);
         }
         Ok(AttentionHeads {
             q: out.swap_remove(0),
@@ -605,36 +540,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn step_integers_are_handed_on_only_where_they_are_equal() {
+    fn step_copy_views_hold_what_the_kernel_copied() {
         // A step_copy as the kernel lays it out: visible range, two unused, then position,
         // slot and capacity of the first group.
         let copy = Array::from_slice(&[3i32, 40, 0, 0, 39, 7, 64, 0], &[8]);
-        let values = |a: &Array| a.as_slice::<i32>().to_vec();
-        begin_forward();
-        assert!(
-            handed_on(39, [3, 40], Some([7, 64])).is_none(),
-            "nothing published yet"
-        );
-        hand_on(39, [3, 40], Some([7, 64]), &copy);
-        let [position, slot, visible] =
-            handed_on(39, [3, 40], Some([7, 64])).expect("the same integers");
-        assert_eq!(values(&position), [39]);
-        assert_eq!(values(&slot), [7, 64]);
-        assert_eq!(values(&visible), [3, 40]);
-        // A sharing call (no slot of its own) may take an owning call's integers ...
-        assert!(handed_on(39, [3, 40], None).is_some());
-        // ... but any other position, range or slot must not.
-        assert!(handed_on(40, [3, 40], Some([7, 64])).is_none());
-        assert!(handed_on(39, [0, 40], Some([7, 64])).is_none());
-        assert!(handed_on(39, [3, 40], Some([8, 64])).is_none());
-        // An owning call never takes a sharing call's (its slot would be missing).
-        begin_forward();
-        hand_on(39, [3, 40], None, &copy);
-        assert!(handed_on(39, [3, 40], Some([7, 64])).is_none());
-        assert!(handed_on(39, [3, 40], None).is_some());
-        // A new forward starts with nothing handed on.
-        begin_forward();
-        assert!(handed_on(39, [3, 40], None).is_none());
+        let [position, slot, visible] = step_copy_views(&copy);
+        assert_eq!(position.as_slice::<i32>(), &[39]);
+        assert_eq!(slot.as_slice::<i32>(), &[7, 64]);
+        assert_eq!(visible.as_slice::<i32>(), &[3, 40]);
     }
 
     #[test]
@@ -708,24 +621,28 @@ mod tests {
             head_dim: 64,
         };
         let buffer = Array::zeros::<f32>(&[1, 1, 8, 64]).unwrap();
-        let cache = CacheSlot {
-            keys: &buffer,
-            values: &buffer,
-            slot: 0,
-        };
         let counter = Array::zeros::<u32>(&[16]).unwrap();
-        let err = attention_heads(
-            &x,
-            &norm,
-            1e-6,
-            &weights,
-            &shape,
-            0,
-            Some(cache),
-            0..0,
-            &counter,
-        )
-        .unwrap_err();
+        // The error of one call writing slot 0 of the buffer with these weights.
+        let error_with = |weights: &HeadWeights| {
+            let cache = CacheSlot {
+                keys: &buffer,
+                values: &buffer,
+                slot: 0,
+            };
+            attention_heads(
+                &x,
+                &norm,
+                1e-6,
+                weights,
+                &shape,
+                0,
+                Some(cache),
+                0..0,
+                &counter,
+            )
+            .unwrap_err()
+        };
+        let err = error_with(&weights);
         assert!(err.to_string().contains("mix layouts"), "{err}");
         // A k weight of the wrong shape is named.
         let narrow = Array::zeros::<f32>(&[32, 64]).unwrap();
@@ -733,23 +650,7 @@ mod tests {
             kv: Some((Weight::Dense(&narrow), None, &norm)),
             ..weights
         };
-        let cache = CacheSlot {
-            keys: &buffer,
-            values: &buffer,
-            slot: 0,
-        };
-        let err = attention_heads(
-            &x,
-            &norm,
-            1e-6,
-            &weights,
-            &shape,
-            0,
-            Some(cache),
-            0..0,
-            &counter,
-        )
-        .unwrap_err();
+        let err = error_with(&weights);
         assert!(err.to_string().contains("the k weight"), "{err}");
     }
 }
