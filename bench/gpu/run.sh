@@ -61,7 +61,8 @@
 #              kernel, the 4-bit attention-heads and product kernels at 1 and 2 rows a warp,
 #              with the output head kernel, the variants, then with the per-layer-input kernel
 #              QUICK_ROUNDS (default 2; at least 3 are run) and QUICK_TOKENS (default 64) set
-#              the rounds of quick and quick-q4 and the tokens decoded in each
+#              the rounds of quick and quick-q4 and the tokens decoded in each, QUICK_SETS
+#              (names separated by ';') the sets measured
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
@@ -354,18 +355,26 @@ if want sanitize; then
     sanitize "memcheck, our kernels with post-attention" memcheck-ours.txt --tool memcheck --kernel-name kns=custom_kernel --print-limit 20
 fi
 
+# QUICK_SETS: the quick/quick-q4 sets to measure, by the names their reports give them,
+# separated by ';' (`none` always runs; default: every set).
+QUICK_SET_ARGS=()
+IFS=';' read -ra QUICK_PICKED <<<"${QUICK_SETS:-}"
+for s in "${QUICK_PICKED[@]}"; do
+    [[ -n "$s" ]] && QUICK_SET_ARGS+=(--compare-set "$s")
+done
+
 if want quick; then
     # Nine sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
     # on a cold kernel cache.
     # -v: each set's rate is logged as it comes (bench.err), kept should a set end the process.
-    BENCH_TIMEOUT="${QUICK_TIMEOUT:-480}" bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused
+    BENCH_TIMEOUT="${QUICK_TIMEOUT:-480}" bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused "${QUICK_SET_ARGS[@]}"
 fi
 
 if want quick-q4; then
     # The 4-bit E4B: MLX's quantized products against our kernels over 4-bit rows, in each
     # of their ways, alternated in one process.
     BENCH_TIMEOUT="${QUICK_TIMEOUT:-400}" bench "mlx-spec E4B 4-bit g64 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
-        --random-bits 4 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused
+        --random-bits 4 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused "${QUICK_SET_ARGS[@]}"
 fi
 
 if want host; then

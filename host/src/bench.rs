@@ -711,6 +711,7 @@ fn compare_fused(
             ),
         ]
     };
+    let sets = only_named(sets, &args.compare_sets, |s| &s.name)?;
     let mut rates = vec![Vec::new(); sets.len()];
     let mut splits = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
@@ -817,6 +818,31 @@ fn compare_fused(
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0f32, |m, d| if d.is_nan() || d > m { d } else { m }),
         })
+        .collect())
+}
+
+/// The sets of `--compare-fused` that `--compare-set` names, in their order, with the first
+/// (`none`, the baseline of the logit gaps) always kept; all of them when none is named. A
+/// name no set has is an error that lists the names.
+fn only_named<S>(sets: Vec<S>, names: &[String], name: impl Fn(&S) -> &str) -> Result<Vec<S>> {
+    if names.is_empty() {
+        return Ok(sets);
+    }
+    if let Some(unknown) = names
+        .iter()
+        .find(|n| !sets.iter().any(|s| name(s) == n.as_str()))
+    {
+        let known: Vec<&str> = sets.iter().map(&name).collect();
+        bail!(
+            "--compare-set {unknown:?}: no such set; the sets are: {}",
+            known.join(" | ")
+        );
+    }
+    Ok(sets
+        .into_iter()
+        .enumerate()
+        .filter(|(i, s)| *i == 0 || names.iter().any(|n| n == name(s)))
+        .map(|(_, s)| s)
         .collect())
 }
 
@@ -1194,4 +1220,29 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::only_named;
+
+    #[test]
+    fn compare_set_keeps_the_named_sets_and_the_baseline() {
+        let sets = vec!["none", "default", "default, variant", "other"];
+        let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let all = only_named(sets.clone(), &[], |s| s).unwrap();
+        assert_eq!(all, sets);
+        let picked = only_named(sets.clone(), &names(&["other", "default"]), |s| s).unwrap();
+        assert_eq!(
+            picked,
+            vec!["none", "default", "other"],
+            "order of the sets, none kept"
+        );
+        let err = only_named(sets, &names(&["defualt"]), |s| s).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("\"defualt\"") && text.contains("default, variant"),
+            "{text}"
+        );
+    }
 }

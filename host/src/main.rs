@@ -355,6 +355,11 @@ struct BenchArgs {
     /// process; fails if the post-attention kernel changes the greedy tokens of its twin.
     #[arg(long)]
     compare_fused: bool,
+    /// With `--compare-fused`: measure only the set of this name (as the report names it;
+    /// repeat the option for several). `none`, from which the logit gaps are measured, always
+    /// runs; a set whose twin is not listed is not checked against it.
+    #[arg(long = "compare-set", value_name = "NAME", requires = "compare_fused")]
+    compare_sets: Vec<String>,
     /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
     /// the CPU, with the same weights in one process, and fail unless the tokens agree (use
     /// `--dtype f32`, and `MLX_ENABLE_TF32=0` on CUDA).

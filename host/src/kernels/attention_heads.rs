@@ -299,12 +299,25 @@ pub fn step_ints_between_layers() -> bool {
     STEP_INTS_BETWEEN_LAYERS.load(Ordering::Relaxed)
 }
 
-/// Views of a call's `step_copy` holding the integers the kernel read, for
-/// [`super::hand_on_step_ints`]: (position, slot and capacity, visible range). Layout (see the
-/// kernel): the visible range at 0 and 1, then position, slot and capacity at 4, 5 and 6 for
-/// the first group of blocks.
-fn step_copy_views(copy: &Array) -> [Array; 3] {
-    [copy.index(4..5), copy.index(5..7), copy.index(0..2)]
+/// Which integers of a call's `step_copy` a view holds.
+#[derive(Clone, Copy)]
+enum StepCopyPart {
+    Position,
+    SlotAndCapacity,
+    Visible,
+}
+
+/// The view of a call's `step_copy` holding `part`, for [`super::hand_on_step_ints`].
+/// Layout (see the kernel): the visible range at 0 and 1, then position, slot and capacity
+/// at 4, 5 and 6 for the first group of blocks. Made only when handed on: a view is a lazy
+/// operation the host builds, and three a layer cost more host time than the variant saves
+/// on the device (BENCHMARKS.md).
+fn step_copy_view(copy: &Array, part: StepCopyPart) -> Array {
+    match part {
+        StepCopyPart::Position => copy.index(4..5),
+        StepCopyPart::SlotAndCapacity => copy.index(5..7),
+        StepCopyPart::Visible => copy.index(0..2),
+    }
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
@@ -506,10 +519,14 @@ pub fn attention_heads(
         let step_copy = if early { out.pop() } else { None };
         if let (true, Some(copy)) = (step_ints_between_layers(), &step_copy) {
             // Later layers of this forward with the same values read them from this copy.
-            let [position, slot, visible] = step_copy_views(copy);
-            super::hand_on_step_ints(&position_values, || position);
-            super::hand_on_step_ints(&slot_values, || slot);
-            super::hand_on_step_ints(&visible_values, || visible);
+            // Views are made only for values not handed on yet: in a step, the first layer
+            // of each kind.
+            let view = |part| move || step_copy_view(copy, part);
+            super::hand_on_step_ints(&position_values, view(StepCopyPart::Position));
+            if nkv > 0 {
+                super::hand_on_step_ints(&slot_values, view(StepCopyPart::SlotAndCapacity));
+            }
+            super::hand_on_step_ints(&visible_values, view(StepCopyPart::Visible));
         }
         Ok(AttentionHeads {
             q: out.swap_remove(0),
@@ -544,10 +561,13 @@ mod tests {
         // A step_copy as the kernel lays it out: visible range, two unused, then position,
         // slot and capacity of the first group.
         let copy = Array::from_slice(&[3i32, 40, 0, 0, 39, 7, 64, 0], &[8]);
-        let [position, slot, visible] = step_copy_views(&copy);
-        assert_eq!(position.as_slice::<i32>(), &[39]);
-        assert_eq!(slot.as_slice::<i32>(), &[7, 64]);
-        assert_eq!(visible.as_slice::<i32>(), &[3, 40]);
+        let view = |part| step_copy_view(&copy, part);
+        assert_eq!(view(StepCopyPart::Position).as_slice::<i32>(), &[39]);
+        assert_eq!(
+            view(StepCopyPart::SlotAndCapacity).as_slice::<i32>(),
+            &[7, 64]
+        );
+        assert_eq!(view(StepCopyPart::Visible).as_slice::<i32>(), &[3, 40]);
     }
 
     #[test]
