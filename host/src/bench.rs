@@ -604,6 +604,14 @@ fn compare_fused(
                 },
             },
             Set {
+                name: format!("{default_name}, weights as stand-ins"),
+                kernels: default_set,
+                tuning: Tuning {
+                    unread_stand_ins: false,
+                    ..default
+                },
+            },
+            Set {
                 name: format!("{default_name}, narrow attention rounds"),
                 kernels: default_set,
                 tuning: narrow,
@@ -683,6 +691,15 @@ fn compare_fused(
                 default_name,
                 Tuning {
                     step_ints_between_layers: true,
+                    ..default
+                },
+            ),
+            variant(
+                "weights as stand-ins",
+                default_set,
+                default_name,
+                Tuning {
+                    unread_stand_ins: false,
                     ..default
                 },
             ),

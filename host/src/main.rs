@@ -175,7 +175,9 @@ struct ModelArgs {
     /// crossing per kind of layer and step), `step-ints-across-the-bus` (the kernels that need the step's position, cache slot and
     /// visible range each read them from host-visible memory, as first written; by default one
     /// thread of the attention-heads kernel reads them early and hands them on in device
-    /// memory).
+    /// memory), `weights-as-stand-ins` (kernel inputs a kernel does not read, such as a dense
+    /// weight's scales, are the weight itself, as first written; by default a 4-byte array,
+    /// since MLX counts every input's bytes towards when it commits a CUDA graph).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
@@ -193,6 +195,7 @@ enum KernelVariantArg {
     StepIntsOnDevice,
     StepIntsAcrossTheBus,
     StepIntsBetweenLayers,
+    WeightsAsStandIns,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -252,6 +255,7 @@ impl ModelArgs {
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
             step_ints_from_heads: !variants.contains(&KernelVariantArg::StepIntsAcrossTheBus),
             step_ints_between_layers: variants.contains(&KernelVariantArg::StepIntsBetweenLayers),
+            unread_stand_ins: !variants.contains(&KernelVariantArg::WeightsAsStandIns),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep

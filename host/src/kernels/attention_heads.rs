@@ -409,7 +409,15 @@ pub fn attention_heads(
             }
             (wk, wv.unwrap_or(wk), k_norm, wv.is_none())
         }
-        None => (weights.q, weights.q, weights.q_norm, false),
+        // A sharing layer has no key or value weights: a dense stand-in the kernel never
+        // reads (it makes no key or value rows), 4 bytes for MLX's per-graph input count.
+        None if !super::post_attention::unread_stand_ins() => {
+            (weights.q, weights.q, weights.q_norm, false)
+        }
+        None => {
+            let unread = Weight::Dense(super::post_attention::unread_input());
+            (unread, unread, weights.q_norm, false)
+        }
     };
     let (k_cache, v_cache, slot_values) = match &cache {
         Some(c) => {
@@ -436,8 +444,12 @@ pub fn attention_heads(
             }
             (c.keys, c.values, [c.slot as i32, capacity])
         }
-        // A sharing layer writes nothing: the query's arrays stand in for the unused inputs.
-        None => (x, x, [0, 0]),
+        // A sharing layer writes nothing: a 4-byte array stands in for the unused buffers.
+        None if !super::post_attention::unread_stand_ins() => (x, x, [0, 0]),
+        None => {
+            let unread = super::post_attention::unread_input();
+            (unread, unread, [0, 0])
+        }
     };
     let slot = step_ints(&slot_values)?;
     let rows = shape.heads * d + nkv * d * if k_eq_v { 1 } else { 2 };

@@ -237,6 +237,8 @@ pub struct Tuning {
     pub step_ints_from_heads: bool,
     /// [`attention_heads::set_step_ints_between_layers`].
     pub step_ints_between_layers: bool,
+    /// [`post_attention::set_unread_stand_ins`].
+    pub unread_stand_ins: bool,
 }
 
 impl Tuning {
@@ -255,13 +257,14 @@ impl Tuning {
             step_ints_on_device: step_ints_on_device(),
             step_ints_from_heads: attention_heads::step_ints_from_heads(),
             step_ints_between_layers: attention_heads::step_ints_between_layers(),
+            unread_stand_ins: post_attention::unread_stand_ins(),
         }
     }
 
     /// These settings with those that change no value (how rows are spread over warps, the
     /// post-attention kernel's row pairs, loads in flight, which block finishes the attention
     /// heads, weight lines requested early, where the step's integers live and how they reach
-    /// the kernels) put to fixed values: two tunings with equal `value_settings` compute the
+    /// the kernels, what stands in for inputs a kernel does not read) put to fixed values: two tunings with equal `value_settings` compute the
     /// same values bit for bit, with the same kernels.
     pub fn value_settings(self) -> Tuning {
         Tuning {
@@ -273,6 +276,7 @@ impl Tuning {
             step_ints_on_device: false,
             step_ints_from_heads: false,
             step_ints_between_layers: false,
+            unread_stand_ins: false,
             ..self
         }
     }
@@ -290,6 +294,7 @@ impl Tuning {
         set_step_ints_on_device(self.step_ints_on_device);
         attention_heads::set_step_ints_from_heads(self.step_ints_from_heads);
         attention_heads::set_step_ints_between_layers(self.step_ints_between_layers);
+        post_attention::set_unread_stand_ins(self.unread_stand_ins);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

@@ -395,11 +395,18 @@ impl<'a> Weight<'a> {
         }
     }
 
-    /// The kernel's three inputs for this matrix: values, scales, biases (a dense matrix
-    /// stands in for its own scales and biases, which the kernel then never reads).
+    /// The kernel's three inputs for this matrix: values, scales, biases. A dense matrix has
+    /// none of the last two, which the kernel then never reads: a 4-byte [`unread_input`]
+    /// stands in for them. (It stood in for them itself until 2026-12-01: MLX counts every
+    /// input's bytes towards the 1 000 MB after which it commits a CUDA graph on an H200,
+    /// so a dense step counted its weights three times and committed three times as often.)
     pub(crate) fn inputs(&self) -> [&'a Array; 3] {
         match *self {
-            Weight::Dense(w) => [w, w, w],
+            Weight::Dense(w) if !unread_stand_ins() => [w, w, w],
+            Weight::Dense(w) => {
+                let unread = unread_input();
+                [w, unread, unread]
+            }
             Weight::Affine4 {
                 packed,
                 scales,
@@ -407,6 +414,34 @@ impl<'a> Weight<'a> {
             } => [packed, scales, biases],
         }
     }
+}
+
+thread_local! {
+    // One per thread, alive for the process: kernels take it on every call.
+    static UNREAD_INPUT: &'static Array = Box::leak(Box::new(Array::from_slice(&[0i32], &[1])));
+}
+
+static UNREAD_STAND_INS: AtomicBool = AtomicBool::new(true);
+
+/// Sets whether kernel inputs a kernel does not read get the 4-byte [`unread_input`] (the
+/// default), or, as before 2026-12-01, an array of the call at hand (the weight itself for
+/// its scales and biases, the query weight for a sharing layer's key and value weights).
+/// Changes no value; `--kernel-variants weights-as-stand-ins` measures the old way.
+pub fn set_unread_stand_ins(on: bool) {
+    UNREAD_STAND_INS.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_unread_stand_ins`] setting.
+pub fn unread_stand_ins() -> bool {
+    UNREAD_STAND_INS.load(Ordering::Relaxed)
+}
+
+/// A 4-byte array for kernel inputs the kernel does not read (a dense weight's scales and
+/// biases, a KV-sharing layer's key and value weights), so that MLX counts 4 bytes for them
+/// towards its per-graph input budget, not a weight's size. Not `Send` (`&Array`), so it stays
+/// on the thread that made it, as MLX arrays of a stream do.
+pub(crate) fn unread_input() -> &'static Array {
+    UNREAD_INPUT.with(|a| *a)
 }
 
 /// The weights of a layer after its attention heads, all dense or all 4-bit affine with one
@@ -652,6 +687,30 @@ pub fn post_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dense_weight_hands_its_kernel_4_bytes_for_the_scales_it_has_not() {
+        let w = Array::zeros::<f32>(&[64, 32]).unwrap();
+        let [values, scales, biases] = Weight::Dense(&w).inputs();
+        assert_eq!(values.nbytes(), 64 * 32 * 4);
+        assert_eq!((scales.nbytes(), biases.nbytes()), (4, 4));
+        // The old way, one process-wide switch: the weight stands in for both.
+        set_unread_stand_ins(false);
+        let [_, scales_then, _] = Weight::Dense(&w).inputs();
+        let nbytes_then = scales_then.nbytes();
+        set_unread_stand_ins(true);
+        assert_eq!(nbytes_then, 64 * 32 * 4);
+        // A 4-bit weight hands on its own three arrays.
+        let packed = Array::zeros::<u32>(&[64, 4]).unwrap();
+        let group_scales = Array::zeros::<f32>(&[64, 1]).unwrap();
+        let q = Weight::Affine4 {
+            packed: &packed,
+            scales: &group_scales,
+            biases: &group_scales,
+        };
+        let [p, s, _] = q.inputs();
+        assert_eq!((p.nbytes(), s.nbytes()), (64 * 4 * 4, 64 * 4));
+    }
 
     #[test]
     fn serves_whole_loads_that_fit_shared_memory() {
