@@ -176,7 +176,7 @@ struct ModelArgs {
     /// visible range each read them from host-visible memory, as first written; by default one
     /// thread of the attention-heads kernel reads them early and hands them on in device
     /// memory), `weights-as-stand-ins` (kernel inputs a kernel does not read, such as a dense
-    /// weight's scales, are the weight itself, as first written; by default a 4-byte array,
+    /// weight's scales, are the weight itself, as first written; by default a one-element array,
     /// since MLX counts every input's bytes towards when it commits a CUDA graph).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,

@@ -415,7 +415,7 @@ pub fn attention_heads(
             (weights.q, weights.q, weights.q_norm, false)
         }
         None => {
-            let unread = Weight::Dense(super::post_attention::unread_input());
+            let unread = Weight::Dense(super::post_attention::unread_input(dtype));
             (unread, unread, weights.q_norm, false)
         }
     };
@@ -444,10 +444,10 @@ pub fn attention_heads(
             }
             (c.keys, c.values, [c.slot as i32, capacity])
         }
-        // A sharing layer writes nothing: a 4-byte array stands in for the unused buffers.
+        // A sharing layer writes nothing: a one-element array stands in for the unused buffers.
         None if !super::post_attention::unread_stand_ins() => (x, x, [0, 0]),
         None => {
-            let unread = super::post_attention::unread_input();
+            let unread = super::post_attention::unread_input(dtype);
             (unread, unread, [0, 0])
         }
     };

@@ -396,7 +396,7 @@ impl<'a> Weight<'a> {
     }
 
     /// The kernel's three inputs for this matrix: values, scales, biases. A dense matrix has
-    /// none of the last two, which the kernel then never reads: a 4-byte [`unread_input`]
+    /// none of the last two, which the kernel then never reads: a one-element [`unread_input`]
     /// stands in for them. (It stood in for them itself until 2026-12-01: MLX counts every
     /// input's bytes towards the 1 000 MB after which it commits a CUDA graph on an H200,
     /// so a dense step counted its weights three times and committed three times as often.)
@@ -404,7 +404,7 @@ impl<'a> Weight<'a> {
         match *self {
             Weight::Dense(w) if !unread_stand_ins() => [w, w, w],
             Weight::Dense(w) => {
-                let unread = unread_input();
+                let unread = unread_input(w.dtype());
                 [w, unread, unread]
             }
             Weight::Affine4 {
@@ -417,13 +417,13 @@ impl<'a> Weight<'a> {
 }
 
 thread_local! {
-    // One per thread, alive for the process: kernels take it on every call.
-    static UNREAD_INPUT: &'static Array = Box::leak(Box::new(Array::from_slice(&[0i32], &[1])));
+    // One per thread and dtype, alive for the process: kernels take them on every call.
+    static UNREAD_INPUTS: RefCell<Vec<&'static Array>> = const { RefCell::new(Vec::new()) };
 }
 
 static UNREAD_STAND_INS: AtomicBool = AtomicBool::new(true);
 
-/// Sets whether kernel inputs a kernel does not read get the 4-byte [`unread_input`] (the
+/// Sets whether kernel inputs a kernel does not read get a one-element [`unread_input`] (the
 /// default), or, as before 2026-12-01, an array of the call at hand (the weight itself for
 /// its scales and biases, the query weight for a sharing layer's key and value weights).
 /// Changes no value; `--kernel-variants weights-as-stand-ins` measures the old way.
@@ -436,12 +436,26 @@ pub fn unread_stand_ins() -> bool {
     UNREAD_STAND_INS.load(Ordering::Relaxed)
 }
 
-/// A 4-byte array for kernel inputs the kernel does not read (a dense weight's scales and
-/// biases, a KV-sharing layer's key and value weights), so that MLX counts 4 bytes for them
-/// towards its per-graph input budget, not a weight's size. Not `Send` (`&Array`), so it stays
-/// on the thread that made it, as MLX arrays of a stream do.
-pub(crate) fn unread_input() -> &'static Array {
-    UNREAD_INPUT.with(|a| *a)
+/// A one-element array of `dtype` for kernel inputs the kernel does not read (a dense
+/// weight's scales and biases, a KV-sharing layer's key and value weights and buffers), so
+/// that MLX counts a few bytes for them towards its per-graph input budget, not a weight's
+/// size. Of the dtype the input's parameter has: MLX writes each parameter's type from its
+/// array's dtype (an int32 stand-in for bf16 scales does not compile). Not `Send` (`&Array`),
+/// so it stays on the thread that made it, as MLX arrays of a stream do.
+pub(crate) fn unread_input(dtype: Dtype) -> &'static Array {
+    UNREAD_INPUTS.with(|cell| {
+        let mut made = cell.borrow_mut();
+        if let Some(a) = made.iter().find(|a| a.dtype() == dtype) {
+            return *a;
+        }
+        let zero = Array::from_slice(&[0i32], &[1]);
+        let a = zero.as_dtype(dtype).unwrap_or(zero);
+        // Evaluated here, once, so that no step carries its conversion.
+        let _ = a.eval();
+        let a: &'static Array = Box::leak(Box::new(a));
+        made.push(a);
+        a
+    })
 }
 
 /// The weights of a layer after its attention heads, all dense or all 4-bit affine with one
@@ -694,6 +708,17 @@ mod tests {
         let [values, scales, biases] = Weight::Dense(&w).inputs();
         assert_eq!(values.nbytes(), 64 * 32 * 4);
         assert_eq!((scales.nbytes(), biases.nbytes()), (4, 4));
+        // Of the weight's dtype: MLX types each kernel parameter by its array.
+        assert_eq!(
+            (scales.dtype(), biases.dtype()),
+            (Dtype::Float32, Dtype::Float32)
+        );
+        let b = Array::zeros::<f32>(&[8, 8])
+            .unwrap()
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap();
+        let [_, b_scales, _] = Weight::Dense(&b).inputs();
+        assert_eq!((b_scales.dtype(), b_scales.nbytes()), (Dtype::Bfloat16, 2));
         // The old way, one process-wide switch: the weight stands in for both.
         set_unread_stand_ins(false);
         let [_, scales_then, _] = Weight::Dense(&w).inputs();
