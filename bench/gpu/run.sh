@@ -151,8 +151,8 @@ if want fixtures-variants; then
         --kernel-variants heads-finished-apart,rows-touched-first,step-ints-on-device
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants step-ints-across-the-bus" \
         --kernel-variants step-ints-across-the-bus
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants step-ints-between-layers,heads-finished-apart" \
-        --kernel-variants step-ints-between-layers,heads-finished-apart
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants weights-as-stand-ins" \
+        --kernel-variants weights-as-stand-ins
 fi
 unset MLX_ENABLE_TF32
 

@@ -596,14 +596,6 @@ fn compare_fused(
                 },
             },
             Set {
-                name: format!("{default_name}, step integers handed between layers"),
-                kernels: default_set,
-                tuning: Tuning {
-                    step_ints_between_layers: true,
-                    ..default
-                },
-            },
-            Set {
                 name: format!("{default_name}, weights as stand-ins"),
                 kernels: default_set,
                 tuning: Tuning {
@@ -682,15 +674,6 @@ fn compare_fused(
                 default_name,
                 Tuning {
                     step_ints_from_heads: false,
-                    ..default
-                },
-            ),
-            variant(
-                "step integers handed between layers",
-                default_set,
-                default_name,
-                Tuning {
-                    step_ints_between_layers: true,
                     ..default
                 },
             ),

@@ -170,9 +170,7 @@ struct ModelArgs {
     /// kernels ask for their first weight lines before staging their input),
     /// `step-ints-on-device` (the step's position, cache slots and visible ranges copied to
     /// device memory by an operation each, instead of read across the bus),
-    /// `step-ints-between-layers` (a layer takes the step's integers from an earlier layer's
-    /// attention-heads kernel, in device memory, where their values are the same: one bus
-    /// crossing per kind of layer and step), `step-ints-across-the-bus` (the kernels that need the step's position, cache slot and
+    /// `step-ints-across-the-bus` (the kernels that need the step's position, cache slot and
     /// visible range each read them from host-visible memory, as first written; by default one
     /// thread of the attention-heads kernel reads them early and hands them on in device
     /// memory), `weights-as-stand-ins` (kernel inputs a kernel does not read, such as a dense
@@ -194,7 +192,6 @@ enum KernelVariantArg {
     RowsTouchedFirst,
     StepIntsOnDevice,
     StepIntsAcrossTheBus,
-    StepIntsBetweenLayers,
     WeightsAsStandIns,
 }
 
@@ -254,7 +251,6 @@ impl ModelArgs {
             rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
             step_ints_from_heads: !variants.contains(&KernelVariantArg::StepIntsAcrossTheBus),
-            step_ints_between_layers: variants.contains(&KernelVariantArg::StepIntsBetweenLayers),
             unread_stand_ins: !variants.contains(&KernelVariantArg::WeightsAsStandIns),
             ..mlx_spec::kernels::Tuning::current()
         };

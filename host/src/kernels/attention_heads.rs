@@ -23,7 +23,6 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{anyhow, bail, Result};
-use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
 use super::affine4::HEADER as AFFINE4_HEADER;
@@ -279,47 +278,6 @@ pub fn step_ints_from_heads() -> bool {
     STEP_INTS_FROM_HEADS.load(Ordering::Relaxed)
 }
 
-static STEP_INTS_BETWEEN_LAYERS: AtomicBool = AtomicBool::new(false);
-
-/// Sets whether a call whose step integers (position, visible range and, for a KV-owning
-/// layer, cache slot and capacity) equal those an earlier call of the same forward published
-/// in its `step_copy` takes them from there, in device memory, instead of from host-visible
-/// memory (`--kernel-variants step-ints-between-layers`; [`super::hand_on_step_ints`]). With
-/// [`set_step_ints_from_heads`] each call still crosses the bus once, early; the H200 profile
-/// shows the KV-owning calls paying for it (their first block cannot count itself done
-/// before the read returns). With this, only the first call of each kind of layer crosses,
-/// and the others read what it copied. Changes no value, adds a slice view per distinct
-/// value and step (no kernel); nothing without `step_ints_from_heads`.
-pub fn set_step_ints_between_layers(on: bool) {
-    STEP_INTS_BETWEEN_LAYERS.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_step_ints_between_layers`] setting.
-pub fn step_ints_between_layers() -> bool {
-    STEP_INTS_BETWEEN_LAYERS.load(Ordering::Relaxed)
-}
-
-/// Which integers of a call's `step_copy` a view holds.
-#[derive(Clone, Copy)]
-enum StepCopyPart {
-    Position,
-    SlotAndCapacity,
-    Visible,
-}
-
-/// The view of a call's `step_copy` holding `part`, for [`super::hand_on_step_ints`].
-/// Layout (see the kernel): the visible range at 0 and 1, then position, slot and capacity
-/// at 4, 5 and 6 for the first group of blocks. Made only when handed on: a view is a lazy
-/// operation the host builds, and three a layer cost more host time than the variant saves
-/// on the device (BENCHMARKS.md).
-fn step_copy_view(copy: &Array, part: StepCopyPart) -> Array {
-    match part {
-        StepCopyPart::Position => copy.index(4..5),
-        StepCopyPart::SlotAndCapacity => copy.index(5..7),
-        StepCopyPart::Visible => copy.index(0..2),
-    }
-}
-
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
 /// rotate-half pairs per lane.
 pub fn serves(head_dim: usize, dtype: Dtype) -> bool {
@@ -529,17 +487,6 @@ pub fn attention_heads(
             ],
         )?;
         let step_copy = if early { out.pop() } else { None };
-        if let (true, Some(copy)) = (step_ints_between_layers(), &step_copy) {
-            // Later layers of this forward with the same values read them from this copy.
-            // Views are made only for values not handed on yet: in a step, the first layer
-            // of each kind.
-            let view = |part| move || step_copy_view(copy, part);
-            super::hand_on_step_ints(&position_values, view(StepCopyPart::Position));
-            if nkv > 0 {
-                super::hand_on_step_ints(&slot_values, view(StepCopyPart::SlotAndCapacity));
-            }
-            super::hand_on_step_ints(&visible_values, view(StepCopyPart::Visible));
-        }
         Ok(AttentionHeads {
             q: out.swap_remove(0),
             step_copy,
@@ -567,20 +514,6 @@ fn is_row_contiguous(a: &Array) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn step_copy_views_hold_what_the_kernel_copied() {
-        // A step_copy as the kernel lays it out: visible range, two unused, then position,
-        // slot and capacity of the first group.
-        let copy = Array::from_slice(&[3i32, 40, 0, 0, 39, 7, 64, 0], &[8]);
-        let view = |part| step_copy_view(&copy, part);
-        assert_eq!(view(StepCopyPart::Position).as_slice::<i32>(), &[39]);
-        assert_eq!(
-            view(StepCopyPart::SlotAndCapacity).as_slice::<i32>(),
-            &[7, 64]
-        );
-        assert_eq!(view(StepCopyPart::Visible).as_slice::<i32>(), &[3, 40]);
-    }
 
     #[test]
     fn serves_gemma_head_sizes_in_float_dtypes_only() {

@@ -120,33 +120,6 @@ thread_local! {
     static STEP_INTS: RefCell<Vec<(bool, Vec<i32>, Array)>> = const { RefCell::new(Vec::new()) };
 }
 
-thread_local! {
-    // Step integers a kernel of the current forward copied into device memory
-    // (`hand_on_step_ints`): the values, and the array holding them there.
-    static HANDED_ON: RefCell<Vec<(Vec<i32>, Array)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Forgets the step integers earlier forwards handed on ([`hand_on_step_ints`]). Called as
-/// each forward starts, so that [`step_ints`] only gives arrays a kernel of the same forward
-/// makes: a graph an earlier forward left unevaluated must never be pulled into a later one,
-/// since its kernels write KV caches.
-pub fn begin_forward() {
-    HANDED_ON.with(|h| h.borrow_mut().clear());
-}
-
-/// Makes [`step_ints`] give, for `values` and until the next [`begin_forward`], the array
-/// `copy` makes: an output (or a view of one) of a kernel of this forward holding `values`
-/// first, in device memory, which kernels then read instead of crossing the bus. `copy` runs
-/// only for values not handed on yet (it may add a slice to the step).
-pub(crate) fn hand_on_step_ints(values: &[i32], copy: impl FnOnce() -> Array) {
-    HANDED_ON.with(|h| {
-        let mut h = h.borrow_mut();
-        if !h.iter().any(|(v, _)| v.as_slice() == values) {
-            h.push((values.to_vec(), copy()));
-        }
-    });
-}
-
 /// How many distinct [`step_ints`] arrays are kept: a step asks for about five (its position,
 /// and a cache slot and a visible range per kind of layer).
 const STEP_INTS_KEPT: usize = 8;
@@ -173,18 +146,8 @@ pub fn step_ints_on_device() -> bool {
 /// instead of one per layer. Made from host data, so MLX keeps it in host-visible memory
 /// (kernels read such arrays once per block at most, and early), unless
 /// [`set_step_ints_on_device`] has it copied, padded to 16 bytes (MLX keeps anything of 8
-/// bytes or less in host-visible memory), by one lazy operation of the step. Values a kernel
-/// of this forward already copied to device memory ([`hand_on_step_ints`]) come from there.
+/// bytes or less in host-visible memory), by one lazy operation of the step.
 pub(crate) fn step_ints(values: &[i32]) -> Result<Array> {
-    let handed_on = HANDED_ON.with(|h| {
-        h.borrow()
-            .iter()
-            .find(|(v, _)| v.as_slice() == values)
-            .map(|(_, a)| a.clone())
-    });
-    if let Some(a) = handed_on {
-        return Ok(a);
-    }
     let on_device = step_ints_on_device();
     STEP_INTS.with(|cell| {
         let mut memo = cell.borrow_mut();
@@ -235,8 +198,6 @@ pub struct Tuning {
     pub step_ints_on_device: bool,
     /// [`attention_heads::set_step_ints_from_heads`].
     pub step_ints_from_heads: bool,
-    /// [`attention_heads::set_step_ints_between_layers`].
-    pub step_ints_between_layers: bool,
     /// [`post_attention::set_unread_stand_ins`].
     pub unread_stand_ins: bool,
 }
@@ -256,7 +217,6 @@ impl Tuning {
             rows_touched_first: products::rows_touched_first(),
             step_ints_on_device: step_ints_on_device(),
             step_ints_from_heads: attention_heads::step_ints_from_heads(),
-            step_ints_between_layers: attention_heads::step_ints_between_layers(),
             unread_stand_ins: post_attention::unread_stand_ins(),
         }
     }
@@ -275,7 +235,6 @@ impl Tuning {
             rows_touched_first: false,
             step_ints_on_device: false,
             step_ints_from_heads: false,
-            step_ints_between_layers: false,
             unread_stand_ins: false,
             ..self
         }
@@ -293,7 +252,6 @@ impl Tuning {
         products::set_rows_touched_first(self.rows_touched_first);
         set_step_ints_on_device(self.step_ints_on_device);
         attention_heads::set_step_ints_from_heads(self.step_ints_from_heads);
-        attention_heads::set_step_ints_between_layers(self.step_ints_between_layers);
         post_attention::set_unread_stand_ins(self.unread_stand_ins);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
@@ -630,29 +588,5 @@ mod tests {
             "the second layer made a new copy"
         );
         assert_eq!(step_ints(&[17]).unwrap().as_slice::<i32>(), &[17]);
-    }
-
-    #[test]
-    fn step_ints_handed_on_by_a_kernel_are_given_until_the_next_forward() {
-        // Stand-ins for a kernel's device copy, told apart from host-made arrays by their
-        // length.
-        begin_forward();
-        assert_eq!(step_ints(&[39]).unwrap().size(), 1, "nothing handed on yet");
-        hand_on_step_ints(&[39], || Array::from_slice(&[39, -1], &[2]));
-        hand_on_step_ints(&[7, 64], || Array::from_slice(&[7, 64, -1], &[3]));
-        // Values handed on already keep their first copy: no second slice is made.
-        hand_on_step_ints(&[39], || {
-            panic!("a second copy of values already handed on")
-        });
-        assert_eq!(step_ints(&[39]).unwrap().as_slice::<i32>(), &[39, -1]);
-        assert_eq!(step_ints(&[7, 64]).unwrap().as_slice::<i32>(), &[7, 64, -1]);
-        // Any other values are made on the host as before.
-        assert_eq!(step_ints(&[40]).unwrap().as_slice::<i32>(), &[40]);
-        assert_eq!(step_ints(&[7, 65]).unwrap().as_slice::<i32>(), &[7, 65]);
-        assert_eq!(step_ints(&[0, 0]).unwrap().as_slice::<i32>(), &[0, 0]);
-        // A new forward starts with nothing handed on.
-        begin_forward();
-        assert_eq!(step_ints(&[39]).unwrap().as_slice::<i32>(), &[39]);
-        assert_eq!(step_ints(&[7, 64]).unwrap().as_slice::<i32>(), &[7, 64]);
     }
 }

@@ -280,8 +280,6 @@ impl Gemma4Model {
         }
 
         let fused = crate::kernels::Fused::for_next_forward();
-        // Step integers handed from layer to layer stay within this forward.
-        crate::kernels::begin_forward();
         let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let plan = &self.config.layers[i];
