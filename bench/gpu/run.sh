@@ -47,6 +47,9 @@
 #              PROFILE_ARGS: more mlx-spec options, e.g. --kernel-variants integer-dots;
 #              PROFILE_NCU_ARGS: more ncu options, e.g. --cache-control none to keep caches warm)
 #   profile-q4 the same for E4B with 4-bit weights (PROFILE_Q4_SETS)
+#   stage-times the post-attention kernel's stages (attention output, gate/up, down, the
+#              per-layer input's gate and projection) timed on the device during pipelined
+#              decode, E4B bf16 and 4-bit, 12B bf16 (`bench --stage-times`)
 #   stalls     the post-attention kernel (bf16, and 4-bit with affine4) and the default's
 #              feed-forward kernels in Nsight Compute's occupancy, scheduler and warp-state
 #              sections: why they run at the speed they do
@@ -244,6 +247,20 @@ if want repeat; then
             | tee -a "$RES/repeat.txt" | grep -v "reference tokens" || tail -n 2 "$RES/repeat.err"
     done
     row "repeatability of E4B decode | printed above, kept in repeat.txt"
+fi
+
+if want stage-times; then
+    # Where the largest kernel of a step spends its time: the device clock as each of its
+    # stages finishes across the grid, in the pipelined decode itself (no profiler).
+    for spec in "E4B bf16|gemma-4-e4b.json|" "E4B 4-bit g64|gemma-4-e4b.json|--random-bits 4" "12B bf16|gemma-4-12b.json|"; do
+        IFS='|' read -r label config extra <<<"$spec"
+        echo "## $label: post-attention stages, µs a call (mean)" | tee -a "$RES/stage-times.md"
+        # shellcheck disable=SC2086 # $extra is empty or one option with its value
+        timeout 300 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/$config" --dtype bf16 $extra \
+            --prompt-tokens 512 --gen-tokens 64 --repeats 2 --stage-times 2>"$RES/stage-times.err" | tee -a "$RES/stage-times.md" \
+            || tail -n 3 "$RES/stage-times.err"
+    done
+    row "post-attention stage times | printed above, kept in stage-times.md"
 fi
 
 if want profile; then

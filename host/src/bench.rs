@@ -870,6 +870,87 @@ fn decode_step_by_step(
     Ok((tokens, start.elapsed().as_secs_f64(), build_s))
 }
 
+/// `bench --stage-times`: the post-attention kernel's stages, timed on the device during
+/// pipelined decode, by kind of layer (attention width, per-layer input or not).
+fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
+    use mlx_spec::kernels::post_attention::{set_stage_times, take_stage_times, STAGES};
+    if !on_cuda() {
+        bail!("--stage-times: the post-attention kernel runs on a CUDA GPU only (--device gpu with the CUDA libmlx)");
+    }
+    // Per kind of layer: calls, and the sum of each stage's microseconds.
+    let mut kinds: Vec<((i32, bool), usize, Vec<f64>)> = Vec::new();
+    for round in 0..=args.repeats {
+        let mut cache = model.new_cache();
+        let logits = prefill(model, &mut cache, prompt)?;
+        set_stage_times(true);
+        let decoded = decode_pipelined(model, &mut cache, &logits, args.gen_tokens);
+        set_stage_times(false);
+        decoded?;
+        let clocks = take_stage_times();
+        // The warm-up compiles the timed kernel.
+        if round == 0 {
+            continue;
+        }
+        for clock in clocks {
+            let key = (clock.attention_width, clock.per_layer_input);
+            let us = clock.stage_us()?;
+            match kinds.iter_mut().find(|(k, _, _)| *k == key) {
+                Some((_, calls, sums)) => {
+                    *calls += 1;
+                    sums.iter_mut().zip(&us).for_each(|(s, u)| *s += u);
+                }
+                None => kinds.push((key, 1, us)),
+            }
+        }
+    }
+    if kinds.is_empty() {
+        bail!(
+            "--stage-times: no decode step ran the post-attention kernel (it needs `post-attention` \
+             for dense or `affine4` for 4-bit weights among --fused-kernels, and layers without MoE)"
+        );
+    }
+    let rows: Vec<_> = kinds
+        .iter()
+        .map(|((width, ple), calls, sums)| {
+            let means: Vec<f64> = sums.iter().map(|s| s / *calls as f64).collect();
+            ((*width, *ple), *calls, means)
+        })
+        .collect();
+    if args.json {
+        let kinds: Vec<_> = rows
+            .iter()
+            .map(|((width, ple), calls, means)| {
+                let stages: serde_json::Map<String, serde_json::Value> = STAGES
+                    .iter()
+                    .zip(means)
+                    .map(|(name, us)| (name.to_string(), json!(us)))
+                    .collect();
+                json!({"attention_width": width, "per_layer_input": ple, "calls": calls,
+                       "stage_us": stages, "total_us": means.iter().sum::<f64>()})
+            })
+            .collect();
+        println!("{}", json!({ "post_attention_stage_times": kinds }));
+    } else {
+        println!(
+            "| layer (attention width) | calls | {} | all stages |",
+            STAGES.join(" | ")
+        );
+        println!("|---|---|{}---|", "---|".repeat(STAGES.len()));
+        for ((width, ple), calls, means) in &rows {
+            let cells: Vec<String> = (0..STAGES.len())
+                .map(|i| means.get(i).map_or("-".into(), |us| format!("{us:.1} µs")))
+                .collect();
+            println!(
+                "| {width}{} | {calls} | {} | {:.1} µs |",
+                if *ple { ", per-layer input" } else { "" },
+                cells.join(" | "),
+                means.iter().sum::<f64>()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// `bench --op-cost`: host time per operation, by kind.
 fn run_op_cost(args: &BenchArgs) -> Result<()> {
     device::select(args.model.device)?;
@@ -1017,6 +1098,9 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     let prompt = synthetic_prompt(model.config.vocab_size, args.prompt_tokens);
     if let Some(runs) = args.repeatability {
         return report_repeatability(model, &prompt, runs, args.gen_tokens);
+    }
+    if args.stage_times {
+        return report_stage_times(model, &prompt, &args);
     }
 
     let mut prefill_rates = Vec::new();

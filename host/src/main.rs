@@ -395,6 +395,13 @@ struct BenchArgs {
     /// from a pipelining fault when pipelined and step-by-step decoding disagree.
     #[arg(long, value_name = "RUNS", conflicts_with = "drafter")]
     repeatability: Option<usize>,
+    /// Instead of the decode measurements: pipelined greedy decode (after --prompt-tokens,
+    /// --gen-tokens a round, --repeats rounds after a warm-up) with the post-attention kernel
+    /// reading the device clock at its start and as each of its stages finishes across the
+    /// grid; prints each stage's mean microseconds by kind of layer. Says where the largest
+    /// kernel of a step spends its time (CUDA GPU only).
+    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability"])]
+    stage_times: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,

@@ -61,13 +61,21 @@ pub(crate) const BARRIER_HEADER: &str = r#"
 // Grid-wide barrier of a grid whose blocks are all resident. bar[0] counts the blocks that
 // arrived, bar[1] is the barrier's generation: the last block to arrive resets the count and
 // opens the next generation, which the others wait for, reading it atomically every 64 ns.
-__device__ inline void grid_barrier(unsigned int* bar) {
+// With `stamp`, the last block to arrive writes the device clock there (ns): when the stage
+// before the barrier finished across the grid (the stage timing of `bench --stage-times`).
+__device__ inline unsigned long long device_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ inline void grid_barrier(unsigned int* bar, unsigned long long* stamp = nullptr) {
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned int* generation = bar + 1;
     const unsigned int mine = atomicAdd(generation, 0u);
     __threadfence();
     if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+      if (stamp != nullptr) *stamp = device_ns();
       atomicExch(bar, 0u);
       __threadfence();
       atomicAdd(generation, 1u);
@@ -177,7 +185,8 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
                                        const WI* pg, const T* pg_s, const T* pg_b,
                                        const T* per_layer, int v0, const WP* pp,
                                        const T* pp_s, const T* pp_b, const T* pn, float s,
-                                       unsigned int* bar, T* g, float* o2, T* out) {
+                                       unsigned int* bar, T* g, float* o2, T* out,
+                                       unsigned long long* stamps = nullptr) {
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * (BLOCK_THREADS / 32);
   const int first = blockIdx.x * (BLOCK_THREADS / 32) + (threadIdx.x >> 5);
@@ -191,13 +200,13 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
     }
   }
   __threadfence();
-  grid_barrier(bar);
+  grid_barrier(bar, stamps);
 
   stage_written<T, P>(g, buf);
   chunk_sums<T, P, BITS>(buf, sums);
   product_rows<T, P, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
   __threadfence();
-  grid_barrier(bar);
+  grid_barrier(bar, stamps != nullptr ? stamps + 1 : nullptr);
 
   if (blockIdx.x * BLOCK_THREADS >= H) return;
   const float r2 = product_rms<H>(o2, red);
@@ -223,13 +232,22 @@ const SOURCE: &str = r#"
   const int warps = gridDim.x * WARPS;
   const int first = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const float s = static_cast<float>(scale[0]);
+  // STAGE_TIMES (`bench --stage-times`): the device clock as block 0 starts, then as each
+  // stage finishes across the grid (written by the last block at each barrier).
+#if STAGE_TIMES
+  unsigned long long* const stamps = reinterpret_cast<unsigned long long*>(stage_ns);
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamps[0] = device_ns();
+#define STAGE_STAMP(i) (stamps + (i))
+#else
+#define STAGE_STAMP(i) nullptr
+#endif
 
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
   stage_input<T, Z, false>(z, z, buf, red);
   chunk_sums<T, Z, BITS>(buf, sums);
   product_rows<T, Z, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
   __threadfence();
-  grid_barrier(bar);
+  grid_barrier(bar, STAGE_STAMP(1));
   const float r0 = product_rms<H>(o0, red);
   for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
     x1s[i] = closed<T, false>(__ldcg(o0 + i), r0, x[i], post_attention_norm[i], s);
@@ -252,14 +270,14 @@ const SOURCE: &str = r#"
     }
   }
   __threadfence();
-  grid_barrier(bar);
+  grid_barrier(bar, STAGE_STAMP(2));
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
   chunk_sums<T, N, BITS>(buf, sums);
   product_rows<T, N, BITS, G, IN_PLACE, PAIRS>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
   __threadfence();
-  grid_barrier(bar);
+  grid_barrier(bar, STAGE_STAMP(3));
 
   // 3. h = x1 + rms_norm(o, post_norm): the output without a per-layer input (times the
   // layer scalar; the blocks write it in turns), else every block keeps all of h.
@@ -279,8 +297,10 @@ const SOURCE: &str = r#"
     // times the layer scalar.
     per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS>(hs, buf, sums, red, pg, pg_s, pg_b,
                                                        per_layer, ple_offset[0], pp, pp_s, pp_b,
-                                                       post_norm_2, s, bar, g, o2, out);
+                                                       post_norm_2, s, bar, g, o2, out,
+                                                       STAGE_STAMP(4));
   }
+#undef STAGE_STAMP
 "#;
 
 /// Blocks per streaming multiprocessor, by default. The kernel's shared memory (at most
@@ -293,19 +313,110 @@ const BLOCKS_PER_MULTIPROCESSOR: i32 = 2;
 /// multiprocessor with room to spare.
 const MAX_SHARED_BYTES: usize = 44 * 1024;
 
+const INPUTS: &[&str] = &[
+    "x",
+    "z",
+    "wo",
+    "post_attention_norm",
+    "pre_norm",
+    "wg",
+    "wu",
+    "wd",
+    "post_norm",
+    "pg",
+    "per_layer",
+    "ple_offset",
+    "pp",
+    "post_norm_2",
+    "scale",
+    "barrier",
+    "wo_s",
+    "wo_b",
+    "wg_s",
+    "wg_b",
+    "wu_s",
+    "wu_b",
+    "wd_s",
+    "wd_b",
+    "pg_s",
+    "pg_b",
+    "pp_s",
+    "pp_b",
+];
+
+/// The kernel's header, with or without its stage clock (`STAGE_TIMES`).
+fn header(stage_times: bool) -> &'static str {
+    Box::leak(
+        format!(
+            "#define STAGE_TIMES {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{BARRIER_HEADER}",
+            stage_times as i32
+        )
+        .into_boxed_str(),
+    )
+}
+
 thread_local! {
-    static KERNELS: RefCell<PerEpsilon> = RefCell::new(PerEpsilon::new(
-        "post_attention",
-        &[
-            "x", "z", "wo", "post_attention_norm", "pre_norm", "wg", "wu", "wd", "post_norm",
-            "pg", "per_layer", "ple_offset", "pp", "post_norm_2", "scale", "barrier", "wo_s",
-            "wo_b", "wg_s", "wg_b", "wu_s", "wu_b", "wd_s", "wd_b", "pg_s", "pg_b", "pp_s", "pp_b",
-        ],
-        &["out", "o0", "a", "o", "g", "o2"],
-        SOURCE,
-    ).with_header(Box::leak(
-        format!("{PRODUCTS_HEADER}{AFFINE4_HEADER}{BARRIER_HEADER}").into_boxed_str()
-    )));
+    static KERNELS: RefCell<PerEpsilon> = RefCell::new(
+        PerEpsilon::new("post_attention", INPUTS, &["out", "o0", "a", "o", "g", "o2"], SOURCE)
+            .with_header(header(false)),
+    );
+    // Its own name: MLX finds compiled kernels by name and template arguments.
+    static KERNELS_TIMED: RefCell<PerEpsilon> = RefCell::new(
+        PerEpsilon::new(
+            "post_attention_timed",
+            INPUTS,
+            &["out", "o0", "a", "o", "g", "o2", "stage_ns"],
+            SOURCE,
+        )
+        .with_header(header(true)),
+    );
+    // The stage clocks of the timed calls since the last `take_stage_times`.
+    static STAGE_CLOCKS: RefCell<Vec<StageClock>> = const { RefCell::new(Vec::new()) };
+}
+
+static STAGE_TIMES: AtomicBool = AtomicBool::new(false);
+
+/// Sets whether the kernel also records the device clock as it starts and as each stage
+/// finishes across the grid (`bench --stage-times`), for [`take_stage_times`]. A diagnostic:
+/// one more output a call; the values are the same.
+pub fn set_stage_times(on: bool) {
+    STAGE_TIMES.store(on, Ordering::Relaxed);
+}
+
+/// The stages of the kernel, in order, as [`StageClock::stage_us`] reports them.
+pub const STAGES: [&str; 5] = [
+    "attention output product",
+    "gate and up products",
+    "down product",
+    "per-layer input gate",
+    "per-layer input projection",
+];
+
+/// One timed call's clock: its attention width (which kind of layer), whether it has a
+/// per-layer input, and its array of device times (ns: start, then the end of each stage).
+pub struct StageClock {
+    pub attention_width: i32,
+    pub per_layer_input: bool,
+    clock: Array,
+}
+
+impl StageClock {
+    /// Microseconds each stage of [`STAGES`] took across the grid (the first from block 0's
+    /// start; each later one from the end of the one before, so it includes leaving the
+    /// barrier). Evaluates the call's clock.
+    pub fn stage_us(&self) -> Result<Vec<f64>> {
+        self.clock.eval()?;
+        let ns = self.clock.as_slice::<u64>();
+        let stages = if self.per_layer_input { 5 } else { 3 };
+        Ok((1..=stages)
+            .map(|i| ns[i].saturating_sub(ns[i - 1]) as f64 / 1e3)
+            .collect())
+    }
+}
+
+/// The clocks of the calls made with [`set_stage_times`] on since the last take.
+pub fn take_stage_times() -> Vec<StageClock> {
+    STAGE_CLOCKS.with(|c| std::mem::take(&mut *c.borrow_mut()))
 }
 
 /// A weight matrix `[rows, K]` as the kernel reads it.
@@ -638,7 +749,21 @@ pub fn post_attention(
     let [wd, wd_s, wd_b] = w.down.inputs();
     let [pg, pg_s, pg_b] = pg.inputs();
     let [pp, pp_s, pp_b] = pp.inputs();
-    KERNELS.with(|cell| {
+    let timed = STAGE_TIMES.load(Ordering::Relaxed);
+    let (row, hidden, width, per_layer_width, clock) = ([1, h], [h], [n], [p.max(1)], [8]);
+    let mut outputs = vec![
+        (&row[..], dtype),
+        (&hidden[..], Dtype::Float32),
+        (&width[..], dtype),
+        (&hidden[..], Dtype::Float32),
+        (&per_layer_width[..], dtype),
+        (&hidden[..], Dtype::Float32),
+    ];
+    if timed {
+        outputs.push((&clock[..], Dtype::Uint64));
+    }
+    let kernels = if timed { &KERNELS_TIMED } else { &KERNELS };
+    kernels.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
         let mut out = kernel.apply(
@@ -672,14 +797,7 @@ pub fn post_attention(
                 pp_s,
                 pp_b,
             ],
-            &[
-                (&[1, h], dtype),
-                (&[h], Dtype::Float32),
-                (&[n], dtype),
-                (&[h], Dtype::Float32),
-                (&[p.max(1)], dtype),
-                (&[h], Dtype::Float32),
-            ],
+            &outputs,
             (blocks * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
@@ -694,13 +812,42 @@ pub fn post_attention(
                 (c"PAIRS", TemplateArg::Bool(row_pairs())),
             ],
         )?;
-        Ok(out.remove(0))
+        if timed {
+            if let Some(clock) = out.pop() {
+                STAGE_CLOCKS.with(|c| {
+                    c.borrow_mut().push(StageClock {
+                        attention_width: zw,
+                        per_layer_input: p > 0,
+                        clock,
+                    })
+                });
+            }
+        }
+        Ok(out.swap_remove(0))
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stage_times_are_the_differences_of_the_clock() {
+        // Start, then the ends of the five stages, in ns (two unused slots).
+        let ns = [1_000u64, 4_500, 30_500, 43_000, 46_000, 48_500, 0, 0];
+        let clock = |per_layer_input| StageClock {
+            attention_width: 2048,
+            per_layer_input,
+            clock: Array::from_slice(&ns, &[8]),
+        };
+        assert_eq!(
+            clock(true).stage_us().unwrap(),
+            vec![3.5, 26.0, 12.5, 3.0, 2.5]
+        );
+        // Without a per-layer input the kernel has three stages.
+        assert_eq!(clock(false).stage_us().unwrap(), vec![3.5, 26.0, 12.5]);
+        assert_eq!(STAGES.len(), 5);
+    }
 
     #[test]
     fn a_dense_weight_hands_its_kernel_4_bytes_for_the_scales_it_has_not() {
