@@ -870,6 +870,115 @@ fn decode_step_by_step(
     Ok((tokens, start.elapsed().as_secs_f64(), build_s))
 }
 
+/// `bench --dump-kernel-sources`: one decode forward of `model` per kernel set and variant,
+/// its fused-kernel calls recorded ([`mlx_spec::kernels::capture_kernels`]); each distinct
+/// source written once.
+fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Path) -> Result<()> {
+    use mlx_spec::kernels::{capture_kernels, set_allowed, Fused, Tuning};
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut cache = model.new_cache();
+    let logits = prefill(model, &mut cache, prompt)?;
+    let token = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?.reshape(&[1, 1])?;
+    let default_kernels = Fused::allowed();
+    let default = Tuning::current();
+    let every = Fused {
+        attention: true,
+        products: true,
+        post_attention: true,
+        affine4: true,
+        affine4_heads: true,
+        affine4_products: true,
+        output_head: true,
+        per_layer_input: true,
+    };
+    // Kernel sets: all of them (the post-attention kernel serves every layer it can), the
+    // product kernels in its place (with and without the per-layer-input kernel), attention
+    // alone (the attention-inputs kernel). Variants: each setting that changes a source.
+    let without_post = Fused {
+        post_attention: false,
+        affine4: false,
+        ..every
+    };
+    let sets = [
+        every,
+        without_post,
+        Fused {
+            per_layer_input: false,
+            ..without_post
+        },
+        Fused {
+            attention: true,
+            ..Fused::default()
+        },
+    ];
+    let variants = [
+        default,
+        Tuning {
+            row_pairs: !default.row_pairs,
+            attention_wide_rounds: !default.attention_wide_rounds,
+            heads_finished_apart: !default.heads_finished_apart,
+            rows_touched_first: !default.rows_touched_first,
+            affine4_in_place: !default.affine4_in_place,
+            ..default
+        },
+        Tuning {
+            step_ints_from_heads: !default.step_ints_from_heads,
+            step_ints_on_device: !default.step_ints_on_device,
+            affine4_integer_dots: !default.affine4_integer_dots,
+            affine4_rows_per_warp: 2,
+            dense_loads: 16,
+            ..default
+        },
+    ];
+    let mut written: Vec<mlx_spec::kernels::CapturedKernel> = Vec::new();
+    let mut run = || -> Result<()> {
+        for kernels in sets {
+            for tuning in variants {
+                set_allowed(kernels);
+                tuning.apply()?;
+                for timed in [false, true] {
+                    mlx_spec::kernels::post_attention::set_stage_times(timed);
+                    let (_, calls) = capture_kernels(|| {
+                        model.forward_ids(&token, &mut cache, LogitsFor::Last, false)
+                    })?;
+                    mlx_spec::kernels::post_attention::take_stage_times();
+                    cache
+                        .trim(1)
+                        .map_err(|e| anyhow::anyhow!("cannot rewind the cache: {e:?}"))?;
+                    for call in calls {
+                        if !written.iter().any(|w| w.source == call.source) {
+                            written.push(call);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    };
+    let result = run();
+    mlx_spec::kernels::post_attention::set_stage_times(false);
+    set_allowed(default_kernels);
+    default.apply()?;
+    result?;
+    let mut list = String::from("file\tkernel\tblock\tblocks\n");
+    for k in &written {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        k.source.hash(&mut hasher);
+        let file = format!("{}-{:016x}.cu", k.name, hasher.finish());
+        std::fs::write(dir.join(&file), &k.source)
+            .with_context(|| format!("cannot write {}", dir.join(&file).display()))?;
+        list += &format!("{file}\t{}\t{}\t{}\n", k.name, k.block, k.blocks);
+    }
+    std::fs::write(dir.join("kernels.tsv"), list)?;
+    println!(
+        "{} distinct kernel sources in {} (kernels.tsv lists them)",
+        written.len(),
+        dir.display()
+    );
+    Ok(())
+}
+
 /// `bench --stage-times`: the post-attention kernel's stages, timed on the device during
 /// pipelined decode, by kind of layer (attention width, per-layer input or not).
 fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
@@ -1101,6 +1210,9 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     }
     if args.stage_times {
         return report_stage_times(model, &prompt, &args);
+    }
+    if let Some(dir) = &args.dump_kernel_sources {
+        return dump_kernel_sources(model, &prompt, dir);
     }
 
     let mut prefill_rates = Vec::new();

@@ -402,6 +402,13 @@ struct BenchArgs {
     /// kernel of a step spends its time (CUDA GPU only).
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability"])]
     stage_times: bool,
+    /// Instead of the decode measurements: write the full CUDA source of every fused kernel a
+    /// decode step of this model calls, with each kernel set and each variant, into this folder
+    /// as MLX 0.32 would compile it (`<kernel>-<hash>.cu`, listed in `kernels.tsv` with block
+    /// and grid sizes). Runs on the CPU: the calls are recorded, not run.
+    /// `bench/gpu/compile_check.py` then compiles them with NVRTC for sm_90a, with no GPU.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times"])]
+    dump_kernel_sources: Option<PathBuf>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,

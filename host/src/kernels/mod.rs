@@ -92,6 +92,9 @@ impl Fused {
     /// What the next forward may use: the kernels allowed for this process, when this is a
     /// Linux build (MLX's GPU backend there is CUDA) and MLX's default device is the GPU.
     pub fn for_next_forward() -> Fused {
+        if capturing() {
+            return Fused::allowed();
+        }
         if !cfg!(target_os = "linux") || !crate::device::default_is(mlx_rs::DeviceType::Gpu) {
             return Fused::default();
         }
@@ -282,6 +285,84 @@ pub enum TemplateArg {
 pub struct CudaKernel {
     name: &'static str,
     raw: mlx_sys::mlx_fast_cuda_kernel,
+    /// What MLX was given, kept for [`capture_kernels`].
+    text: KernelText,
+}
+
+/// A kernel's text and argument names as MLX was given them (header and body as written,
+/// not as `#include` lines).
+struct KernelText {
+    header: String,
+    source: String,
+    inputs: Vec<String>,
+    outputs: Vec<String>,
+}
+
+/// One kernel call [`capture_kernels`] recorded instead of running: its name as MLX forms it
+/// (the name, then the template arguments) and the full source MLX 0.32 would compile for
+/// it, laid out as MLX lays it out (its default header, ours, the signature typed by the
+/// arrays' dtypes, the template arguments as constants, the body). For compiling every kernel
+/// of a step without a GPU (`bench --dump-kernel-sources`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapturedKernel {
+    pub name: String,
+    pub source: String,
+    /// Threads per block, and blocks.
+    pub block: i32,
+    pub blocks: i32,
+}
+
+thread_local! {
+    // Some while `capture_kernels` runs: the calls recorded so far.
+    static CAPTURE: RefCell<Option<Vec<CapturedKernel>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with every fused-kernel call recorded rather than run: the calls return zeros
+/// of their outputs' shapes, the kernels are allowed off a CUDA device (as
+/// [`Fused::allowed`] says) and a grid-wide barrier's grid is taken as that of an H200 (132
+/// multiprocessors). Nothing of what `f` builds is meant to be evaluated for its values, and
+/// a kernel first made while capturing (each is made once a thread) refuses to run later:
+/// this is for one-shot dumps (`bench --dump-kernel-sources`), not for a serving process.
+pub fn capture_kernels<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, Vec<CapturedKernel>)> {
+    CAPTURE.with(|c| *c.borrow_mut() = Some(Vec::new()));
+    let result = f();
+    let captured = CAPTURE.with(|c| c.borrow_mut().take()).unwrap_or_default();
+    Ok((result?, captured))
+}
+
+/// Whether [`capture_kernels`] is running on this thread.
+pub(crate) fn capturing() -> bool {
+    CAPTURE.with(|c| c.borrow().is_some())
+}
+
+/// How MLX 0.32 names `dtype` in a kernel's name.
+fn type_name(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::Bfloat16 => "bfloat16_t",
+        Dtype::Float16 => "float16_t",
+        Dtype::Float32 => "float",
+        other => cuda_type(other),
+    }
+}
+
+/// The C++ type MLX 0.32 writes for a kernel argument of `dtype`.
+fn cuda_type(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::Bool => "bool",
+        Dtype::Int8 => "int8_t",
+        Dtype::Int16 => "int16_t",
+        Dtype::Int32 => "int32_t",
+        Dtype::Int64 => "int64_t",
+        Dtype::Uint8 => "uint8_t",
+        Dtype::Uint16 => "uint16_t",
+        Dtype::Uint32 => "uint32_t",
+        Dtype::Uint64 => "uint64_t",
+        Dtype::Float16 => "__half",
+        Dtype::Bfloat16 => "__nv_bfloat16",
+        Dtype::Float32 => "float",
+        Dtype::Float64 => "double",
+        _ => "unknown",
+    }
 }
 
 impl CudaKernel {
@@ -297,9 +378,17 @@ impl CudaKernel {
         source: &str,
         header: &str,
     ) -> Result<Self> {
+        let text = KernelText {
+            header: header.to_owned(),
+            source: source.to_owned(),
+            inputs: inputs.iter().map(|n| n.to_string()).collect(),
+            outputs: outputs.iter().map(|n| n.to_string()).collect(),
+        };
         let header = source_files::included(header);
         let source = source_files::included(source);
-        Self::new_inline(name, inputs, outputs, &source, &header)
+        let mut kernel = Self::new_inline(name, inputs, outputs, &source, &header)?;
+        kernel.text = text;
+        Ok(kernel)
     }
 
     /// [`CudaKernel::new`] with header and body handed to MLX as they are (for measuring
@@ -318,6 +407,23 @@ impl CudaKernel {
             list.iter().map(|n| Ok(CString::new(*n)?)).collect()
         };
         let (in_names, out_names) = (names(inputs)?, names(outputs)?);
+        let text = KernelText {
+            header: header.to_owned(),
+            source: source.to_owned(),
+            inputs: inputs.iter().map(|n| n.to_string()).collect(),
+            outputs: outputs.iter().map(|n| n.to_string()).collect(),
+        };
+        // Recording calls needs no MLX kernel (and a CPU-only libmlx makes none). Such a
+        // kernel refuses to run outside capture.
+        if capturing() {
+            return Ok(CudaKernel {
+                name,
+                raw: mlx_sys::mlx_fast_cuda_kernel {
+                    ctx: std::ptr::null_mut(),
+                },
+                text,
+            });
+        }
         // SAFETY: the string vectors are created, filled and freed here; MLX copies them.
         let raw = unsafe {
             let ins = mlx_sys::mlx_vector_string_new();
@@ -344,7 +450,7 @@ impl CudaKernel {
         if raw.ctx.is_null() {
             bail!("MLX could not create the CUDA kernel {name}");
         }
-        Ok(CudaKernel { name, raw })
+        Ok(CudaKernel { name, raw, text })
     }
 
     /// Adds the kernel to the lazy graph: `grid` counts threads (not blocks) per axis,
@@ -357,6 +463,15 @@ impl CudaKernel {
         block: (i32, i32, i32),
         template: &[(&CStr, TemplateArg)],
     ) -> Result<Vec<Array>> {
+        if capturing() {
+            return self.capture(inputs, outputs, grid, block, template);
+        }
+        if self.raw.ctx.is_null() {
+            bail!(
+                "the CUDA kernel {} was made without a CUDA libmlx",
+                self.name
+            );
+        }
         // SAFETY: every handle is created and freed here; the input arrays outlive the call,
         // and the outputs are taken over as new owned arrays before the vector is freed.
         unsafe {
@@ -430,8 +545,103 @@ impl CudaKernel {
     }
 }
 
+impl CudaKernel {
+    /// [`CudaKernel::apply`] under [`capture_kernels`]: records the call, returns zeros.
+    fn capture(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        grid: (i32, i32, i32),
+        block: (i32, i32, i32),
+        template: &[(&CStr, TemplateArg)],
+    ) -> Result<Vec<Array>> {
+        let t = &self.text;
+        if inputs.len() != t.inputs.len() || outputs.len() != t.outputs.len() {
+            bail!(
+                "kernel {}: {} inputs and {} outputs given for {} and {} names",
+                self.name,
+                inputs.len(),
+                outputs.len(),
+                t.inputs.len(),
+                t.outputs.len()
+            );
+        }
+        // The name and source as MLX 0.32's custom_kernel.cpp forms them.
+        let mut name = format!("custom_kernel_{}", self.name);
+        let mut constants = String::new();
+        for (arg, value) in template {
+            let arg = arg.to_string_lossy();
+            match value {
+                TemplateArg::Int(v) => {
+                    name += &format!("_{v}");
+                    constants += &format!("  constexpr int {arg} = {v};\n");
+                }
+                TemplateArg::Bool(v) => {
+                    name += if *v { "_t" } else { "_f" };
+                    constants += &format!("  constexpr bool {arg} = {v};\n");
+                }
+                TemplateArg::Dtype(d) => {
+                    name += &format!("_{}", type_name(*d));
+                    constants += &format!("  using {arg} = {};\n", cuda_type(*d));
+                }
+            }
+        }
+        let mut source = String::from(
+            "#include \"mlx/backend/cuda/device/utils.cuh\"\n\n#include <cooperative_groups.h>\n\n",
+        );
+        source += &t.header;
+        source += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n";
+        source += &format!("__global__ void {name}(\n");
+        for (input, n) in inputs.iter().zip(&t.inputs) {
+            source += &format!("    const {}* {n},\n", cuda_type(input.dtype()));
+            if input.ndim() > 0 {
+                for (marker, kind) in [("_shape", "Shape"), ("_strides", "Strides")] {
+                    if t.source.contains(&format!("{n}{marker}")) {
+                        source += &format!("    const __grid_constant__ {kind} {n}{marker},\n");
+                    }
+                }
+                if t.source.contains(&format!("{n}_ndim")) {
+                    source += &format!("    const __grid_constant__ int {n}_ndim,\n");
+                }
+            }
+        }
+        let last = outputs.len().saturating_sub(1);
+        for (i, ((_, dtype), n)) in outputs.iter().zip(&t.outputs).enumerate() {
+            source += &format!(
+                "    {}* {n}{}",
+                cuda_type(*dtype),
+                if i < last { ",\n" } else { ") {\n" }
+            );
+        }
+        if !constants.is_empty() {
+            source += &constants;
+            source += "\n";
+        }
+        source += &t.source;
+        source += "\n}\n\n} // namespace mlx::core::cu\n";
+        let blocks = (grid.0 + block.0 - 1) / block.0.max(1);
+        CAPTURE.with(|c| {
+            if let Some(list) = c.borrow_mut().as_mut() {
+                list.push(CapturedKernel {
+                    name,
+                    source,
+                    block: block.0,
+                    blocks,
+                });
+            }
+        });
+        outputs
+            .iter()
+            .map(|(shape, dtype)| Ok(mlx_rs::ops::zeros_dtype(shape, *dtype)?))
+            .collect()
+    }
+}
+
 impl Drop for CudaKernel {
     fn drop(&mut self) {
+        if self.raw.ctx.is_null() {
+            return;
+        }
         // SAFETY: `raw` was created by `mlx_fast_cuda_kernel_new` and is freed once.
         unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) }
     }
@@ -552,6 +762,72 @@ mod tests {
         set_allowed(Fused::default());
         assert!(affine4, "set_allowed did not allow the 4-bit kernels");
         assert_eq!(next, Fused::default());
+    }
+
+    #[test]
+    fn a_captured_call_is_recorded_as_mlx_would_compile_it_and_returns_zeros() {
+        let x = Array::from_slice(&[1.5f32, 2.0], &[2]);
+        let scales = Array::from_slice(&[7i32], &[1]);
+        let mut made = None;
+        let (outputs, calls) = capture_kernels(|| {
+            // Made while capturing: no CUDA libmlx is needed.
+            let kernel = made.insert(CudaKernel::new(
+                "probe",
+                &["x", "scales"],
+                &["y"],
+                "  y[0] = x[0];",
+                "// header of the probe\n",
+            )?);
+            kernel.apply(
+                &[&x, &scales],
+                &[(&[3, 2], Dtype::Float32)],
+                (512, 1, 1),
+                (256, 1, 1),
+                &[
+                    (c"T", TemplateArg::Dtype(Dtype::Bfloat16)),
+                    (c"K", TemplateArg::Int(64)),
+                    (c"WIDE", TemplateArg::Bool(true)),
+                ],
+            )
+        })
+        .unwrap();
+        assert!(!capturing(), "capture mode outlived its call");
+        assert_eq!(outputs.len(), 1);
+        assert_eq!(outputs[0].shape(), &[3, 2]);
+        assert_eq!(outputs[0].as_slice::<f32>(), &[0.0; 6]);
+        assert_eq!(calls.len(), 1);
+        let call = &calls[0];
+        assert_eq!(call.name, "custom_kernel_probe_bfloat16_t_64_t");
+        assert_eq!((call.block, call.blocks), (256, 2));
+        for line in [
+            "// header of the probe",
+            "__global__ void custom_kernel_probe_bfloat16_t_64_t(",
+            "    const float* x,",
+            // Each parameter typed by its array, as MLX types it.
+            "    const int32_t* scales,",
+            "    float* y) {",
+            "  using T = __nv_bfloat16;",
+            "  constexpr int K = 64;",
+            "  constexpr bool WIDE = true;",
+            "  y[0] = x[0];",
+        ] {
+            assert!(
+                call.source.contains(line),
+                "no {line:?} in\n{}",
+                call.source
+            );
+        }
+        // Outside capture a kernel made while capturing refuses to run.
+        assert!(made
+            .unwrap()
+            .apply(
+                &[&x, &scales],
+                &[(&[1], Dtype::Float32)],
+                (1, 1, 1),
+                (1, 1, 1),
+                &[]
+            )
+            .is_err());
     }
 
     #[test]

@@ -655,6 +655,10 @@ pub fn row_pairs() -> bool {
 /// with other processes through MPS: then no grid-wide barrier is safe, and the layers run the
 /// product kernels instead (this kernel, `affine4` and the per-layer-input kernel give way).
 pub fn grid_blocks() -> Option<i32> {
+    if super::capturing() {
+        // An H200's 132 multiprocessors.
+        return Some(132 * BLOCKS_PER_MULTIPROCESSOR);
+    }
     if crate::device::cuda_shared_through_mps() {
         static SAID: std::sync::Once = std::sync::Once::new();
         SAID.call_once(|| {
