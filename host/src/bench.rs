@@ -881,16 +881,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
     let token = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?.reshape(&[1, 1])?;
     let default_kernels = Fused::allowed();
     let default = Tuning::current();
-    let every = Fused {
-        attention: true,
-        products: true,
-        post_attention: true,
-        affine4: true,
-        affine4_heads: true,
-        affine4_products: true,
-        output_head: true,
-        per_layer_input: true,
-    };
+    let every = Fused::every();
     // Kernel sets: all of them (the post-attention kernel serves every layer it can), the
     // product kernels in its place (with and without the per-layer-input kernel), attention
     // alone (the attention-inputs kernel). Variants: each setting that changes a source.

@@ -101,6 +101,20 @@ impl Fused {
         Fused::allowed()
     }
 
+    /// Every kernel allowed.
+    pub fn every() -> Fused {
+        Fused {
+            attention: true,
+            products: true,
+            post_attention: true,
+            affine4: true,
+            affine4_heads: true,
+            affine4_products: true,
+            output_head: true,
+            per_layer_input: true,
+        }
+    }
+
     /// What `--fused-kernels` allows for this process ([`set_allowed`]); until it is set, the
     /// library's default set, which is the command line's default too.
     pub fn allowed() -> Fused {
@@ -298,6 +312,18 @@ struct KernelText {
     outputs: Vec<String>,
 }
 
+impl KernelText {
+    fn new(inputs: &[&str], outputs: &[&str], source: &str, header: &str) -> Self {
+        let owned = |list: &[&str]| list.iter().map(|n| n.to_string()).collect();
+        KernelText {
+            header: header.to_owned(),
+            source: source.to_owned(),
+            inputs: owned(inputs),
+            outputs: owned(outputs),
+        }
+    }
+}
+
 /// One kernel call [`capture_kernels`] recorded instead of running: its name as MLX forms it
 /// (the name, then the template arguments) and the full source MLX 0.32 would compile for
 /// it, laid out as MLX lays it out (its default header, ours, the signature typed by the
@@ -378,17 +404,10 @@ impl CudaKernel {
         source: &str,
         header: &str,
     ) -> Result<Self> {
-        let text = KernelText {
-            header: header.to_owned(),
-            source: source.to_owned(),
-            inputs: inputs.iter().map(|n| n.to_string()).collect(),
-            outputs: outputs.iter().map(|n| n.to_string()).collect(),
-        };
+        let text = KernelText::new(inputs, outputs, source, header);
         let header = source_files::included(header);
         let source = source_files::included(source);
-        let mut kernel = Self::new_inline(name, inputs, outputs, &source, &header)?;
-        kernel.text = text;
-        Ok(kernel)
+        Self::with_text(name, inputs, outputs, &source, &header, text)
     }
 
     /// [`CudaKernel::new`] with header and body handed to MLX as they are (for measuring
@@ -400,6 +419,20 @@ impl CudaKernel {
         source: &str,
         header: &str,
     ) -> Result<Self> {
+        let text = KernelText::new(inputs, outputs, source, header);
+        Self::with_text(name, inputs, outputs, source, header, text)
+    }
+
+    /// Makes the kernel from the text MLX gets (`source`, `header`); `text` is what
+    /// [`capture_kernels`] records for it.
+    fn with_text(
+        name: &'static str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        header: &str,
+        text: KernelText,
+    ) -> Result<Self> {
         let c_name = CString::new(name)?;
         let c_source = CString::new(source)?;
         let c_header = CString::new(header)?;
@@ -407,12 +440,6 @@ impl CudaKernel {
             list.iter().map(|n| Ok(CString::new(*n)?)).collect()
         };
         let (in_names, out_names) = (names(inputs)?, names(outputs)?);
-        let text = KernelText {
-            header: header.to_owned(),
-            source: source.to_owned(),
-            inputs: inputs.iter().map(|n| n.to_string()).collect(),
-            outputs: outputs.iter().map(|n| n.to_string()).collect(),
-        };
         // Recording calls needs no MLX kernel (and a CPU-only libmlx makes none). Such a
         // kernel refuses to run outside capture.
         if capturing() {
@@ -742,17 +769,7 @@ mod tests {
     fn off_a_cuda_gpu_no_fused_kernel_runs_whatever_is_allowed() {
         // The 4-bit kernels and the output head too: a layer must not launch a CUDA kernel on the
         // CPU of a CUDA build (`--device cpu`). Tests run on the CPU device.
-        let all = Fused {
-            attention: true,
-            products: true,
-            post_attention: true,
-            affine4: true,
-            affine4_heads: true,
-            affine4_products: true,
-            output_head: true,
-            per_layer_input: true,
-        };
-        set_allowed(all);
+        set_allowed(Fused::every());
         let next = Fused::for_next_forward();
         let affine4 = AFFINE4_ALLOWED.load(Ordering::Relaxed)
             && AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed)

@@ -755,17 +755,17 @@ pub fn post_attention(
     let [pp, pp_s, pp_b] = pp.inputs();
     let timed = STAGE_TIMES.load(Ordering::Relaxed);
     let (row, hidden, width, per_layer_width, clock) = ([1, h], [h], [n], [p.max(1)], [8]);
-    let mut outputs = vec![
+    // The timed kernel's extra output last (no allocation a call).
+    let all_outputs = [
         (&row[..], dtype),
         (&hidden[..], Dtype::Float32),
         (&width[..], dtype),
         (&hidden[..], Dtype::Float32),
         (&per_layer_width[..], dtype),
         (&hidden[..], Dtype::Float32),
+        (&clock[..], Dtype::Uint64),
     ];
-    if timed {
-        outputs.push((&clock[..], Dtype::Uint64));
-    }
+    let outputs = &all_outputs[..if timed { 7 } else { 6 }];
     let kernels = if timed { &KERNELS_TIMED } else { &KERNELS };
     kernels.with(|cell| {
         let mut kernels = cell.borrow_mut();
@@ -801,7 +801,7 @@ pub fn post_attention(
                 pp_s,
                 pp_b,
             ],
-            &outputs,
+            outputs,
             (blocks * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
