@@ -47,6 +47,9 @@
 #              PROFILE_ARGS: more mlx-spec options, e.g. --kernel-variants integer-dots;
 #              PROFILE_NCU_ARGS: more ncu options, e.g. --cache-control none to keep caches warm)
 #   profile-q4 the same for E4B with 4-bit weights (PROFILE_Q4_SETS)
+#   verify-profile  forwards over k = VERIFY_KS tokens (default 1 2 4), the host's graph
+#              building split off, default kernels and none; then a k=1 and a k=4 window
+#              (VERIFY_PROFILE_KS) kernel by kernel in Nsight Compute: why k > 1 costs more
 #   stage-times the post-attention kernel's stages (attention output, gate/up, down, the
 #              per-layer input's gate and projection) timed on the device during pipelined
 #              decode, E4B bf16 and 4-bit, 12B bf16 (`bench --stage-times`)
@@ -202,7 +205,7 @@ bench() {
         echo "$json" >>"$RES/bench.jsonl"
         row "$label | $(python3 -c 'import json, sys
 j, bw = json.loads(sys.argv[1]), sys.argv[2]
-curve = " ".join("k=%d %.1fms" % (c["k"], c["ms"]) for c in j.get("verify_curve", []))
+curve = " ".join("k=%d %.1fms (host %.1f)" % (c["k"], c["ms"], c.get("build_ms", float("nan"))) for c in j.get("verify_curve", []))
 read = j["weight_bytes_read_per_token"]
 floor = "floor %.0f tok/s (%.2f GB read per token), decode at %.1f %% of it" % (
     float(bw) * 1e12 / read, read / 1e9, 100 * j["decode_tokens_per_s"] * read / (float(bw) * 1e12)) if bw else "no bandwidth measured"
@@ -279,6 +282,33 @@ if want profile; then
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/_}.err"
     done
     row "device time of one E4B decode step (Nsight Compute) | printed above, kept in profile.md"
+fi
+
+if want verify-profile; then
+    # Why a verify window (k > 1, MLX's operations) costs several decode steps: forwards over
+    # VERIFY_KS tokens, timed with the host's graph building split off, for the default kernel
+    # set and for none; then one window of each size in Nsight Compute, kernel by kernel
+    # (the capture starts after a warm-up window; profile_step.py takes the last forward).
+    NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+    for k in ${VERIFY_KS:-1 2 4}; do
+        for fused in attention,products,post-attention,output-head none; do
+            echo "## verify window k=$k, --fused-kernels $fused" | tee -a "$RES/verify-profile.md"
+            timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
+                --dtype bf16 --prompt-tokens 512 --repeats 5 --fused-kernels "$fused" --verify-window "$k" \
+                2>>"$RES/verify-profile.err" | tee -a "$RES/verify-profile.md"
+        done
+    done
+    for k in ${VERIFY_PROFILE_KS:-1 4}; do
+        tag="verify-profile-k$k"
+        MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none \
+            --cache-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+            "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+            --prompt-tokens 512 --repeats 2 --fused-kernels none --verify-window "$k" \
+            >"$RES/$tag.csv" 2>"$RES/$tag.err"
+        python3 "$ROOT/bench/gpu/profile_step.py" "$RES/$tag.csv" "E4B bf16, verify window k=$k, --fused-kernels none" \
+            | tee -a "$RES/verify-profile.md" || tail -n 3 "$RES/$tag.err"
+    done
+    row "verify windows: host and device split, kernel by kernel | printed above, kept in verify-profile.md"
 fi
 
 if want profile-q4; then

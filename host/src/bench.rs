@@ -347,33 +347,110 @@ fn report_repeatability(model: &Gemma4Model, prompt: &[u32], runs: usize, n: usi
     Ok(())
 }
 
+/// One verify window timed: the whole forward, and the part of it the host spent building
+/// the lazy graph before evaluation began (milliseconds).
+#[derive(Clone, Copy)]
+struct WindowTime {
+    total_ms: f64,
+    build_ms: f64,
+}
+
+/// One forward over `window` after the cache's tokens, evaluated to its greedy picks and
+/// timed, then rolled back so the next call sees the same cache.
+fn time_window(
+    model: &Gemma4Model,
+    cache: &mut mlx_spec::model::gemma4::ModelCache,
+    window: &[u32],
+) -> Result<WindowTime> {
+    let start = Instant::now();
+    let logits = model.forward(window, cache, LogitsFor::All, false)?.logits;
+    let picks = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?;
+    let built = start.elapsed();
+    picks.eval()?;
+    let total = start.elapsed();
+    cache.trim(window.len())?;
+    Ok(WindowTime {
+        total_ms: total.as_secs_f64() * 1e3,
+        build_ms: built.as_secs_f64() * 1e3,
+    })
+}
+
+/// `k` draft-like tokens (spread over the vocabulary, away from the special ids).
+fn window_of(model: &Gemma4Model, k: usize) -> Vec<u32> {
+    let vocab = model.config.vocab_size as u32;
+    (0..k as u32)
+        .map(|i| 3 + (i * 7919) % (vocab - 3))
+        .collect()
+}
+
 /// Milliseconds of one forward over `k` new tokens after `prompt`, for k = 1, 2, 4, … 32
-/// (median over `repeats`, the cache rolled back after each).
-fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<Vec<(usize, f64)>> {
+/// (median over `repeats`, the cache rolled back after each), with the host's share.
+fn verify_curve(
+    model: &Gemma4Model,
+    prompt: &[u32],
+    repeats: usize,
+) -> Result<Vec<(usize, WindowTime)>> {
     let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, 64);
     prefill(model, &mut cache, prompt)?;
-    let vocab = model.config.vocab_size as u32;
     let mut curve = Vec::new();
     for k in [1usize, 2, 4, 8, 16, 32] {
-        let window: Vec<u32> = (0..k as u32)
-            .map(|i| 3 + (i * 7919) % (vocab - 3))
-            .collect();
+        let window = window_of(model, k);
         let mut times = Vec::new();
         for round in 0..=repeats {
-            let start = Instant::now();
-            let logits = model
-                .forward(&window, &mut cache, LogitsFor::All, false)?
-                .logits;
-            let picks = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?;
-            picks.eval()?;
+            let time = time_window(model, &mut cache, &window)?;
             if round > 0 {
-                times.push(start.elapsed().as_secs_f64() * 1e3);
+                times.push(time);
             }
-            cache.trim(k)?;
         }
-        curve.push((k, median(times)));
+        curve.push((
+            k,
+            WindowTime {
+                total_ms: median(times.iter().map(|t| t.total_ms).collect()),
+                build_ms: median(times.iter().map(|t| t.build_ms).collect()),
+            },
+        ));
     }
     Ok(curve)
+}
+
+/// `bench --verify-window K`: forwards over K new tokens after the prompt, one warm-up then
+/// `--repeats` timed, each split into the host's graph building and the rest. With
+/// `MLX_SPEC_PROFILE_DECODE` set the profiler's capture starts after the warm-up, so a
+/// profile (`run.sh verify-profile`) holds the timed windows only.
+fn report_verify_window(
+    model: &Gemma4Model,
+    prompt: &[u32],
+    k: usize,
+    args: &BenchArgs,
+) -> Result<()> {
+    if k == 0 {
+        bail!("--verify-window must be at least 1");
+    }
+    let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, k.max(64));
+    prefill(model, &mut cache, prompt)?;
+    let window = window_of(model, k);
+    time_window(model, &mut cache, &window)?;
+    mlx_spec::device::start_profiler_capture_if_asked();
+    let mut times = Vec::new();
+    for _ in 0..args.repeats {
+        times.push(time_window(model, &mut cache, &window)?);
+    }
+    let total = median(times.iter().map(|t| t.total_ms).collect());
+    let build = median(times.iter().map(|t| t.build_ms).collect());
+    if args.json {
+        println!(
+            "{}",
+            json!({ "verify_window": { "k": k, "ms": total, "build_ms": build, "repeats": args.repeats } })
+        );
+    } else {
+        println!(
+            "verify window of {k} tokens after {} prompt tokens: {total:.2} ms a forward (median of {}), \
+             {build:.2} ms of it building the graph on the host",
+            prompt.len(),
+            args.repeats
+        );
+    }
+    Ok(())
 }
 
 /// Where the host spends a pipelined decode step, in milliseconds per step.
@@ -1205,6 +1282,9 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     if let Some(dir) = &args.dump_kernel_sources {
         return dump_kernel_sources(model, &prompt, dir);
     }
+    if let Some(k) = args.verify_window {
+        return report_verify_window(model, &prompt, k, &args);
+    }
 
     let mut prefill_rates = Vec::new();
     let mut decode_rates = Vec::new();
@@ -1306,7 +1386,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
                 "stepwise_graph_build_ms": build_ms,
                 "pipelined_host_ms": json!({"build": host.build_ms, "submit": host.submit_ms, "wait": host.wait_ms}),
                 "fused_comparison": fused_comparison.iter().map(|f| json!({"kernels": f.name, "decode_tokens_per_s": f.tokens_per_s, "slowest_round_tokens_per_s": f.slowest_tokens_per_s, "fastest_round_tokens_per_s": f.fastest_tokens_per_s, "same_tokens_as_none": f.same_as_none, "first_step_logit_gap": f.logit_gap, "host_ms": {"build": f.host.build_ms, "submit": f.host.submit_ms, "wait": f.host.wait_ms}})).collect::<Vec<_>>(),
-                "verify_curve": curve.iter().map(|(k, ms)| json!({"k": k, "ms": ms})).collect::<Vec<_>>(),
+                "verify_curve": curve.iter().map(|(k, t)| json!({"k": k, "ms": t.total_ms, "build_ms": t.build_ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
                     "same_tokens": c.device_tokens == c.cpu_tokens && c.device_tokens_other_shares == c.cpu_tokens,
@@ -1364,8 +1444,16 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
             println!();
             println!("| verify window k | 1 | 2 | 4 | 8 | 16 | 32 |");
             println!("|---|---|---|---|---|---|---|");
-            let cells: Vec<String> = curve.iter().map(|(_, ms)| format!("{ms:.2} ms")).collect();
+            let cells: Vec<String> = curve
+                .iter()
+                .map(|(_, t)| format!("{:.2} ms", t.total_ms))
+                .collect();
             println!("| one forward | {} |", cells.join(" | "));
+            let cells: Vec<String> = curve
+                .iter()
+                .map(|(_, t)| format!("{:.2} ms", t.build_ms))
+                .collect();
+            println!("| of it, building the graph | {} |", cells.join(" | "));
         }
         if let Some(ops) = &step_ops {
             let mut by_count: Vec<_> = ops.iter().collect();

@@ -409,6 +409,12 @@ struct BenchArgs {
     /// `bench/gpu/compile_check.py` then compiles them with NVRTC for sm_90a, with no GPU.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times"])]
     dump_kernel_sources: Option<PathBuf>,
+    /// Instead of the decode measurements: time forwards over this many new tokens after the
+    /// prompt (a verify window; one warm-up, then --repeats), each split into the host's graph
+    /// building and the rest. With MLX_SPEC_PROFILE_DECODE set, a CUDA profiler's capture
+    /// starts after the warm-up (`bench/gpu/run.sh verify-profile`).
+    #[arg(long, value_name = "K", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times", "dump_kernel_sources"])]
+    verify_window: Option<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
