@@ -159,8 +159,6 @@ if want fixtures-variants; then
         --kernel-variants step-ints-across-the-bus
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants weights-as-stand-ins" \
         --kernel-variants weights-as-stand-ins
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants post-attention-weights-prefetched" \
-        --kernel-variants post-attention-weights-prefetched
 fi
 unset MLX_ENABLE_TF32
 

@@ -565,16 +565,6 @@ fn compare_fused(
         attention_wide_rounds: false,
         ..default
     };
-    // Each layer's attention-heads kernel asking L2 for the first `mb` megabytes its
-    // post-attention kernel reads.
-    let prefetched = |mb: i32, kernels: Fused, name: &str| Set {
-        name: format!("{name}, {mb} MB of post-attention weights prefetched"),
-        kernels,
-        tuning: Tuning {
-            prefetch_mb: mb,
-            ..default
-        },
-    };
     let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
     let sets: Vec<Set> = if four_bit {
         // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows
@@ -695,8 +685,6 @@ fn compare_fused(
                 kernels: default_set,
                 tuning: narrow,
             },
-            prefetched(16, default_set, default_name),
-            prefetched(32, default_set, default_name),
             rows(
                 1,
                 with_ple(with_head(products)),
@@ -776,8 +764,6 @@ fn compare_fused(
                 },
             ),
             variant("narrow attention rounds", default_set, default_name, narrow),
-            prefetched(16, default_set, default_name),
-            prefetched(32, default_set, default_name),
             variant(
                 "rows touched first",
                 products_set,
@@ -1001,7 +987,6 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             heads_finished_apart: !default.heads_finished_apart,
             rows_touched_first: !default.rows_touched_first,
             affine4_in_place: !default.affine4_in_place,
-            prefetch_mb: if default.prefetch_mb == 0 { 32 } else { 0 },
             ..default
         },
         Tuning {

@@ -175,10 +175,7 @@ struct ModelArgs {
     /// thread of the attention-heads kernel reads them early and hands them on in device
     /// memory), `weights-as-stand-ins` (kernel inputs a kernel does not read, such as a dense
     /// weight's scales, are the weight itself, as first written; by default a one-element array,
-    /// since MLX counts every input's bytes towards when it commits a CUDA graph),
-    /// `post-attention-weights-prefetched` (each layer's attention-heads kernel asks L2 for the
-    /// first 24 MB its post-attention kernel will read, while decode attention leaves the memory
-    /// idle).
+    /// since MLX counts every input's bytes towards when it commits a CUDA graph).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
@@ -196,12 +193,7 @@ enum KernelVariantArg {
     StepIntsOnDevice,
     StepIntsAcrossTheBus,
     WeightsAsStandIns,
-    PostAttentionWeightsPrefetched,
 }
-
-/// Megabytes of each layer's post-attention weights asked of L2 early with
-/// `--kernel-variants post-attention-weights-prefetched`.
-const PREFETCH_VARIANT_MB: i32 = 24;
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum FusedKernelArg {
@@ -260,11 +252,6 @@ impl ModelArgs {
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
             step_ints_from_heads: !variants.contains(&KernelVariantArg::StepIntsAcrossTheBus),
             unread_stand_ins: !variants.contains(&KernelVariantArg::WeightsAsStandIns),
-            prefetch_mb: if variants.contains(&KernelVariantArg::PostAttentionWeightsPrefetched) {
-                PREFETCH_VARIANT_MB
-            } else {
-                0
-            },
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep

@@ -20,7 +20,7 @@
 //! (row-contiguous, as the cache allocates them), checked before the call.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
@@ -102,12 +102,6 @@ const SOURCE: &str = r#"
       rows_dot_affine4<T, K, 1, G, false>(&wrow, &s, &b, xs, sums, &d);
     }
     if (lane == 0) raw[row] = static_cast<T>(d);
-    // PF0..PF2 (bytes, `set_prefetch_mb`): its own row read, this warp asks L2 for its share
-    // of the first weights the layer's post-attention kernel reads, while the memory would
-    // otherwise sit idle through this kernel's last block and decode attention.
-    if constexpr (PF0 + PF1 + PF2 > 0) {
-      l2_prefetch_share<PF0, PF1, PF2>(pf0, pf1, pf2, row, NQ + NK + NV, lane);
-    }
   }
 
   // Publish this block's rows, then count it. PER_HEAD: a block's eight rows lie in one head
@@ -196,46 +190,8 @@ const SOURCE: &str = r#"
   if (threadIdx.x == 0) done[group] = 0u;
 "#;
 
-/// Device helpers of the L2 prefetch ([`set_prefetch_mb`]).
-const PREFETCH_HEADER: &str = r#"
-// Asks L2 for bytes [from, to) of the n bytes at p (nothing where the two do not meet). On
-// sm_90 one bulk request by lane 0 (the copy engine walks the lines); before, a line a lane.
-__device__ inline void l2_prefetch_part(const char* p, long long n, long long from,
-                                        long long to, int lane) {
-  const long long lo = from > 0 ? from : 0;
-  const long long hi = to < n ? to : n;
-  if (hi <= lo) return;
-#if __CUDA_ARCH__ >= 900
-  if (lane == 0) {
-    for (long long o = lo; o < hi; o += 1 << 20) {
-      const unsigned int size = static_cast<unsigned int>(hi - o < (1 << 20) ? hi - o : (1 << 20));
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(size) : "memory");
-    }
-  }
-#else
-  for (long long o = lo + 128 * lane; o < hi; o += 128 * 32) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-  }
-#endif
-}
-
-// Share `index` of `count` (whole 128-byte lines) of the ranges a (A bytes), b (B), c (C)
-// laid end to end.
-template <int A, int B, int C>
-__device__ inline void l2_prefetch_share(const void* a, const void* b, const void* c,
-                                         int index, int count, int lane) {
-  constexpr long long TOTAL = (long long)A + B + C;
-  const long long share = ((TOTAL + count - 1) / count + 127) / 128 * 128;
-  const long long from = (long long)index * share;
-  const long long to = from + share;
-  l2_prefetch_part(static_cast<const char*>(a), A, from, to, lane);
-  l2_prefetch_part(static_cast<const char*>(b), B, from - A, to - A, lane);
-  l2_prefetch_part(static_cast<const char*>(c), C, from - A - B, to - A - B, lane);
-}
-"#;
-
 /// The kernel's inputs; with [`set_step_ints_from_heads`] also `visible`.
-const INPUTS: [&str; 22] = [
+const INPUTS: [&str; 19] = [
     "x",
     "nw",
     "wq",
@@ -255,9 +211,6 @@ const INPUTS: [&str; 22] = [
     "wk_b",
     "wv_s",
     "wv_b",
-    "pf0",
-    "pf1",
-    "pf2",
 ];
 
 /// The kernel's header: the products' and 4-bit helpers, and whether the step's integers are
@@ -266,7 +219,7 @@ const INPUTS: [&str; 22] = [
 fn header(step_ints_from_heads: bool) -> &'static str {
     Box::leak(
         format!(
-            "#define STEP_INTS_FROM_HEADS {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{PREFETCH_HEADER}",
+            "#define STEP_INTS_FROM_HEADS {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}",
             step_ints_from_heads as i32
         )
         .into_boxed_str(),
@@ -324,26 +277,6 @@ pub fn set_step_ints_from_heads(on: bool) {
 pub fn step_ints_from_heads() -> bool {
     STEP_INTS_FROM_HEADS.load(Ordering::Relaxed)
 }
-
-static PREFETCH_MB: AtomicI32 = AtomicI32::new(0);
-
-/// Sets how many megabytes (0: none) of the first weights a layer's post-attention kernel
-/// reads (its attention output product, then the first rows of gate and up) the layer's
-/// attention-heads kernel asks L2 for, each warp its share once its own row has arrived: the
-/// heads' last block and decode attention leave the memory nearly idle, and the H200's L2
-/// holds 50 MB. Changes no value. The layer hands the weights over ([`PrefetchRanges`]).
-pub fn set_prefetch_mb(mb: i32) {
-    PREFETCH_MB.store(mb.max(0), Ordering::Relaxed);
-}
-
-/// The current [`set_prefetch_mb`] setting.
-pub fn prefetch_mb() -> i32 {
-    PREFETCH_MB.load(Ordering::Relaxed)
-}
-
-/// Up to three arrays (views into weights) whose bytes the kernel asks L2 for
-/// ([`set_prefetch_mb`]); empty for none.
-pub type PrefetchRanges = [Array];
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
 /// rotate-half pairs per lane.
@@ -409,12 +342,8 @@ pub fn attention_heads(
     cache: Option<CacheSlot>,
     visible: std::ops::Range<usize>,
     counter: &Array,
-    prefetch: &PrefetchRanges,
 ) -> Result<AttentionHeads> {
     let dtype = x.dtype();
-    if prefetch.len() > 3 {
-        bail!("attention_heads: at most three ranges to prefetch, got {}", prefetch.len());
-    }
     let k = x.shape()[x.ndim() - 1];
     let d = shape.head_dim;
     let nkv = match (&weights.kv, &cache) {
@@ -518,18 +447,6 @@ pub fn attention_heads(
         wv_s,
         wv_b,
     ];
-    // The ranges to prefetch and their bytes; a one-element stand-in of no bytes for each
-    // unused one.
-    let mut prefetch_bytes = [0i32; 3];
-    for (i, range) in prefetch.iter().enumerate() {
-        prefetch_bytes[i] = i32::try_from(range.nbytes()).map_err(|_| {
-            anyhow!("attention_heads: a range to prefetch of {} bytes", range.nbytes())
-        })?;
-    }
-    let unread = super::post_attention::unread_input(dtype);
-    for i in 0..3 {
-        inputs.push(prefetch.get(i).unwrap_or(unread));
-    }
     inputs.extend(visible.as_ref());
     let (q_shape, raw_shape) = ([1, shape.heads, 1, d], [rows.max(1)]);
     // The visible range, then position, slot and capacity for each group of blocks (one, or
@@ -567,9 +484,6 @@ pub fn attention_heads(
                     c"INT_DOTS",
                     TemplateArg::Bool(integer_dots_for(bits, dtype)),
                 ),
-                (c"PF0", TemplateArg::Int(prefetch_bytes[0])),
-                (c"PF1", TemplateArg::Int(prefetch_bytes[1])),
-                (c"PF2", TemplateArg::Int(prefetch_bytes[2])),
             ],
         )?;
         let step_copy = if early { out.pop() } else { None };
@@ -638,7 +552,7 @@ mod tests {
             head_dim: 64,
         };
         let counter = Array::zeros::<u32>(&[16]).unwrap();
-        let err = attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, None, 0..0, &counter, &[])
+        let err = attention_heads(&x, &norm, 1e-6, &weights, &shape, 0, None, 0..0, &counter)
             .unwrap_err();
         assert!(err.to_string().contains("needs both"), "{err}");
     }
@@ -690,7 +604,6 @@ mod tests {
                 Some(cache),
                 0..0,
                 &counter,
-                &[],
             )
             .unwrap_err()
         };

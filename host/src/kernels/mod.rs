@@ -217,8 +217,6 @@ pub struct Tuning {
     pub step_ints_from_heads: bool,
     /// [`post_attention::set_unread_stand_ins`].
     pub unread_stand_ins: bool,
-    /// [`attention_heads::set_prefetch_mb`] (0: off).
-    pub prefetch_mb: i32,
 }
 
 impl Tuning {
@@ -237,15 +235,13 @@ impl Tuning {
             step_ints_on_device: step_ints_on_device(),
             step_ints_from_heads: attention_heads::step_ints_from_heads(),
             unread_stand_ins: post_attention::unread_stand_ins(),
-            prefetch_mb: attention_heads::prefetch_mb(),
         }
     }
 
     /// These settings with those that change no value (how rows are spread over warps, the
     /// post-attention kernel's row pairs, loads in flight, which block finishes the attention
     /// heads, weight lines requested early, where the step's integers live and how they reach
-    /// the kernels, what stands in for inputs a kernel does not read, the weights asked of L2
-    /// early) put to fixed values: two tunings with equal `value_settings` compute the
+    /// the kernels, what stands in for inputs a kernel does not read) put to fixed values: two tunings with equal `value_settings` compute the
     /// same values bit for bit, with the same kernels.
     pub fn value_settings(self) -> Tuning {
         Tuning {
@@ -257,7 +253,6 @@ impl Tuning {
             step_ints_on_device: false,
             step_ints_from_heads: false,
             unread_stand_ins: false,
-            prefetch_mb: 0,
             ..self
         }
     }
@@ -275,7 +270,6 @@ impl Tuning {
         set_step_ints_on_device(self.step_ints_on_device);
         attention_heads::set_step_ints_from_heads(self.step_ints_from_heads);
         post_attention::set_unread_stand_ins(self.unread_stand_ins);
-        attention_heads::set_prefetch_mb(self.prefetch_mb);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

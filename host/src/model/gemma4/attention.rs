@@ -14,7 +14,6 @@ use super::linear::{Linear, Loader};
 use super::rope::Rope;
 use crate::kernels::attention_heads::{
     attention_heads, serves as heads_kernel_serves, CacheSlot, HeadShape, HeadWeights,
-    PrefetchRanges,
 };
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
 use crate::kernels::decode_attention::{decode_attention, splits_for};
@@ -143,8 +142,7 @@ impl Attention {
     /// returns the heads' output `[T, heads * head_dim]`, before `o_proj` (the layer fuses that
     /// product with its residual update). A KV-owning layer appends its new K/V to `cache` and
     /// returns the view it attended over so sharers can reuse it; a sharer passes the donor's
-    /// view in `shared`. `prefetch`: weights the heads kernel asks L2 for
-    /// ([`crate::kernels::attention_heads::set_prefetch_mb`]).
+    /// view in `shared`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -155,15 +153,12 @@ impl Attention {
         shared: Option<&KvView>,
         window: usize,
         fused: Fused,
-        prefetch: &PrefetchRanges,
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[0];
         let (q, view, produced, visible_on_device) =
             match self.fused_head_weights(x, cache.is_some(), fused) {
                 Some(weights) => {
-                    let h = self.fused_heads(
-                        x, input_norm, offset, &weights, cache, shared, prefetch,
-                    )?;
+                    let h = self.fused_heads(x, input_norm, offset, &weights, cache, shared)?;
                     (h.q, h.view, h.produced, h.visible_on_device)
                 }
                 None => {
@@ -259,7 +254,6 @@ impl Attention {
     /// hidden state to normed, rotated heads, writing a KV-owning layer's key and value into
     /// its cache. Also the view's visible slots in device memory, when the kernel hands them
     /// on ([`crate::kernels::attention_heads::set_step_ints_from_heads`]).
-    #[allow(clippy::too_many_arguments)]
     fn fused_heads(
         &self,
         x: &Array,
@@ -268,7 +262,6 @@ impl Attention {
         weights: &HeadWeights,
         cache: Option<&mut LayerKv>,
         shared: Option<&KvView>,
-        prefetch: &PrefetchRanges,
     ) -> Result<FusedHeads> {
         let shape = HeadShape {
             heads: self.num_heads,
@@ -287,7 +280,6 @@ impl Attention {
                 target,
                 view.first_query_slots.clone(),
                 &self.heads_counter,
-                prefetch,
             )
         };
         match cache {

@@ -2,8 +2,6 @@
 //! MoE branch, the optional per-layer-embedding gate, and the learned `layer_scalar`.
 
 use super::norm::rms_norm;
-use std::cell::RefCell;
-
 use anyhow::Result;
 use mlx_rs::ops::broadcast_to;
 use mlx_rs::ops::indexing::IndexOp;
@@ -16,9 +14,8 @@ use super::config::Gemma4Config;
 use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
-use crate::kernels::attention_heads;
 use crate::kernels::per_layer_input::{self, per_layer_input};
-use crate::kernels::post_attention::{self, post_attention, PerLayerInput, PostAttention, Weight};
+use crate::kernels::post_attention::{self, post_attention, PerLayerInput, PostAttention};
 use crate::kernels::products::{
     device_array, gated_product, new_counter, product_residual, serves_token, GateUp,
 };
@@ -66,8 +63,6 @@ pub struct DecoderLayer {
     post_attention_barrier: Array,
     /// The barrier state of the one-kernel per-layer-input block.
     per_layer_input_barrier: Array,
-    /// [`DecoderLayer::prefetch_ranges`] with the budget they were made for.
-    prefetch: RefCell<Option<(usize, Vec<Array>)>>,
 }
 
 impl DecoderLayer {
@@ -118,7 +113,6 @@ impl DecoderLayer {
             counters: [new_counter()?, new_counter()?, new_counter()?],
             post_attention_barrier: post_attention::new_barrier()?,
             per_layer_input_barrier: post_attention::new_barrier()?,
-            prefetch: RefCell::new(None),
         })
     }
 
@@ -324,55 +318,6 @@ impl DecoderLayer {
         Ok(Some(out))
     }
 
-    /// The first weights this layer's post-attention stages read, for the attention-heads
-    /// kernel to ask L2 for ([`attention_heads::set_prefetch_mb`], off by default): the
-    /// attention output product whole, then as many first rows of gate and up as the budget
-    /// leaves (the rows the kernel's first pass reads). Views, made once per budget. Empty for
-    /// a window of several tokens, for a MoE layer, or with the setting off.
-    fn prefetch_ranges(&self, x: &Array) -> Result<Vec<Array>> {
-        let budget = attention_heads::prefetch_mb() as usize * 1_000_000;
-        if budget == 0 || x.shape()[0] != 1 || self.moe.is_some() {
-            return Ok(Vec::new());
-        }
-        if let Some((made_for, ranges)) = self.prefetch.borrow().as_ref() {
-            if *made_for == budget {
-                return Ok(ranges.clone());
-            }
-        }
-        let (Some((gate, up, _)), Some(output)) = (
-            self.mlp.kernel_weights(),
-            self.attention.o_proj().kernel_weight(),
-        ) else {
-            return Ok(Vec::new());
-        };
-        // The rows' values (dense, or 4-bit packed words); their scales are small.
-        let values = |w: Weight| match w {
-            Weight::Dense(a) => a.clone(),
-            Weight::Affine4 { packed, .. } => packed.clone(),
-        };
-        let first_rows = |a: &Array, rows: usize| -> Result<Array> {
-            let view = a.index((0..rows as i32, ..));
-            view.eval()?;
-            Ok(view)
-        };
-        let row_bytes = |a: &Array| a.nbytes() / a.shape()[0].max(1) as usize;
-        let output = values(output);
-        let mut ranges = Vec::new();
-        let output_rows = (budget / row_bytes(&output)).min(output.shape()[0] as usize);
-        if output_rows > 0 {
-            ranges.push(first_rows(&output, output_rows)?);
-        }
-        let left = budget.saturating_sub(output_rows * row_bytes(&output));
-        let (gate, up) = (values(gate), values(up));
-        let rows = (left / (row_bytes(&gate) + row_bytes(&up))).min(gate.shape()[0] as usize);
-        if rows > 0 {
-            ranges.push(first_rows(&gate, rows)?);
-            ranges.push(first_rows(&up, rows)?);
-        }
-        *self.prefetch.borrow_mut() = Some((budget, ranges.clone()));
-        Ok(ranges)
-    }
-
     /// Runs the layer on `x` (`[T, H]`). `per_layer` is the per-layer embeddings of every
     /// layer (`[T, layers, P]`) with this layer's index. Returns the new hidden state and, for
     /// KV-owning layers, the K/V view sharers of this layer read. `fused`: which CUDA kernels
@@ -386,7 +331,6 @@ impl DecoderLayer {
         per_layer: Option<(&Array, usize)>,
         fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
-        let prefetch = self.prefetch_ranges(x)?;
         let (attn, view) = self.attention.forward(
             x,
             &self.input_norm,
@@ -395,7 +339,6 @@ impl DecoderLayer {
             shared,
             self.window,
             fused,
-            &prefetch,
         )?;
         if let Some(out) = self.one_kernel_after_attention(x, &attn, per_layer, fused)? {
             return Ok((out, view));
