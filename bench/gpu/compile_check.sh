@@ -36,7 +36,8 @@ fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
 dumps=()
-for model in e4b 12b; do
+# COMPILE_CHECK_MODELS / COMPILE_CHECK_BITS narrow the check (defaults: "e4b 12b", "0 4").
+for model in ${COMPILE_CHECK_MODELS:-e4b 12b}; do
     config="$OUT/gemma-4-$model-short.json"
     python3 - "$ROOT/configs/gemma-4-$model.json" "$config" <<'EOF'
 import json, sys
@@ -54,7 +55,7 @@ if c.get("vocab_size_per_layer_input"):
     c["vocab_size_per_layer_input"] = 16384
 json.dump(c, open(sys.argv[2], "w"), indent=1)
 EOF
-    for bits in 0 4; do
+    for bits in ${COMPILE_CHECK_BITS:-0 4}; do
         dir="$OUT/$model-$([[ $bits == 4 ]] && echo 4bit || echo bf16)"
         extra=()
         [[ $bits == 4 ]] && extra=(--random-bits 4)

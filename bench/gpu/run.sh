@@ -159,6 +159,8 @@ if want fixtures-variants; then
         --kernel-variants step-ints-across-the-bus
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants weights-as-stand-ins" \
         --kernel-variants weights-as-stand-ins
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants per-layer-rows-early" \
+        --kernel-variants per-layer-rows-early
 fi
 unset MLX_ENABLE_TF32
 
@@ -255,8 +257,13 @@ fi
 if want stage-times; then
     # Where the largest kernel of a step spends its time: the device clock as each of its
     # stages finishes across the grid, in the pipelined decode itself (no profiler).
+    # STAGE_TIMES_MODELS: the labels to run (default all three); STAGE_TIMES_ARGS: more
+    # mlx-spec options (such as --kernel-variants ...).
     for spec in "E4B bf16|gemma-4-e4b.json|" "E4B 4-bit g64|gemma-4-e4b.json|--random-bits 4" "12B bf16|gemma-4-12b.json|"; do
         IFS='|' read -r label config extra <<<"$spec"
+        [[ -z "${STAGE_TIMES_MODELS:-}" || ";$STAGE_TIMES_MODELS;" == *";$label;"* ]] || continue
+        extra="$extra ${STAGE_TIMES_ARGS:-}"
+        label="$label${STAGE_TIMES_ARGS:+ ($STAGE_TIMES_ARGS)}"
         echo "## $label: post-attention stages, µs a call (mean)" | tee -a "$RES/stage-times.md"
         # shellcheck disable=SC2086 # $extra is empty or one option with its value
         timeout 300 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/$config" --dtype bf16 $extra \

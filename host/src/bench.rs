@@ -765,6 +765,15 @@ fn compare_fused(
             ),
             variant("narrow attention rounds", default_set, default_name, narrow),
             variant(
+                "per-layer rows loaded early",
+                default_set,
+                default_name,
+                Tuning {
+                    per_layer_rows_early: true,
+                    ..default
+                },
+            ),
+            variant(
                 "rows touched first",
                 products_set,
                 products_name,
@@ -995,6 +1004,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             affine4_integer_dots: !default.affine4_integer_dots,
             affine4_rows_per_warp: 2,
             dense_loads: 16,
+            per_layer_rows_early: !default.per_layer_rows_early,
             ..default
         },
     ];

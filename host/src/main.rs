@@ -175,7 +175,10 @@ struct ModelArgs {
     /// thread of the attention-heads kernel reads them early and hands them on in device
     /// memory), `weights-as-stand-ins` (kernel inputs a kernel does not read, such as a dense
     /// weight's scales, are the weight itself, as first written; by default a one-element array,
-    /// since MLX counts every input's bytes towards when it commits a CUDA graph).
+    /// since MLX counts every input's bytes towards when it commits a CUDA graph),
+    /// `per-layer-rows-early` (the post-attention kernel loads each warp's rows of the
+    /// per-layer-input block into registers before the barrier that ends the down product;
+    /// dense weights).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
@@ -193,6 +196,7 @@ enum KernelVariantArg {
     StepIntsOnDevice,
     StepIntsAcrossTheBus,
     WeightsAsStandIns,
+    PerLayerRowsEarly,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -252,6 +256,7 @@ impl ModelArgs {
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
             step_ints_from_heads: !variants.contains(&KernelVariantArg::StepIntsAcrossTheBus),
             unread_stand_ins: !variants.contains(&KernelVariantArg::WeightsAsStandIns),
+            per_layer_rows_early: variants.contains(&KernelVariantArg::PerLayerRowsEarly),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep

@@ -217,6 +217,8 @@ pub struct Tuning {
     pub step_ints_from_heads: bool,
     /// [`post_attention::set_unread_stand_ins`].
     pub unread_stand_ins: bool,
+    /// [`post_attention::set_per_layer_rows_early`].
+    pub per_layer_rows_early: bool,
 }
 
 impl Tuning {
@@ -235,13 +237,15 @@ impl Tuning {
             step_ints_on_device: step_ints_on_device(),
             step_ints_from_heads: attention_heads::step_ints_from_heads(),
             unread_stand_ins: post_attention::unread_stand_ins(),
+            per_layer_rows_early: post_attention::per_layer_rows_early(),
         }
     }
 
     /// These settings with those that change no value (how rows are spread over warps, the
     /// post-attention kernel's row pairs, loads in flight, which block finishes the attention
     /// heads, weight lines requested early, where the step's integers live and how they reach
-    /// the kernels, what stands in for inputs a kernel does not read) put to fixed values: two tunings with equal `value_settings` compute the
+    /// the kernels, what stands in for inputs a kernel does not read, weight rows loaded before
+    /// their input) put to fixed values: two tunings with equal `value_settings` compute the
     /// same values bit for bit, with the same kernels.
     pub fn value_settings(self) -> Tuning {
         Tuning {
@@ -253,6 +257,7 @@ impl Tuning {
             step_ints_on_device: false,
             step_ints_from_heads: false,
             unread_stand_ins: false,
+            per_layer_rows_early: false,
             ..self
         }
     }
@@ -270,6 +275,7 @@ impl Tuning {
         set_step_ints_on_device(self.step_ints_on_device);
         attention_heads::set_step_ints_from_heads(self.step_ints_from_heads);
         post_attention::set_unread_stand_ins(self.unread_stand_ins);
+        post_attention::set_per_layer_rows_early(self.per_layer_rows_early);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

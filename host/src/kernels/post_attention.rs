@@ -174,29 +174,143 @@ __device__ inline T closed(float o, float r, T h, T pw, float s) {
   return sum;
 }
 
+// 16-byte pieces of a dense row of K values that lane `l` reads in `rows_dot` (pieces l,
+// l + 32, ...).
+template <typename T, int K>
+constexpr int lane_pieces() { return (K * (int)sizeof(T) / 16 + 31) / 32; }
+
+// Loads this lane's pieces of R dense rows of K values into registers, before the input they
+// are dotted with exists (the weights do not depend on it).
+template <typename T, int K, int R>
+__device__ inline void rows_load(const T* const* rows, uint4 (&wc)[lane_pieces<T, K>()][R]) {
+  constexpr int CHUNKS = K * (int)sizeof(T) / 16;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < lane_pieces<T, K>(); i++) {
+    const int c = lane + 32 * i;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      wc[i][r] = c < CHUNKS ? __ldg(reinterpret_cast<const uint4*>(rows[r]) + c)
+                            : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// rows_dot over rows already loaded (`piece(i, r)`: lane piece i of row r): the same sums
+// in the same order, so the same result bit for bit.
+template <typename T, int K, int R, typename Piece>
+__device__ inline void rows_dot_loaded(Piece piece, const T* xs, float* out) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNKS = K / VEC;
+  const int lane = threadIdx.x & 31;
+  const uint4* x4 = reinterpret_cast<const uint4*>(xs);
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = 0.f;
+#pragma unroll
+  for (int i = 0; i < lane_pieces<T, K>(); i++) {
+    const int c = lane + 32 * i;
+    if (c < CHUNKS) {
+      const uint4 xc = x4[c];
+      const T* xe = reinterpret_cast<const T*>(&xc);
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const uint4 wc = piece(i, r);
+        const T* we = reinterpret_cast<const T*>(&wc);
+#pragma unroll
+        for (int e = 0; e < VEC; e++) acc[r] += static_cast<float>(we[e]) * static_cast<float>(xe[e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
+}
+
+// EARLY (dense weights, `set_per_layer_rows_early`): what a block loads before the barrier
+// that ends the down product, for the per-layer-input block. Warps 0-3 of block b take gate
+// row 4 b + warp, copied asynchronously (cp.async, each lane its own pieces) into `rows` (the
+// staging buffer, free once the down product has read it) with the row's per-layer value;
+// every warp keeps its pair of projection rows in registers. Only where the rows fit
+// (`fits`); elsewhere the block loads as it goes.
+constexpr int EARLY_GATE_WARPS = 4;
+
+template <typename T, int H, int P>
+struct EarlyRows {
+  uint4 proj[lane_pieces<T, P>()][2];
+  float value;
+  bool fits;
+};
+
+template <typename T, int H, int P, int STAGED>
+__device__ inline void load_early(EarlyRows<T, H, P>& e, T* rows, const T* pg,
+                                  const T* per_layer, int v0, const T* pp, int first,
+                                  int warps) {
+  e.fits = P <= EARLY_GATE_WARPS * (int)gridDim.x && H <= 2 * warps &&
+           EARLY_GATE_WARPS * H <= STAGED && H * (int)sizeof(T) % 16 == 0;
+  if (!e.fits) return;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int r = blockIdx.x * EARLY_GATE_WARPS + warp;
+  if (warp < EARLY_GATE_WARPS && r < P) {
+    constexpr int CHUNKS = H * (int)sizeof(T) / 16;
+    const uint4* src = reinterpret_cast<const uint4*>(pg + (size_t)r * H);
+    uint4* dst = reinterpret_cast<uint4*>(rows + (size_t)warp * H);
+    for (int c = lane; c < CHUNKS; c += 32) {
+      const unsigned int to = static_cast<unsigned int>(__cvta_generic_to_shared(dst + c));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src + c) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    e.value = static_cast<float>(per_layer[v0 + r]);
+  }
+  if (first < H) {
+    const int r2 = first + warps < H ? first + warps : first;
+    const T* proj_rows[2] = {pp + (size_t)first * P, pp + (size_t)r2 * P};
+    rows_load<T, P, 2>(proj_rows, e.proj);
+  }
+}
+
 // A layer's per-layer-input block, every block of the grid resident: g = gelu_tanh(W_in h) *
 // v (v: this layer's P values, per_layer[v0 ...]), a grid-wide barrier, o2 = W_proj g, a
 // barrier, then out = (h + rms_norm(o2, pn)) * s, the blocks writing it in turns. hs: h
 // staged in shared memory, its chunk sums in `sums`; `buf` (P elements) and `sums` then hold
 // g's. g and o2: device scratch. Rounds as the gated and closing products do.
-template <typename T, int H, int P, int BITS, int G, bool IN_PLACE, bool PAIRS, typename WI,
-          typename WP>
+template <typename T, int H, int P, int BITS, int G, bool IN_PLACE, bool PAIRS, bool EARLY,
+          typename WI, typename WP>
 __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* red,
                                        const WI* pg, const T* pg_s, const T* pg_b,
                                        const T* per_layer, int v0, const WP* pp,
                                        const T* pp_s, const T* pp_b, const T* pn, float s,
                                        unsigned int* bar, T* g, float* o2, T* out,
+                                       const EarlyRows<T, H, P>& early,
+                                       const T* early_rows,
                                        unsigned long long* stamps = nullptr) {
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * (BLOCK_THREADS / 32);
   const int first = blockIdx.x * (BLOCK_THREADS / 32) + (threadIdx.x >> 5);
-  for (int r = first; r < P; r += warps) {
-    const void* w = pg;
-    float d;
-    weight_dot<T, H, 1, BITS, G, IN_PLACE>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
-    if (lane == 0) {
-      const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
-      g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
+  const bool loaded = EARLY && BITS == 0 && early.fits;
+  if (loaded) {
+    const int warp = threadIdx.x >> 5;
+    const int r = blockIdx.x * EARLY_GATE_WARPS + warp;
+    if (warp < EARLY_GATE_WARPS && r < P) {
+      // This lane's own copies (it reads back only the pieces it copied).
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      const uint4* row = reinterpret_cast<const uint4*>(early_rows + (size_t)warp * H);
+      float d;
+      rows_dot_loaded<T, H, 1>([&](int i, int) { return row[lane + 32 * i]; }, hs, &d);
+      if (lane == 0) {
+        const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
+        g[r] = static_cast<T>(static_cast<float>(act) * early.value);
+      }
+    }
+  } else {
+    for (int r = first; r < P; r += warps) {
+      const void* w = pg;
+      float d;
+      weight_dot<T, H, 1, BITS, G, IN_PLACE>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
+      if (lane == 0) {
+        const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
+        g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
+      }
     }
   }
   __threadfence();
@@ -204,7 +318,19 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
 
   stage_written<T, P>(g, buf);
   chunk_sums<T, P, BITS>(buf, sums);
-  product_rows<T, P, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
+  if (loaded) {
+    if (first < H) {
+      const int r2 = first + warps < H ? first + warps : first;
+      float d[2];
+      rows_dot_loaded<T, P, 2>([&](int i, int r) { return early.proj[i][r]; }, buf, d);
+      if (lane == 0) {
+        o2[first] = static_cast<float>(static_cast<T>(d[0]));
+        if (r2 != first) o2[r2] = static_cast<float>(static_cast<T>(d[1]));
+      }
+    }
+  } else {
+    product_rows<T, P, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
+  }
   __threadfence();
   grid_barrier(bar, stamps != nullptr ? stamps + 1 : nullptr);
 
@@ -276,6 +402,16 @@ const SOURCE: &str = r#"
   stage_written<T, N>(a, buf);
   chunk_sums<T, N, BITS>(buf, sums);
   product_rows<T, N, BITS, G, IN_PLACE, PAIRS>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
+  // EARLY: the per-layer-input rows this warp takes, loaded before the barrier (unused
+  // otherwise, and then left out by the compiler).
+  EarlyRows<T, H, (P > 0 ? P : 8)> early;
+  early.fits = false;
+  if constexpr (EARLY && BITS == 0 && P > 0) {
+    // Every warp of the block is done reading `buf`, which takes the gate rows.
+    __syncthreads();
+    load_early<T, H, P, STAGED>(early, buf, reinterpret_cast<const T*>(pg), per_layer,
+                                ple_offset[0], reinterpret_cast<const T*>(pp), first, warps);
+  }
   __threadfence();
   grid_barrier(bar, STAGE_STAMP(3));
 
@@ -295,10 +431,9 @@ const SOURCE: &str = r#"
 
     // 4.-6. g = gelu_tanh(W_in h) * v, o2 = W_proj g, out = (h + rms_norm(o2, post_norm_2))
     // times the layer scalar.
-    per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS>(hs, buf, sums, red, pg, pg_s, pg_b,
-                                                       per_layer, ple_offset[0], pp, pp_s, pp_b,
-                                                       post_norm_2, s, bar, g, o2, out,
-                                                       STAGE_STAMP(4));
+    per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS, EARLY>(
+        hs, buf, sums, red, pg, pg_s, pg_b, per_layer, ple_offset[0], pp, pp_s, pp_b,
+        post_norm_2, s, bar, g, o2, out, early, buf, STAGE_STAMP(4));
   }
 #undef STAGE_STAMP
 "#;
@@ -637,6 +772,23 @@ pub fn affine4_in_place() -> bool {
     IN_PLACE.load(Ordering::Relaxed)
 }
 
+static PER_LAYER_ROWS_EARLY: AtomicBool = AtomicBool::new(false);
+
+/// Makes each warp load its rows of the per-layer-input block (its gate row with that row's
+/// per-layer value, and its pair of projection rows; dense weights) into registers before the
+/// barrier that ends the down product, for the rest of the process: those stages are a few
+/// megabytes over most of the grid, bound by the latency of each load after its barrier, and
+/// their weights do not depend on the hidden state. Changes no value (the same sums in the
+/// same order); `bench --compare-fused` measures both.
+pub fn set_per_layer_rows_early(on: bool) {
+    PER_LAYER_ROWS_EARLY.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_per_layer_rows_early`] setting.
+pub fn per_layer_rows_early() -> bool {
+    PER_LAYER_ROWS_EARLY.load(Ordering::Relaxed)
+}
+
 static ROW_PAIRS: AtomicBool = AtomicBool::new(true);
 
 /// Makes each warp take two rows at a time in the stages of one product (the attention's
@@ -814,6 +966,7 @@ pub fn post_attention(
                 (c"G", TemplateArg::Int(group)),
                 (c"IN_PLACE", TemplateArg::Bool(affine4_in_place())),
                 (c"PAIRS", TemplateArg::Bool(row_pairs())),
+                (c"EARLY", TemplateArg::Bool(per_layer_rows_early())),
             ],
         )?;
         if timed {
