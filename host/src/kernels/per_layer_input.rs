@@ -38,11 +38,9 @@ const SOURCE: &str = r#"
   chunk_sums<T, H, BITS>(hs, sums);
   // The post-attention kernel's last stages, as the products round them.
   // (No rows loaded early: this kernel starts at the block.)
-  EarlyRows<T, H, P> early;
-  early.fits = false;
-  per_layer_block<T, H, P, BITS, G, false, false, false>(
+  per_layer_block<T, H, P, BITS, G, false, false, false, P>(
       hs, buf, sums, red, pg, pg_s, pg_b, per_layer, ple_offset[0], pp, pp_s, pp_b, post_norm,
-      static_cast<float>(scale[0]), bar, g, o2, out, early, buf);
+      static_cast<float>(scale[0]), bar, g, o2, out, buf, buf);
 "#;
 
 /// The staged vectors must fit a block's static shared memory, twice per multiprocessor

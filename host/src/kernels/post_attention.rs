@@ -175,26 +175,9 @@ __device__ inline T closed(float o, float r, T h, T pw, float s) {
 }
 
 // 16-byte pieces of a dense row of K values that lane `l` reads in `rows_dot` (pieces l,
-// l + 32, ...).
+// l + 32, ...), a lane.
 template <typename T, int K>
 constexpr int lane_pieces() { return (K * (int)sizeof(T) / 16 + 31) / 32; }
-
-// Loads this lane's pieces of R dense rows of K values into registers, before the input they
-// are dotted with exists (the weights do not depend on it).
-template <typename T, int K, int R>
-__device__ inline void rows_load(const T* const* rows, uint4 (&wc)[lane_pieces<T, K>()][R]) {
-  constexpr int CHUNKS = K * (int)sizeof(T) / 16;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int i = 0; i < lane_pieces<T, K>(); i++) {
-    const int c = lane + 32 * i;
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-      wc[i][r] = c < CHUNKS ? __ldg(reinterpret_cast<const uint4*>(rows[r]) + c)
-                            : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
 
 // rows_dot over rows already loaded (`piece(i, r)`: lane piece i of row r): the same sums
 // in the same order, so the same result bit for bit.
@@ -226,47 +209,59 @@ __device__ inline void rows_dot_loaded(Piece piece, const T* xs, float* out) {
   for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
 }
 
-// EARLY (dense weights, `set_per_layer_rows_early`): what a block loads before the barrier
-// that ends the down product, for the per-layer-input block. Warps 0-3 of block b take gate
-// row 4 b + warp, copied asynchronously (cp.async, each lane its own pieces) into `rows` (the
-// staging buffer, free once the down product has read it) with the row's per-layer value;
-// every warp keeps its pair of projection rows in registers. Only where the rows fit
-// (`fits`); elsewhere the block loads as it goes.
-constexpr int EARLY_GATE_WARPS = 4;
+// EARLY (dense weights, `set_per_layer_rows_early`): the per-layer-input block's rows, copied
+// into shared memory before the barrier that ends the down product (their weights do not
+// depend on the hidden state, and those stages are bound by the latency of each load after
+// its barrier). The block's gate rows 4 b ... 4 b + 3 go into `gate` (the staging buffer,
+// free once the down product has read it), which warps 4-7 then take; each warp's pair of
+// projection rows (first, first + warps) into `proj`. The copies are asynchronous
+// (cp.async) and issued after the fence that publishes the down product, by every thread
+// but those of warp 0: thread 0 arrives at the barrier, and its fence must not wait for
+// them. Only where the rows fit (`fits`); elsewhere the block loads as it goes.
+constexpr int EARLY_GATE_ROWS = 4;
 
-template <typename T, int H, int P>
-struct EarlyRows {
-  uint4 proj[lane_pieces<T, P>()][2];
-  float value;
-  bool fits;
-};
+__device__ inline void copy_async_16(void* to, const void* from) {
+  const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(to));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(from) : "memory");
+}
 
 template <typename T, int H, int P, int STAGED>
-__device__ inline void load_early(EarlyRows<T, H, P>& e, T* rows, const T* pg,
-                                  const T* per_layer, int v0, const T* pp, int first,
-                                  int warps) {
-  e.fits = P <= EARLY_GATE_WARPS * (int)gridDim.x && H <= 2 * warps &&
-           EARLY_GATE_WARPS * H <= STAGED && H * (int)sizeof(T) % 16 == 0;
-  if (!e.fits) return;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int r = blockIdx.x * EARLY_GATE_WARPS + warp;
-  if (warp < EARLY_GATE_WARPS && r < P) {
-    constexpr int CHUNKS = H * (int)sizeof(T) / 16;
-    const uint4* src = reinterpret_cast<const uint4*>(pg + (size_t)r * H);
-    uint4* dst = reinterpret_cast<uint4*>(rows + (size_t)warp * H);
-    for (int c = lane; c < CHUNKS; c += 32) {
-      const unsigned int to = static_cast<unsigned int>(__cvta_generic_to_shared(dst + c));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src + c) : "memory");
+__device__ inline bool early_rows_fit() {
+  const int warps = gridDim.x * (BLOCK_THREADS / 32);
+  return P > 0 && P <= EARLY_GATE_ROWS * (int)gridDim.x && H <= 2 * warps &&
+         EARLY_GATE_ROWS * H <= STAGED && (H * (int)sizeof(T)) % 16 == 0 &&
+         (P * (int)sizeof(T)) % 16 == 0;
+}
+
+template <typename T, int H, int P>
+__device__ inline void copy_early_rows(T* gate, T* proj, const T* pg, const T* pp) {
+  const int warps = gridDim.x * (BLOCK_THREADS / 32);
+  constexpr int GATE_PIECES = H * (int)sizeof(T) / 16;
+  constexpr int PROJ_PIECES = P * (int)sizeof(T) / 16;
+  constexpr int ALL = EARLY_GATE_ROWS * GATE_PIECES + 2 * (BLOCK_THREADS / 32) * PROJ_PIECES;
+  for (int i = threadIdx.x - 32; i >= 0 && i < ALL; i += BLOCK_THREADS - 32) {
+    if (i < EARLY_GATE_ROWS * GATE_PIECES) {
+      const int j = i / GATE_PIECES;
+      const int r = blockIdx.x * EARLY_GATE_ROWS + j;
+      if (r < P) {
+        const int c = i % GATE_PIECES;
+        copy_async_16(reinterpret_cast<uint4*>(gate + (size_t)j * H) + c,
+                      reinterpret_cast<const uint4*>(pg + (size_t)r * H) + c);
+      }
+    } else {
+      const int k = i - EARLY_GATE_ROWS * GATE_PIECES;
+      const int slot = k / PROJ_PIECES;  // 2 w + (0: first row, 1: second)
+      const int c = k % PROJ_PIECES;
+      const int first = blockIdx.x * (BLOCK_THREADS / 32) + slot / 2;
+      const int second = first + warps < H ? first + warps : first;
+      const int r = slot % 2 == 0 ? first : second;
+      if (first < H) {
+        copy_async_16(reinterpret_cast<uint4*>(proj + (size_t)slot * P) + c,
+                      reinterpret_cast<const uint4*>(pp + (size_t)r * P) + c);
+      }
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    e.value = static_cast<float>(per_layer[v0 + r]);
   }
-  if (first < H) {
-    const int r2 = first + warps < H ? first + warps : first;
-    const T* proj_rows[2] = {pp + (size_t)first * P, pp + (size_t)r2 * P};
-    rows_load<T, P, 2>(proj_rows, e.proj);
-  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // A layer's per-layer-input block, every block of the grid resident: g = gelu_tanh(W_in h) *
@@ -275,31 +270,31 @@ __device__ inline void load_early(EarlyRows<T, H, P>& e, T* rows, const T* pg,
 // staged in shared memory, its chunk sums in `sums`; `buf` (P elements) and `sums` then hold
 // g's. g and o2: device scratch. Rounds as the gated and closing products do.
 template <typename T, int H, int P, int BITS, int G, bool IN_PLACE, bool PAIRS, bool EARLY,
-          typename WI, typename WP>
+          int STAGED, typename WI, typename WP>
 __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* red,
                                        const WI* pg, const T* pg_s, const T* pg_b,
                                        const T* per_layer, int v0, const WP* pp,
                                        const T* pp_s, const T* pp_b, const T* pn, float s,
                                        unsigned int* bar, T* g, float* o2, T* out,
-                                       const EarlyRows<T, H, P>& early,
-                                       const T* early_rows,
+                                       const T* early_gate, const T* early_proj,
                                        unsigned long long* stamps = nullptr) {
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * (BLOCK_THREADS / 32);
   const int first = blockIdx.x * (BLOCK_THREADS / 32) + (threadIdx.x >> 5);
-  const bool loaded = EARLY && BITS == 0 && early.fits;
+  const bool loaded = EARLY && BITS == 0 && early_rows_fit<T, H, P, STAGED>();
   if (loaded) {
-    const int warp = threadIdx.x >> 5;
-    const int r = blockIdx.x * EARLY_GATE_WARPS + warp;
-    if (warp < EARLY_GATE_WARPS && r < P) {
-      // This lane's own copies (it reads back only the pieces it copied).
-      asm volatile("cp.async.wait_all;" ::: "memory");
-      const uint4* row = reinterpret_cast<const uint4*>(early_rows + (size_t)warp * H);
+    // Every thread's copies, then the block's: a row's pieces came from several threads.
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    const int j = (threadIdx.x >> 5) - (BLOCK_THREADS / 32 - EARLY_GATE_ROWS);
+    const int r = blockIdx.x * EARLY_GATE_ROWS + j;
+    if (j >= 0 && r < P) {
+      const uint4* row = reinterpret_cast<const uint4*>(early_gate + (size_t)j * H);
       float d;
       rows_dot_loaded<T, H, 1>([&](int i, int) { return row[lane + 32 * i]; }, hs, &d);
       if (lane == 0) {
         const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
-        g[r] = static_cast<T>(static_cast<float>(act) * early.value);
+        g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
       }
     }
   } else {
@@ -322,7 +317,9 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
     if (first < H) {
       const int r2 = first + warps < H ? first + warps : first;
       float d[2];
-      rows_dot_loaded<T, P, 2>([&](int i, int r) { return early.proj[i][r]; }, buf, d);
+      const uint4* rows = reinterpret_cast<const uint4*>(early_proj + (size_t)(threadIdx.x >> 5) * 2 * P);
+      rows_dot_loaded<T, P, 2>(
+          [&](int i, int r) { return rows[r * (P * (int)sizeof(T) / 16) + lane + 32 * i]; }, buf, d);
       if (lane == 0) {
         o2[first] = static_cast<float>(static_cast<T>(d[0]));
         if (r2 != first) o2[r2] = static_cast<float>(static_cast<T>(d[1]));
@@ -351,6 +348,8 @@ const SOURCE: &str = r#"
   __shared__ __align__(16) T x1s[H];
   __shared__ __align__(16) T hs[P > 0 ? H : 8];
   __shared__ float red[32];
+  // EARLY: each warp's pair of per-layer projection rows (copy_early_rows).
+  __shared__ __align__(16) T early_proj[EARLY && BITS == 0 && P > 0 ? 2 * WARPS * P : 8];
   // Chunk sums of the staged input for 4-bit weights (chunk_sums).
   __shared__ float sums[BITS != 0 ? STAGED / 32 : 1];
   unsigned int* bar = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(barrier));
@@ -402,17 +401,16 @@ const SOURCE: &str = r#"
   stage_written<T, N>(a, buf);
   chunk_sums<T, N, BITS>(buf, sums);
   product_rows<T, N, BITS, G, IN_PLACE, PAIRS>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
-  // EARLY: the per-layer-input rows this warp takes, loaded before the barrier (unused
-  // otherwise, and then left out by the compiler).
-  EarlyRows<T, H, (P > 0 ? P : 8)> early;
-  early.fits = false;
-  if constexpr (EARLY && BITS == 0 && P > 0) {
-    // Every warp of the block is done reading `buf`, which takes the gate rows.
-    __syncthreads();
-    load_early<T, H, P, STAGED>(early, buf, reinterpret_cast<const T*>(pg), per_layer,
-                                ple_offset[0], reinterpret_cast<const T*>(pp), first, warps);
-  }
   __threadfence();
+  // EARLY: the per-layer-input rows, copied while the grid meets (see copy_early_rows).
+  if constexpr (EARLY && BITS == 0 && P > 0) {
+    if (early_rows_fit<T, H, P, STAGED>()) {
+      // Every warp of the block is done reading `buf`, which takes the gate rows.
+      __syncthreads();
+      copy_early_rows<T, H, P>(buf, early_proj, reinterpret_cast<const T*>(pg),
+                               reinterpret_cast<const T*>(pp));
+    }
+  }
   grid_barrier(bar, STAGE_STAMP(3));
 
   // 3. h = x1 + rms_norm(o, post_norm): the output without a per-layer input (times the
@@ -431,9 +429,9 @@ const SOURCE: &str = r#"
 
     // 4.-6. g = gelu_tanh(W_in h) * v, o2 = W_proj g, out = (h + rms_norm(o2, post_norm_2))
     // times the layer scalar.
-    per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS, EARLY>(
+    per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS, EARLY, STAGED>(
         hs, buf, sums, red, pg, pg_s, pg_b, per_layer, ple_offset[0], pp, pp_s, pp_b,
-        post_norm_2, s, bar, g, o2, out, early, buf, STAGE_STAMP(4));
+        post_norm_2, s, bar, g, o2, out, buf, early_proj, STAGE_STAMP(4));
   }
 #undef STAGE_STAMP
 "#;
@@ -443,6 +441,9 @@ const SOURCE: &str = r#"
 /// 12B's shapes; 128 would still fit two blocks of 256 threads) let at least this many be
 /// resident.
 const BLOCKS_PER_MULTIPROCESSOR: i32 = 2;
+
+/// Warps of a block (the kernel's `WARPS`).
+const WARPS_PER_BLOCK: usize = 8;
 
 /// The staged vectors must fit a block's static shared memory (48 KB), twice per
 /// multiprocessor with room to spare.
@@ -740,7 +741,13 @@ pub fn serves(h: usize, z: usize, n: usize, p: usize, dtype: Dtype) -> bool {
     };
     let whole = |k: usize| (k * e) % 16 == 0;
     let staged = h.max(z).max(n).max(p);
-    let kept = staged + h + if p > 0 { h } else { 0 };
+    // With its per-layer rows loaded early, each warp's two projection rows too.
+    let early = if p > 0 && per_layer_rows_early() {
+        2 * WARPS_PER_BLOCK * p
+    } else {
+        0
+    };
+    let kept = staged + h + if p > 0 { h } else { 0 } + early;
     // The chunk sums of 4-bit weights: a float per 32 staged values.
     let sums = staged / 32 * 4;
     h > 0
