@@ -10,14 +10,33 @@
 //!   `MAX_PAUSE`; one probe round then tests the drafter again.
 //!
 //! A drafter that proposes nothing costs nothing and is not penalised.
+//!
+//! A third control follows what rounds cost where the loop times them
+//! ([`DraftGate::observe_round_time`], [`DraftGate::observe_plain_time`]): a drafted round
+//! that takes `c` times as long as a plain token pays only while it accepts more than `c - 1`
+//! tokens on average. On a CPU a verify window costs about two plain tokens; on a GPU, where a
+//! window of several tokens runs MLX's operations, it can cost four (BENCHMARKS.md). The
+//! average here has a long memory ([`SLOW_DECAY`]): a drafter like prompt lookup accepts in
+//! streaks, and judging it by its last few rounds pauses it through the next streak. Once
+//! drafted rounds have been timed, the gate runs a few plain rounds to learn a plain token's
+//! cost.
 
-/// Below this many accepted tokens per drafted round, a round costs more than it returns.
+/// Below this many accepted tokens per drafted round, a round costs more than it returns
+/// (the threshold while the rounds' costs are unknown, and its floor).
 pub const MIN_ACCEPTED_PER_ROUND: f64 = 0.25;
 const DECAY: f64 = 0.7;
 const FIRST_PAUSE: u32 = 16;
 const MAX_PAUSE: u32 = 512;
 /// Rounds observed before the first verdict.
 const WARMUP_ROUNDS: u32 = 3;
+/// Plain rounds run once, after the warm-up, to time a plain token when no plain round has
+/// been timed yet.
+pub const CALIBRATION_ROUNDS: u32 = 8;
+/// Decay of the long-memory acceptance the rounds' cost is weighed against (about twenty
+/// rounds).
+const SLOW_DECAY: f64 = 0.95;
+/// Drafted rounds observed before the rounds' cost can pause a drafter.
+const COST_WARMUP_ROUNDS: u32 = 10;
 
 #[derive(Debug, Clone)]
 pub struct DraftGate {
@@ -27,6 +46,14 @@ pub struct DraftGate {
     observed: u32,
     paused_for: u32,
     next_pause: u32,
+    /// Accepted tokens and drafted rounds with [`SLOW_DECAY`].
+    slow_accepted: f64,
+    slow_rounds: f64,
+    /// Decayed mean seconds of a drafted round (drafting and verifying), when timed.
+    round_seconds: Option<f64>,
+    /// Decayed mean seconds of a plainly decoded token, when timed.
+    plain_seconds: Option<f64>,
+    calibrated: bool,
     /// Rounds decoded plainly because the gate was closed.
     pub paused_rounds: u64,
 }
@@ -40,7 +67,34 @@ impl DraftGate {
             observed: 0,
             paused_for: 0,
             next_pause: FIRST_PAUSE,
+            slow_accepted: 0.0,
+            slow_rounds: 0.0,
+            round_seconds: None,
+            plain_seconds: None,
+            calibrated: false,
             paused_rounds: 0,
+        }
+    }
+
+    /// Records how long a drafted round took, drafting and verifying (before its
+    /// [`DraftGate::observe`]).
+    pub fn observe_round_time(&mut self, seconds: f64) {
+        self.round_seconds = Some(decayed(self.round_seconds, seconds));
+    }
+
+    /// Records `tokens > 0` tokens decoded plainly in `seconds`.
+    pub fn observe_plain_time(&mut self, seconds: f64, tokens: usize) {
+        if tokens > 0 {
+            self.plain_seconds = Some(decayed(self.plain_seconds, seconds / tokens as f64));
+        }
+    }
+
+    /// Accepted tokens a drafted round needs on average to pay for its measured cost in
+    /// plain tokens, when both kinds of round have been timed.
+    pub fn break_even(&self) -> Option<f64> {
+        match (self.round_seconds, self.plain_seconds) {
+            (Some(round), Some(plain)) if plain > 0.0 => Some(round / plain - 1.0),
+            _ => None,
         }
     }
 
@@ -83,19 +137,42 @@ impl DraftGate {
         }
         self.accepted = self.accepted * DECAY + accepted as f64;
         self.rounds = self.rounds * DECAY + 1.0;
+        self.slow_accepted = self.slow_accepted * SLOW_DECAY + accepted as f64;
+        self.slow_rounds = self.slow_rounds * SLOW_DECAY + 1.0;
         self.observed += 1;
         if !self.enabled || self.observed < WARMUP_ROUNDS {
             return;
         }
-        if self.accepted / self.rounds < MIN_ACCEPTED_PER_ROUND {
+        let threshold = MIN_ACCEPTED_PER_ROUND;
+        let costs_more = self.observed >= COST_WARMUP_ROUNDS
+            && self
+                .break_even()
+                .is_some_and(|b| self.slow_accepted / self.slow_rounds < b);
+        if self.accepted / self.rounds < threshold || costs_more {
             self.paused_for = self.next_pause;
             self.next_pause = (self.next_pause * 2).min(MAX_PAUSE);
             // The memory is kept: the probe after the pause drafts few tokens, and one good
             // probe lifts the decayed rate over the threshold again.
-        } else if self.accepted / self.rounds >= 2.0 * MIN_ACCEPTED_PER_ROUND {
-            // Comfortably useful again: forget the back-off.
-            self.next_pause = FIRST_PAUSE;
+        } else {
+            if self.accepted / self.rounds >= 2.0 * threshold {
+                // Comfortably useful again: forget the back-off.
+                self.next_pause = FIRST_PAUSE;
+            }
+            if self.round_seconds.is_some() && self.plain_seconds.is_none() && !self.calibrated {
+                // Drafted rounds are timed, plain ones not yet: a few plain rounds tell
+                // what drafting has to beat.
+                self.calibrated = true;
+                self.paused_for = CALIBRATION_ROUNDS;
+            }
         }
+    }
+}
+
+/// `previous` decayed by [`DECAY`] towards `sample` (the sample itself when there is none).
+fn decayed(previous: Option<f64>, sample: f64) -> f64 {
+    match previous {
+        Some(p) => p * DECAY + sample * (1.0 - DECAY),
+        None => sample,
     }
 }
 
@@ -174,6 +251,86 @@ mod tests {
         assert_eq!(at_once.paused_remaining(), 0);
         assert_eq!(at_once.paused_rounds, u64::from(pause));
         assert!(at_once.should_draft());
+    }
+
+    /// Rounds of a drafter that accepts `accepted` of 10 drafted tokens every round, each
+    /// drafted round taking `cost` plain tokens' time; returns the drafted rounds out of 300.
+    fn drafted_rounds_at(cost: f64, accepted: usize) -> (u32, DraftGate) {
+        let mut gate = DraftGate::new(true);
+        let mut drafted = 0;
+        for _ in 0..300 {
+            if gate.should_draft() {
+                drafted += 1;
+                gate.observe_round_time(cost * 1e-3);
+                gate.observe(10, accepted);
+            } else {
+                gate.observe_plain_time(1e-3, 1);
+            }
+        }
+        (drafted, gate)
+    }
+
+    #[test]
+    fn a_costly_verify_round_pauses_a_drafter_that_would_pay_on_a_cheap_one() {
+        // Two accepted tokens a round: three tokens for the price of four on a GPU-like
+        // device, for the price of 1.5 on a CPU-like one.
+        let (costly, gate) = drafted_rounds_at(4.0, 2);
+        assert!((gate.break_even().unwrap() - 3.0).abs() < 1e-9);
+        assert!(
+            costly < 40,
+            "{costly} drafted rounds of 300 at 4 plain tokens a round"
+        );
+        let (cheap, gate) = drafted_rounds_at(1.5, 2);
+        assert!((gate.break_even().unwrap() - 0.5).abs() < 1e-9);
+        // The warm-up, then the calibration's plain rounds once, then drafting throughout.
+        assert_eq!(
+            cheap,
+            300 - CALIBRATION_ROUNDS,
+            "{cheap} drafted rounds of 300"
+        );
+    }
+
+    #[test]
+    fn plain_rounds_are_timed_once_when_no_plain_round_has_been() {
+        let mut gate = DraftGate::new(true);
+        for _ in 0..WARMUP_ROUNDS {
+            assert!(gate.should_draft());
+            gate.observe_round_time(2e-3);
+            gate.observe(10, 8);
+        }
+        assert_eq!(gate.paused_remaining(), CALIBRATION_ROUNDS);
+        gate.spend_pause(CALIBRATION_ROUNDS as usize);
+        gate.observe_plain_time(8e-3, 8);
+        for _ in 0..50 {
+            assert!(gate.should_draft());
+            gate.observe_round_time(2e-3);
+            gate.observe(10, 8);
+        }
+        // Without timings the threshold is the fixed one, and no calibration is asked for.
+        let mut untimed = DraftGate::new(true);
+        for _ in 0..10 {
+            untimed.observe(10, 1);
+        }
+        assert_eq!(untimed.paused_remaining(), 0);
+        assert_eq!(untimed.break_even(), None);
+    }
+
+    #[test]
+    fn a_streaky_drafter_that_pays_on_average_is_not_paused_by_its_cost() {
+        // Two rounds of nine accepted tokens, then three misses, over and over: 3.6 a round
+        // on average against a break-even of 1, although its last rounds are often misses.
+        let mut gate = DraftGate::new(true);
+        gate.observe_plain_time(1e-3, 1);
+        let mut paused = 0;
+        for i in 0..400 {
+            if gate.should_draft() {
+                gate.observe_round_time(2e-3);
+                gate.observe(10, if i % 5 < 2 { 9 } else { 0 });
+            } else {
+                paused += 1;
+            }
+        }
+        assert_eq!(paused, 0, "paused {paused} rounds of 400");
     }
 
     #[test]

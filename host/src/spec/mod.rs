@@ -363,7 +363,9 @@ pub fn generate_speculative(
         if sampling.is_greedy() && plain_rounds >= 2 && prefill_seconds.is_some() {
             gate.spend_pause(plain_rounds);
             let stop_ids: &[u32] = if req.ignore_eos { &[] } else { &req.stop_ids };
+            let began = Instant::now();
             let burst = plain_burst(model, &mut cache, pending, plain_rounds, stop_ids)?;
+            gate.observe_plain_time(began.elapsed().as_secs_f64(), burst.emitted.len());
             stats.target_forwards += burst.forwards;
             for &t in &burst.emitted {
                 on_token(t)?;
@@ -390,6 +392,8 @@ pub fn generate_speculative(
             tokens: Vec::new(),
             probs: None,
         };
+        // The round's time, drafting and verifying, tells the gate what drafting costs.
+        let round_began = Instant::now();
         if n > 0 && source.is_some() && gate.should_draft() {
             let target = HostTarget {
                 model,
@@ -423,6 +427,7 @@ pub fn generate_speculative(
             .forward(&window, &mut cache, LogitsFor::All, false)?
             .logits;
         stats.target_forwards += 1;
+        let prefill_seconds_before_round = prefill_seconds.is_some();
         if prefill_seconds.is_none() {
             prefill_seconds = Some(start.elapsed().as_secs_f64());
             decode_start = Instant::now();
@@ -477,7 +482,13 @@ pub fn generate_speculative(
                     stats.accepted_per_position[i] += 1;
                 }
             }
+            // (Not the prefill's round: a tail-split prefill's last token heads it.)
+            if prefill_seconds_before_round {
+                gate.observe_round_time(round_began.elapsed().as_secs_f64());
+            }
             gate.observe(d, accepted);
+        } else if prefill_seconds_before_round {
+            gate.observe_plain_time(round_began.elapsed().as_secs_f64(), emitted.len());
         }
         tokens.extend_from_slice(&emitted);
         history.extend_from_slice(&emitted);
