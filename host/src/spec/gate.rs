@@ -19,7 +19,7 @@
 //! average here has a long memory ([`SLOW_DECAY`]): a drafter like prompt lookup accepts in
 //! streaks, and judging it by its last few rounds pauses it through the next streak. Once
 //! drafted rounds have been timed, the gate runs a few plain rounds to learn a plain token's
-//! cost.
+//! cost, unless the drafter accepts so much that no measured cost would make it lose.
 
 /// Below this many accepted tokens per drafted round, a round costs more than it returns
 /// (the threshold while the rounds' costs are unknown, and its floor).
@@ -32,6 +32,10 @@ const WARMUP_ROUNDS: u32 = 3;
 /// Plain rounds run once, after the warm-up, to time a plain token when no plain round has
 /// been timed yet.
 pub const CALIBRATION_ROUNDS: u32 = 8;
+/// A drafter accepting more than this many tokens a round pays for any round cost measured
+/// (about four plain tokens at most, on the H200), so it is not interrupted to time plain
+/// tokens.
+const CALIBRATE_BELOW: f64 = 5.0;
 /// Decay of the long-memory acceptance the rounds' cost is weighed against (about twenty
 /// rounds).
 const SLOW_DECAY: f64 = 0.95;
@@ -158,7 +162,11 @@ impl DraftGate {
                 // Comfortably useful again: forget the back-off.
                 self.next_pause = FIRST_PAUSE;
             }
-            if self.round_seconds.is_some() && self.plain_seconds.is_none() && !self.calibrated {
+            if self.round_seconds.is_some()
+                && self.plain_seconds.is_none()
+                && !self.calibrated
+                && self.slow_accepted / self.slow_rounds < CALIBRATE_BELOW
+            {
                 // Drafted rounds are timed, plain ones not yet: a few plain rounds tell
                 // what drafting has to beat.
                 self.calibrated = true;
@@ -296,7 +304,7 @@ mod tests {
         for _ in 0..WARMUP_ROUNDS {
             assert!(gate.should_draft());
             gate.observe_round_time(2e-3);
-            gate.observe(10, 8);
+            gate.observe(10, 4);
         }
         assert_eq!(gate.paused_remaining(), CALIBRATION_ROUNDS);
         gate.spend_pause(CALIBRATION_ROUNDS as usize);
@@ -304,7 +312,14 @@ mod tests {
         for _ in 0..50 {
             assert!(gate.should_draft());
             gate.observe_round_time(2e-3);
-            gate.observe(10, 8);
+            gate.observe(10, 4);
+        }
+        // A drafter that accepts nearly everything is never interrupted to time plain rounds.
+        let mut oracle = DraftGate::new(true);
+        for _ in 0..50 {
+            assert!(oracle.should_draft());
+            oracle.observe_round_time(2e-3);
+            oracle.observe(10, 10);
         }
         // Without timings the threshold is the fixed one, and no calibration is asked for.
         let mut untimed = DraftGate::new(true);
