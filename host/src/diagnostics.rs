@@ -194,35 +194,28 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
             }),
         ));
     }
-    let mut costs = Vec::new();
-    for (kind, step) in &kinds {
-        let (build_us, submit_us, total_us) = time_chain(&start, chain, rounds, |x, _| step(x))?;
-        costs.push(OperationCost {
-            kind,
-            build_us,
-            submit_us,
-            total_us,
-        });
-    }
     // A verify window's rows: MLX's product of more than one row is cuBLAS's (one row is
     // MLX's own matrix-vector kernel), which a window of k > 1 tokens calls for every weight.
     let window = Array::ones::<f32>(&[4, width])?.as_dtype(dtype)?;
     window.eval()?;
-    let window_kinds: [(&'static str, Step); 2] = [
+    let window_kinds: Vec<(&'static str, Step)> = vec![
         ("add [4, w] (MLX)", Box::new(|x: &Array| Ok(x.add(&norm)?))),
         (
             "matmul [4, w] x [w, w] (MLX: cuBLAS)",
             Box::new(|x: &Array| Ok(matmul(x, &weight_t)?)),
         ),
     ];
-    for (kind, step) in &window_kinds {
-        let (build_us, submit_us, total_us) = time_chain(&window, chain, rounds, |x, _| step(x))?;
-        costs.push(OperationCost {
-            kind,
-            build_us,
-            submit_us,
-            total_us,
-        });
+    let mut costs = Vec::new();
+    for (first, kinds) in [(&start, &kinds), (&window, &window_kinds)] {
+        for (kind, step) in kinds {
+            let (build_us, submit_us, total_us) = time_chain(first, chain, rounds, |x, _| step(x))?;
+            costs.push(OperationCost {
+                kind,
+                build_us,
+                submit_us,
+                total_us,
+            });
+        }
     }
     Ok(costs)
 }

@@ -38,9 +38,9 @@ const SOURCE: &str = r#"
   chunk_sums<T, H, BITS>(hs, sums);
   // The post-attention kernel's last stages, as the products round them.
   // (No rows loaded early: this kernel starts at the block.)
-  per_layer_block<T, H, P, BITS, G, false, false, false, P>(
+  per_layer_block<T, H, P, BITS, G, false, false>(
       hs, buf, sums, red, pg, pg_s, pg_b, per_layer, ple_offset[0], pp, pp_s, pp_b, post_norm,
-      static_cast<float>(scale[0]), bar, g, o2, out, buf, buf);
+      static_cast<float>(scale[0]), bar, g, o2, out, false, buf, buf);
 "#;
 
 /// The staged vectors must fit a block's static shared memory, twice per multiprocessor

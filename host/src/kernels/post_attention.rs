@@ -174,8 +174,8 @@ __device__ inline T closed(float o, float r, T h, T pw, float s) {
   return sum;
 }
 
-// 16-byte pieces of a dense row of K values that lane `l` reads in `rows_dot` (pieces l,
-// l + 32, ...), a lane.
+// 16-byte pieces of a dense row of K values each lane reads in `rows_dot` (lane l: pieces
+// l, l + 32, ...).
 template <typename T, int K>
 constexpr int lane_pieces() { return (K * (int)sizeof(T) / 16 + 31) / 32; }
 
@@ -195,14 +195,8 @@ __device__ inline void rows_dot_loaded(Piece piece, const T* xs, float* out) {
     const int c = lane + 32 * i;
     if (c < CHUNKS) {
       const uint4 xc = x4[c];
-      const T* xe = reinterpret_cast<const T*>(&xc);
 #pragma unroll
-      for (int r = 0; r < R; r++) {
-        const uint4 wc = piece(i, r);
-        const T* we = reinterpret_cast<const T*>(&wc);
-#pragma unroll
-        for (int e = 0; e < VEC; e++) acc[r] += static_cast<float>(we[e]) * static_cast<float>(xe[e]);
-      }
+      for (int r = 0; r < R; r++) acc[r] = piece_dot<T>(piece(i, r), xc, acc[r]);
     }
   }
 #pragma unroll
@@ -269,19 +263,26 @@ __device__ inline void copy_early_rows(T* gate, T* proj, const T* pg, const T* p
 // barrier, then out = (h + rms_norm(o2, pn)) * s, the blocks writing it in turns. hs: h
 // staged in shared memory, its chunk sums in `sums`; `buf` (P elements) and `sums` then hold
 // g's. g and o2: device scratch. Rounds as the gated and closing products do.
-template <typename T, int H, int P, int BITS, int G, bool IN_PLACE, bool PAIRS, bool EARLY,
-          int STAGED, typename WI, typename WP>
+template <typename T, int H, int P, int BITS, int G, bool IN_PLACE, bool PAIRS, typename WI,
+          typename WP>
 __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* red,
                                        const WI* pg, const T* pg_s, const T* pg_b,
                                        const T* per_layer, int v0, const WP* pp,
                                        const T* pp_s, const T* pp_b, const T* pn, float s,
                                        unsigned int* bar, T* g, float* o2, T* out,
-                                       const T* early_gate, const T* early_proj,
+                                       bool loaded, const T* early_gate,
+                                       const T* early_proj,
                                        unsigned long long* stamps = nullptr) {
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * (BLOCK_THREADS / 32);
   const int first = blockIdx.x * (BLOCK_THREADS / 32) + (threadIdx.x >> 5);
-  const bool loaded = EARLY && BITS == 0 && early_rows_fit<T, H, P, STAGED>();
+  // g[r] from the gate row's dot d.
+  auto gate_out = [&](int r, float d) {
+    if (lane == 0) {
+      const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
+      g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
+    }
+  };
   if (loaded) {
     // Every thread's copies, then the block's: a row's pieces came from several threads.
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -292,20 +293,14 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
       const uint4* row = reinterpret_cast<const uint4*>(early_gate + (size_t)j * H);
       float d;
       rows_dot_loaded<T, H, 1>([&](int i, int) { return row[lane + 32 * i]; }, hs, &d);
-      if (lane == 0) {
-        const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
-        g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
-      }
+      gate_out(r, d);
     }
   } else {
     for (int r = first; r < P; r += warps) {
       const void* w = pg;
       float d;
       weight_dot<T, H, 1, BITS, G, IN_PLACE>(&w, &pg_s, &pg_b, &r, hs, sums, &d);
-      if (lane == 0) {
-        const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d))));
-        g[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(per_layer[v0 + r]));
-      }
+      gate_out(r, d);
     }
   }
   __threadfence();
@@ -403,8 +398,10 @@ const SOURCE: &str = r#"
   product_rows<T, N, BITS, G, IN_PLACE, PAIRS>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
   __threadfence();
   // EARLY: the per-layer-input rows, copied while the grid meets (see copy_early_rows).
+  bool early = false;
   if constexpr (EARLY && BITS == 0 && P > 0) {
-    if (early_rows_fit<T, H, P, STAGED>()) {
+    early = early_rows_fit<T, H, P, STAGED>();
+    if (early) {
       // Every warp of the block is done reading `buf`, which takes the gate rows.
       __syncthreads();
       copy_early_rows<T, H, P>(buf, early_proj, reinterpret_cast<const T*>(pg),
@@ -429,9 +426,9 @@ const SOURCE: &str = r#"
 
     // 4.-6. g = gelu_tanh(W_in h) * v, o2 = W_proj g, out = (h + rms_norm(o2, post_norm_2))
     // times the layer scalar.
-    per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS, EARLY, STAGED>(
+    per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS>(
         hs, buf, sums, red, pg, pg_s, pg_b, per_layer, ple_offset[0], pp, pp_s, pp_b,
-        post_norm_2, s, bar, g, o2, out, buf, early_proj, STAGE_STAMP(4));
+        post_norm_2, s, bar, g, o2, out, early, buf, early_proj, STAGE_STAMP(4));
   }
 #undef STAGE_STAMP
 "#;

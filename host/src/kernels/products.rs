@@ -117,6 +117,19 @@ __device__ inline void stage_input(const T* x, const T* nw, T* xs, float* red) {
   __syncthreads();
 }
 
+// acc + w . x over one 16-byte piece of a row and of the input, element by element in order
+// (every dense dot adds its pieces through this, so they all round alike).
+template <typename T>
+__device__ inline float piece_dot(const uint4& w, const uint4& x, float acc) {
+  const T* we = reinterpret_cast<const T*>(&w);
+  const T* xe = reinterpret_cast<const T*>(&x);
+#pragma unroll
+  for (int e = 0; e < 16 / (int)sizeof(T); e++) {
+    acc += static_cast<float>(we[e]) * static_cast<float>(xe[e]);
+  }
+  return acc;
+}
+
 // Dots of R rows (each K elements of T, 16-byte aligned) with the staged input, summed over
 // the warp: every lane gets the results. A lane takes chunks lane, lane + 32, ... of each
 // row, and adds them in that order whatever LOADS is, so the sums do not depend on it.
@@ -141,13 +154,8 @@ __device__ inline void rows_dot(const T* const* rows, const T* xs, float* out) {
 #pragma unroll
       for (int r = 0; r < R; r++) wc[r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
       const uint4 xc = x4[c];
-      const T* xe = reinterpret_cast<const T*>(&xc);
 #pragma unroll
-      for (int r = 0; r < R; r++) {
-        const T* we = reinterpret_cast<const T*>(&wc[r]);
-#pragma unroll
-        for (int e = 0; e < VEC; e++) acc[r] += static_cast<float>(we[e]) * static_cast<float>(xe[e]);
-      }
+      for (int r = 0; r < R; r++) acc[r] = piece_dot<T>(wc[r], xc, acc[r]);
     }
   } else {
     constexpr int PER_LANE = (CHUNKS + 31) / 32;
@@ -169,15 +177,8 @@ __device__ inline void rows_dot(const T* const* rows, const T* xs, float* out) {
         const int c = lane + 32 * (base + b);
         if (c < CHUNKS) {
           const uint4 xc = x4[c];
-          const T* xe = reinterpret_cast<const T*>(&xc);
 #pragma unroll
-          for (int r = 0; r < R; r++) {
-            const T* we = reinterpret_cast<const T*>(&wc[b][r]);
-#pragma unroll
-            for (int e = 0; e < VEC; e++) {
-              acc[r] += static_cast<float>(we[e]) * static_cast<float>(xe[e]);
-            }
-          }
+          for (int r = 0; r < R; r++) acc[r] = piece_dot<T>(wc[b][r], xc, acc[r]);
         }
       }
     }

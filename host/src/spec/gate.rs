@@ -57,7 +57,6 @@ pub struct DraftGate {
     round_seconds: Option<f64>,
     /// Decayed mean seconds of a plainly decoded token, when timed.
     plain_seconds: Option<f64>,
-    calibrated: bool,
     /// Rounds decoded plainly because the gate was closed.
     pub paused_rounds: u64,
 }
@@ -75,7 +74,6 @@ impl DraftGate {
             slow_rounds: 0.0,
             round_seconds: None,
             plain_seconds: None,
-            calibrated: false,
             paused_rounds: 0,
         }
     }
@@ -164,12 +162,10 @@ impl DraftGate {
             }
             if self.round_seconds.is_some()
                 && self.plain_seconds.is_none()
-                && !self.calibrated
                 && self.slow_accepted / self.slow_rounds < CALIBRATE_BELOW
             {
                 // Drafted rounds are timed, plain ones not yet: a few plain rounds tell
-                // what drafting has to beat.
-                self.calibrated = true;
+                // what drafting has to beat (they time a plain token, so this runs once).
                 self.paused_for = CALIBRATION_ROUNDS;
             }
         }

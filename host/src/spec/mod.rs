@@ -487,7 +487,9 @@ pub fn generate_speculative(
                 gate.observe_round_time(round_began.elapsed().as_secs_f64());
             }
             gate.observe(d, accepted);
-        } else if prefill_seconds_before_round {
+        } else if prefill_seconds_before_round && !sampling.is_greedy() {
+            // Sampled plain rounds run one by one like this; greedy ones as bursts, timed
+            // there.
             gate.observe_plain_time(round_began.elapsed().as_secs_f64(), emitted.len());
         }
         tokens.extend_from_slice(&emitted);
