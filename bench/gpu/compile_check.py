@@ -29,7 +29,11 @@ REGISTERS = 65536
 SHARED = 228 * 1024
 SHARED_RESERVED = 1024
 # Kernels whose blocks meet at grid-wide barriers: every block must be resident at once.
-GRID_BARRIER_KERNELS = ("custom_kernel_post_attention", "custom_kernel_per_layer_input")
+GRID_BARRIER_KERNELS = (
+    "custom_kernel_post_attention",
+    "custom_kernel_per_layer_input",
+    "custom_kernel_window_post_attention",
+)
 
 # Stands in for MLX's mlx/backend/cuda/device/utils.cuh: the types and names our kernels use.
 MLX_DEVICE_HEADER = r"""
@@ -133,22 +137,24 @@ def main():
                 continue
             lines = open(listing).read().splitlines()[1:]
             for line in lines:
-                file, kernel, threads, blocks = line.split("\t")
+                # A fifth column (newer dumps): the dynamic shared memory of a block.
+                file, kernel, threads, blocks, *dynamic = line.split("\t")
                 threads, blocks = int(threads), int(blocks)
+                dynamic_shared = int(dynamic[0]) if dynamic else 0
                 info, error = compile_one(nvrtc, nvidia, include_dir, os.path.join(dump, file), work)
                 where = f"{os.path.basename(os.path.normpath(dump))}/{file}"
                 if error is not None:
                     failures += 1
                     print(f"FAILED {where}\n{error[:3000]}")
                     continue
-                resident = resident_blocks(info["registers"], info["shared"], threads)
+                resident = resident_blocks(info["registers"], info["shared"] + dynamic_shared, threads)
                 verdict = "ok"
                 if kernel.startswith(GRID_BARRIER_KERNELS) and blocks > resident * MULTIPROCESSORS:
                     verdict = f"NOT RESIDENT: {blocks} blocks, {resident * MULTIPROCESSORS} fit"
                     failures += 1
                 if info["spill"] > 0:
                     verdict += f" (spills {info['spill']} bytes)"
-                rows.append((where, info["registers"], info["shared"], resident, blocks, verdict))
+                rows.append((where, info["registers"], info["shared"] + dynamic_shared, resident, blocks, verdict))
     print("| kernel | registers | shared bytes | blocks a multiprocessor | grid | verdict |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -50,6 +50,10 @@
 #   verify-profile  forwards over k = VERIFY_KS tokens (default 1 2 4), the host's graph
 #              building split off, default kernels and none; then a k=1 and a k=4 window
 #              (VERIFY_PROFILE_KS) kernel by kernel in Nsight Compute: why k > 1 costs more
+#   window     verify windows through the window kernel (`window` in --fused-kernels): its
+#              values against the single-token kernel's (bench --check-kernels), forwards over
+#              k = VERIFY_KS tokens (default 1 2 4 8) with and without it, then ngram speculation
+#              with windows of up to 8 tokens (outputs checked equal to plain decoding)
 #   stage-times the post-attention kernel's stages (attention output, gate/up, down, the
 #              per-layer input's gate and projection) timed on the device during pipelined
 #              decode, E4B bf16 and 4-bit, 12B bf16 (`bench --stage-times`)
@@ -159,8 +163,8 @@ if want fixtures-variants; then
         --kernel-variants step-ints-across-the-bus
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants weights-as-stand-ins" \
         --kernel-variants weights-as-stand-ins
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants per-layer-rows-early" \
-        --kernel-variants per-layer-rows-early
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants per-layer-rows-late" \
+        --kernel-variants per-layer-rows-late
 fi
 unset MLX_ENABLE_TF32
 
@@ -316,6 +320,31 @@ if want verify-profile; then
             | tee -a "$RES/verify-profile.md" || tail -n 3 "$RES/$tag.err"
     done
     row "verify windows: host and device split, kernel by kernel | printed above, kept in verify-profile.md"
+fi
+
+if want window; then
+    # What the window kernel changes for a verify window: first its bits against the
+    # single-token kernel's, token by token; then E4B forwards over k tokens with and without
+    # it, each in its own process; then speculation on the default model with windows it serves
+    # (at most 7 drafts and the last token), whose outputs the bench checks against plain decoding.
+    timeout 300 "$BIN" bench --device gpu --check-kernels 2>"$RES/window.err" | tee -a "$RES/window.md"
+    DEFAULT_SET=attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head
+    for k in ${VERIFY_KS:-1 2 4 8}; do
+        for fused in "$DEFAULT_SET,window" "$DEFAULT_SET"; do
+            echo "## verify window k=$k, --fused-kernels $fused" | tee -a "$RES/window.md"
+            timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
+                --dtype bf16 --prompt-tokens 512 --repeats 5 --fused-kernels "$fused" --verify-window "$k" \
+                2>>"$RES/window.err" | tee -a "$RES/window.md"
+        done
+    done
+    for set in free_text code_edit; do
+        for fused in "$DEFAULT_SET,window" "$DEFAULT_SET"; do
+            line="$(timeout 240 "$BIN" bench --device gpu --drafter ngram --plugins-dir "$G/bin" --num-draft-tokens 7 \
+                --fused-kernels "$fused" --prompt-set "$ROOT/bench/prompts/$set.jsonl" --gen-tokens 128 --repeats 1 \
+                2>>"$RES/window.err" | tail -n 1)"
+            row "ngram (7) vs plain, default model, $set set, --fused-kernels ${fused#"$DEFAULT_SET"} | ${line:-failed: $(tail -n 1 "$RES/window.err")}"
+        done
+    done
 fi
 
 if want profile-q4; then

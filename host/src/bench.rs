@@ -765,11 +765,11 @@ fn compare_fused(
             ),
             variant("narrow attention rounds", default_set, default_name, narrow),
             variant(
-                "per-layer rows loaded early",
+                "per-layer rows loaded late",
                 default_set,
                 default_name,
                 Tuning {
-                    per_layer_rows_early: true,
+                    per_layer_rows_early: false,
                     ..default
                 },
             ),
@@ -1031,6 +1031,22 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
                 }
             }
         }
+        // Verify windows of 2, 4 and 8 tokens (the window kernel), with the defaults.
+        set_allowed(every);
+        default.apply()?;
+        for tokens in [2, 4, 8] {
+            let ids = mlx_rs::ops::broadcast_to(&token, &[1, tokens])?;
+            let (_, calls) =
+                capture_kernels(|| model.forward_ids(&ids, &mut cache, LogitsFor::All, false))?;
+            cache
+                .trim(tokens as usize)
+                .map_err(|e| anyhow::anyhow!("cannot rewind the cache: {e:?}"))?;
+            for call in calls {
+                if !written.iter().any(|w| w.source == call.source) {
+                    written.push(call);
+                }
+            }
+        }
         Ok(())
     };
     let result = run();
@@ -1038,7 +1054,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
     set_allowed(default_kernels);
     default.apply()?;
     result?;
-    let mut list = String::from("file\tkernel\tblock\tblocks\n");
+    let mut list = String::from("file\tkernel\tblock\tblocks\tdynamic_shared\n");
     for k in &written {
         use std::hash::{Hash, Hasher};
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
@@ -1046,7 +1062,10 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
         let file = format!("{}-{:016x}.cu", k.name, hasher.finish());
         std::fs::write(dir.join(&file), &k.source)
             .with_context(|| format!("cannot write {}", dir.join(&file).display()))?;
-        list += &format!("{file}\t{}\t{}\t{}\n", k.name, k.block, k.blocks);
+        list += &format!(
+            "{file}\t{}\t{}\t{}\t{}\n",
+            k.name, k.block, k.blocks, k.shared_bytes
+        );
     }
     std::fs::write(dir.join("kernels.tsv"), list)?;
     println!(
@@ -1179,6 +1198,7 @@ fn run_check_kernels(args: &BenchArgs) -> Result<()> {
     args.model.allow_fused_kernels();
     let attention = mlx_spec::diagnostics::decode_attention_errors(Dtype::Bfloat16, 1e-2)?;
     let products = mlx_spec::diagnostics::affine4_integer_dot_errors(1.0 / 64.0)?;
+    let windows = mlx_spec::diagnostics::window_post_attention_differences()?;
     if args.json {
         let attention: Vec<_> = attention
             .iter()
@@ -1191,9 +1211,14 @@ fn run_check_kernels(args: &BenchArgs) -> Result<()> {
             .iter()
             .map(|r| json!({"case": r.case, "difference": r.difference, "largest_output": r.largest_output}))
             .collect();
+        let windows: Vec<_> = windows
+            .iter()
+            .map(|r| json!({"case": r.case, "differing": r.differing, "elements": r.elements}))
+            .collect();
         println!(
             "{}",
-            json!({ "decode_attention": attention, "affine4_integer_dots": products })
+            json!({ "decode_attention": attention, "affine4_integer_dots": products,
+                    "window_post_attention": windows })
         );
         return Ok(());
     }
@@ -1214,7 +1239,13 @@ fn run_check_kernels(args: &BenchArgs) -> Result<()> {
             r.case, r.difference, r.largest_output
         );
     }
-    println!("kernel checks passed: decode attention within 1e-2 of MLX's operations, integer dots within 1/64 of the largest output of float unpacking");
+    println!();
+    println!("| window post-attention kernel (bf16, E4B shapes) | values unlike the single-token kernel's |");
+    println!("|---|---|");
+    for r in &windows {
+        println!("| {} | {} of {} |", r.case, r.differing, r.elements);
+    }
+    println!("kernel checks passed: decode attention within 1e-2 of MLX's operations, integer dots within 1/64 of the largest output of float unpacking, windows bit for bit the single-token kernel's");
     Ok(())
 }
 

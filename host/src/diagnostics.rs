@@ -693,6 +693,132 @@ pub fn affine4_integer_dot_errors(tolerance: f32) -> Result<Vec<ProductCheck>> {
     result
 }
 
+/// One window case of [`window_post_attention_differences`].
+pub struct WindowCheck {
+    /// Which shape and window.
+    pub case: String,
+    /// Output elements of the window kernel that differ from the single-token kernel's for
+    /// the same token (the check fails unless 0), of `elements`.
+    pub differing: usize,
+    pub elements: usize,
+}
+
+/// The window kernel ([`crate::kernels::window_post_attention`]) against the single-token
+/// post-attention kernel run token by token, on E4B's shapes (sliding and full attention
+/// widths, with the per-layer input, and one shape without it) with random bf16 weights and
+/// inputs, for windows of 2, 4 and 8 tokens: each token's row must be the same bits. CUDA
+/// only. Fails on the first difference.
+pub fn window_post_attention_differences() -> Result<Vec<WindowCheck>> {
+    use crate::kernels::post_attention::{new_barrier, post_attention, PerLayerInput};
+    use crate::kernels::window_post_attention::window_post_attention;
+    use mlx_rs::ops::indexing::IndexOp;
+    let (hidden, intermediate, per_layer, layers) = (2560, 10240, 256, 42);
+    let normal = |seed: u64, shape: &[i32], spread: f32| -> Result<Array> {
+        Ok(
+            random::normal::<f32>(shape, 0.0, spread, &random::key(seed)?)?
+                .as_dtype(Dtype::Bfloat16)?,
+        )
+    };
+    let gate = normal(31, &[intermediate, hidden], 0.02)?;
+    let up = normal(32, &[intermediate, hidden], 0.02)?;
+    let down = normal(33, &[hidden, intermediate], 0.02)?;
+    let ple_gate = normal(34, &[per_layer, hidden], 0.02)?;
+    let ple_projection = normal(35, &[hidden, per_layer], 0.05)?;
+    let norms: Vec<Array> = (0..4)
+        .map(|i| normal(40 + i, &[hidden], 1.0))
+        .collect::<Result<_>>()?;
+    let scale = device_array(
+        &Array::from_slice(&[0.75f32], &[1]).as_dtype(Dtype::Bfloat16)?,
+        8,
+    )?;
+    let offset = device_array(&Array::from_slice(&[(7 * per_layer) as i32], &[1]), 4)?;
+    let (single_barrier, window_barrier) = (new_barrier()?, new_barrier()?);
+    let mut rows = Vec::new();
+    for (attention_width, with_ple) in [(2048, true), (4096, true), (2048, false)] {
+        let output = normal(
+            36 + attention_width as u64,
+            &[hidden, attention_width],
+            0.02,
+        )?;
+        let weights = PostAttention {
+            output: Weight::Dense(&output),
+            post_attention_norm: &norms[0],
+            pre_norm: &norms[1],
+            gate: Weight::Dense(&gate),
+            up: Weight::Dense(&up),
+            down: Weight::Dense(&down),
+            post_norm: &norms[2],
+        };
+        for tokens in [2, 4, 8] {
+            let seed = 100 * tokens as u64 + attention_width as u64;
+            let x = normal(seed, &[tokens, hidden], 1.0)?;
+            let z = normal(seed + 1, &[tokens, attention_width], 1.0)?;
+            let values = normal(seed + 2, &[tokens, layers, per_layer], 1.0)?;
+            let ple = |values| PerLayerInput {
+                gate: Weight::Dense(&ple_gate),
+                values,
+                offset: &offset,
+                projection: Weight::Dense(&ple_projection),
+                post_norm: &norms[3],
+            };
+            let window_ple = ple(&values);
+            let window = window_post_attention(
+                &x,
+                &z,
+                1e-6,
+                &weights,
+                with_ple.then_some(&window_ple),
+                &scale,
+                &window_barrier,
+            )?;
+            window.eval()?;
+            let mut differing = 0;
+            for t in 0..tokens {
+                let row = |a: &Array| -> Result<Array> {
+                    let r = a.index(t..t + 1);
+                    Ok(r.reshape(&[1, -1])?)
+                };
+                let token_values = values.index(t..t + 1);
+                let token_ple = PerLayerInput {
+                    values: &token_values,
+                    ..ple(&values)
+                };
+                let single = post_attention(
+                    &row(&x)?,
+                    &row(&z)?,
+                    1e-6,
+                    &weights,
+                    with_ple.then_some(&token_ple),
+                    &scale,
+                    &single_barrier,
+                )?;
+                // As float32 (exact for bf16): unequal values, or NaN on either side.
+                let unequal = mlx_rs::ops::ne(
+                    &single.as_dtype(Dtype::Float32)?,
+                    &row(&window)?.as_dtype(Dtype::Float32)?,
+                )?
+                .as_dtype(Dtype::Int32)?
+                .sum(None)?
+                .try_item_exact::<i32>()?;
+                differing += unequal as usize;
+            }
+            let case = format!(
+                "{tokens} tokens, attention {attention_width}{}",
+                if with_ple { ", per-layer input" } else { "" }
+            );
+            if differing > 0 {
+                bail!("window post-attention kernel, {case}: {differing} output values differ from the single-token kernel's");
+            }
+            rows.push(WindowCheck {
+                case,
+                differing,
+                elements: tokens as usize * hidden as usize,
+            });
+        }
+    }
+    Ok(rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -176,16 +176,16 @@ struct ModelArgs {
     /// memory), `weights-as-stand-ins` (kernel inputs a kernel does not read, such as a dense
     /// weight's scales, are the weight itself, as first written; by default a one-element array,
     /// since MLX counts every input's bytes towards when it commits a CUDA graph),
-    /// `per-layer-rows-early` (the post-attention kernel loads each warp's rows of the
-    /// per-layer-input block into registers before the barrier that ends the down product;
-    /// dense weights).
+    /// `per-layer-rows-late` (the post-attention kernel loads its rows of the per-layer-input
+    /// block after the barrier that ends the down product, as first written; by default they
+    /// are copied into shared memory while the grid meets there; dense weights).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
 
 /// `--fused-kernels`' default, also that of config-driven runs (`mlx-spec run`).
 const DEFAULT_FUSED_KERNELS: &str =
-    "attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head";
+    "attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head,window";
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum KernelVariantArg {
@@ -196,7 +196,7 @@ enum KernelVariantArg {
     StepIntsOnDevice,
     StepIntsAcrossTheBus,
     WeightsAsStandIns,
-    PerLayerRowsEarly,
+    PerLayerRowsLate,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -216,6 +216,10 @@ enum FusedKernelArg {
     /// A layer's per-layer-input block (gate and projection) as one kernel (its grid-wide
     /// barrier needs all its blocks resident: not for a GPU shared with other processes).
     PerLayerInput,
+    /// Everything of a layer after its attention heads as one kernel for a window of 2-8
+    /// tokens (a verify window), over dense weights; each token's result equals the
+    /// single-token kernels'.
+    Window,
     None,
 }
 
@@ -240,6 +244,7 @@ impl ModelArgs {
                 .contains(&FusedKernelArg::Affine4Products),
             output_head: self.fused_kernels.contains(&FusedKernelArg::OutputHead),
             per_layer_input: self.fused_kernels.contains(&FusedKernelArg::PerLayerInput),
+            window: self.fused_kernels.contains(&FusedKernelArg::Window),
         }
     }
 
@@ -256,7 +261,7 @@ impl ModelArgs {
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
             step_ints_from_heads: !variants.contains(&KernelVariantArg::StepIntsAcrossTheBus),
             unread_stand_ins: !variants.contains(&KernelVariantArg::WeightsAsStandIns),
-            per_layer_rows_early: variants.contains(&KernelVariantArg::PerLayerRowsEarly),
+            per_layer_rows_early: !variants.contains(&KernelVariantArg::PerLayerRowsLate),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep

@@ -17,6 +17,9 @@
 //!   decode token (`output-head`);
 //! * [`per_layer_input`]: a layer's per-layer-input block (gate, projection, norm, residual
 //!   and layer scalar) as one kernel with one grid-wide barrier (`per-layer-input`);
+//! * [`window_post_attention`]: the same for a window of 2-8 tokens (a verify window, a short
+//!   prompt), each weight row read once for all of them, each token's result equal to the
+//!   single-token kernel's (`window`);
 //! * [`post_attention`]: everything of a layer after its attention heads (the output product,
 //!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers, over
 //!   dense weights (`post-attention`) or 4-bit ones (`affine4`); the default for both, as it
@@ -42,6 +45,7 @@ pub mod per_layer_input;
 pub mod post_attention;
 pub mod products;
 pub mod source_files;
+pub mod window_post_attention;
 
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
@@ -61,6 +65,7 @@ static AFFINE4_HEADS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static AFFINE4_PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static OUTPUT_HEAD_ALLOWED: AtomicBool = AtomicBool::new(true);
 static PER_LAYER_INPUT_ALLOWED: AtomicBool = AtomicBool::new(false);
+static WINDOW_ALLOWED: AtomicBool = AtomicBool::new(true);
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fused {
@@ -86,6 +91,9 @@ pub struct Fused {
     /// [`per_layer_input`] for single-token steps: a layer's per-layer-input block (gate and
     /// projection, dense or 4-bit) as one kernel, in place of two [`products`] kernels.
     pub per_layer_input: bool,
+    /// [`window_post_attention`] for windows of 2-8 tokens over dense weights, in place of
+    /// MLX's operations after the attention heads.
+    pub window: bool,
 }
 
 impl Fused {
@@ -112,6 +120,7 @@ impl Fused {
             affine4_products: true,
             output_head: true,
             per_layer_input: true,
+            window: true,
         }
     }
 
@@ -127,6 +136,7 @@ impl Fused {
             affine4_products: AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed),
             output_head: OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed),
             per_layer_input: PER_LAYER_INPUT_ALLOWED.load(Ordering::Relaxed),
+            window: WINDOW_ALLOWED.load(Ordering::Relaxed),
         }
     }
 }
@@ -291,6 +301,7 @@ pub fn set_allowed(allowed: Fused) {
     AFFINE4_PRODUCTS_ALLOWED.store(allowed.affine4_products, Ordering::Relaxed);
     OUTPUT_HEAD_ALLOWED.store(allowed.output_head, Ordering::Relaxed);
     PER_LAYER_INPUT_ALLOWED.store(allowed.per_layer_input, Ordering::Relaxed);
+    WINDOW_ALLOWED.store(allowed.window, Ordering::Relaxed);
 }
 
 /// A compile-time constant of a kernel's source.
@@ -307,6 +318,8 @@ pub struct CudaKernel {
     raw: mlx_sys::mlx_fast_cuda_kernel,
     /// What MLX was given, kept for [`capture_kernels`].
     text: KernelText,
+    /// Bytes of dynamic shared memory each block gets.
+    shared_bytes: i32,
 }
 
 /// A kernel's text and argument names as MLX was given them (header and body as written,
@@ -342,6 +355,8 @@ pub struct CapturedKernel {
     /// Threads per block, and blocks.
     pub block: i32,
     pub blocks: i32,
+    /// Bytes of dynamic shared memory a block gets.
+    pub shared_bytes: i32,
 }
 
 thread_local! {
@@ -410,10 +425,23 @@ impl CudaKernel {
         source: &str,
         header: &str,
     ) -> Result<Self> {
+        Self::new_with_shared(name, inputs, outputs, source, header, 0)
+    }
+
+    /// [`CudaKernel::new`] for a body that declares `extern __shared__` memory: each block
+    /// gets `shared_bytes` of it (over 48 KB, MLX raises the kernel's limit to that).
+    pub fn new_with_shared(
+        name: &'static str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        header: &str,
+        shared_bytes: i32,
+    ) -> Result<Self> {
         let text = KernelText::new(inputs, outputs, source, header);
         let header = source_files::included(header);
         let source = source_files::included(source);
-        Self::with_text(name, inputs, outputs, &source, &header, text)
+        Self::with_text(name, inputs, outputs, &source, &header, text, shared_bytes)
     }
 
     /// [`CudaKernel::new`] with header and body handed to MLX as they are (for measuring
@@ -426,7 +454,7 @@ impl CudaKernel {
         header: &str,
     ) -> Result<Self> {
         let text = KernelText::new(inputs, outputs, source, header);
-        Self::with_text(name, inputs, outputs, source, header, text)
+        Self::with_text(name, inputs, outputs, source, header, text, 0)
     }
 
     /// Makes the kernel from the text MLX gets (`source`, `header`); `text` is what
@@ -438,6 +466,7 @@ impl CudaKernel {
         source: &str,
         header: &str,
         text: KernelText,
+        shared_bytes: i32,
     ) -> Result<Self> {
         let c_name = CString::new(name)?;
         let c_source = CString::new(source)?;
@@ -455,6 +484,7 @@ impl CudaKernel {
                     ctx: std::ptr::null_mut(),
                 },
                 text,
+                shared_bytes,
             });
         }
         // SAFETY: the string vectors are created, filled and freed here; MLX copies them.
@@ -474,7 +504,7 @@ impl CudaKernel {
                 c_source.as_ptr(),
                 c_header.as_ptr(),
                 true,
-                0,
+                shared_bytes,
             );
             mlx_sys::mlx_vector_string_free(ins);
             mlx_sys::mlx_vector_string_free(outs);
@@ -483,7 +513,12 @@ impl CudaKernel {
         if raw.ctx.is_null() {
             bail!("MLX could not create the CUDA kernel {name}");
         }
-        Ok(CudaKernel { name, raw, text })
+        Ok(CudaKernel {
+            name,
+            raw,
+            text,
+            shared_bytes,
+        })
     }
 
     /// Adds the kernel to the lazy graph: `grid` counts threads (not blocks) per axis,
@@ -660,6 +695,7 @@ impl CudaKernel {
                     source,
                     block: block.0,
                     blocks,
+                    shared_bytes: self.shared_bytes,
                 });
             }
         });
@@ -690,6 +726,8 @@ pub(crate) struct PerEpsilon {
     source: &'static str,
     /// Device helpers placed after the reductions and `EPS`.
     header: &'static str,
+    /// Dynamic shared memory a block gets ([`CudaKernel::new_with_shared`]).
+    shared_bytes: i32,
     kernels: HashMap<u32, CudaKernel>,
 }
 
@@ -706,6 +744,7 @@ impl PerEpsilon {
             outputs,
             source,
             header: "",
+            shared_bytes: 0,
             kernels: HashMap::new(),
         }
     }
@@ -716,11 +755,17 @@ impl PerEpsilon {
         self
     }
 
+    /// Gives each block `bytes` of dynamic shared memory.
+    pub(crate) fn with_shared_memory(mut self, bytes: i32) -> Self {
+        self.shared_bytes = bytes;
+        self
+    }
+
     /// The kernel for `eps`.
     pub(crate) fn get(&mut self, eps: f32) -> Result<&CudaKernel> {
         Ok(match self.kernels.entry(eps.to_bits()) {
             Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => e.insert(CudaKernel::new(
+            Entry::Vacant(e) => e.insert(CudaKernel::new_with_shared(
                 self.name,
                 self.inputs,
                 self.outputs,
@@ -729,6 +774,7 @@ impl PerEpsilon {
                     "{REDUCE_HEADER}\nconstexpr float EPS = {eps:e}f;\n{}",
                     self.header
                 ),
+                self.shared_bytes,
             )?),
         })
     }

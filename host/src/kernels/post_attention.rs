@@ -437,7 +437,7 @@ const SOURCE: &str = r#"
 /// [`MAX_SHARED_BYTES`]) and registers (NVRTC for sm_90a: under 90 a thread for E4B's and
 /// 12B's shapes; 128 would still fit two blocks of 256 threads) let at least this many be
 /// resident.
-const BLOCKS_PER_MULTIPROCESSOR: i32 = 2;
+pub(crate) const BLOCKS_PER_MULTIPROCESSOR: i32 = 2;
 
 /// Warps of a block (the kernel's `WARPS`).
 const WARPS_PER_BLOCK: usize = 8;
@@ -478,7 +478,7 @@ const INPUTS: &[&str] = &[
 ];
 
 /// The kernel's header, with or without its stage clock (`STAGE_TIMES`).
-fn header(stage_times: bool) -> &'static str {
+pub(crate) fn header(stage_times: bool) -> &'static str {
     Box::leak(
         format!(
             "#define STAGE_TIMES {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{BARRIER_HEADER}",
@@ -776,14 +776,15 @@ pub fn affine4_in_place() -> bool {
     IN_PLACE.load(Ordering::Relaxed)
 }
 
-static PER_LAYER_ROWS_EARLY: AtomicBool = AtomicBool::new(false);
+static PER_LAYER_ROWS_EARLY: AtomicBool = AtomicBool::new(true);
 
-/// Makes each warp load its rows of the per-layer-input block (its gate row with that row's
-/// per-layer value, and its pair of projection rows; dense weights) into registers before the
-/// barrier that ends the down product, for the rest of the process: those stages are a few
-/// megabytes over most of the grid, bound by the latency of each load after its barrier, and
-/// their weights do not depend on the hidden state. Changes no value (the same sums in the
-/// same order); `bench --compare-fused` measures both.
+/// Makes each block copy its rows of the per-layer-input block (gate rows and each warp's pair
+/// of projection rows; dense weights) into shared memory while the grid meets at the barrier
+/// that ends the down product, for the rest of the process: those stages are a few megabytes
+/// over most of the grid, bound by the latency of each load after its barrier, and their
+/// weights do not depend on the hidden state. Changes no value (the same sums in the same
+/// order); `bench --compare-fused` measures both. On by default (1.4 µs a layer faster on the
+/// H200, BENCHMARKS.md); `--kernel-variants per-layer-rows-late` turns it off.
 pub fn set_per_layer_rows_early(on: bool) {
     PER_LAYER_ROWS_EARLY.store(on, Ordering::Relaxed);
 }

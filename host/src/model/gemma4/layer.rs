@@ -19,6 +19,7 @@ use crate::kernels::post_attention::{self, post_attention, PerLayerInput, PostAt
 use crate::kernels::products::{
     device_array, gated_product, new_counter, product_residual, serves_token, GateUp,
 };
+use crate::kernels::window_post_attention::{self, window_post_attention};
 use crate::kernels::Fused;
 
 /// The MoE branch and its three extra norms.
@@ -63,6 +64,8 @@ pub struct DecoderLayer {
     post_attention_barrier: Array,
     /// The barrier state of the one-kernel per-layer-input block.
     per_layer_input_barrier: Array,
+    /// The barrier state of the one-kernel path for windows of several tokens.
+    window_barrier: Array,
 }
 
 impl DecoderLayer {
@@ -113,6 +116,7 @@ impl DecoderLayer {
             counters: [new_counter()?, new_counter()?, new_counter()?],
             post_attention_barrier: post_attention::new_barrier()?,
             per_layer_input_barrier: post_attention::new_barrier()?,
+            window_barrier: post_attention::new_barrier()?,
         })
     }
 
@@ -232,7 +236,8 @@ impl DecoderLayer {
     /// [`post_attention`] (everything after the heads as one kernel), when the kernel is
     /// allowed for this layer's weights (dense: `fused.post_attention`; 4-bit in one group
     /// size: `fused.affine4`) and serves it: one token, no MoE branch, shapes
-    /// that fit, a known CUDA device. `None` otherwise.
+    /// that fit, a known CUDA device. Windows of 2-8 tokens over dense weights go through
+    /// [`window_post_attention`] (`fused.window`). `None` otherwise.
     fn one_kernel_after_attention(
         &self,
         x: &Array,
@@ -241,11 +246,14 @@ impl DecoderLayer {
         fused: Fused,
     ) -> Result<Option<Array>> {
         // The flags first: this runs for every layer of every forward.
-        if !(fused.post_attention || fused.affine4) || self.moe.is_some() {
+        if !(fused.post_attention || fused.affine4 || fused.window) || self.moe.is_some() {
             return Ok(None);
         }
-        let one_token = x.ndim() == 2 && x.shape()[0] == 1 && z.ndim() == 2 && z.shape()[0] == 1;
-        if !one_token {
+        if x.ndim() != 2 || z.ndim() != 2 || x.shape()[0] != z.shape()[0] {
+            return Ok(None);
+        }
+        let tokens = x.shape()[0] as usize;
+        if tokens > 1 && !fused.window {
             return Ok(None);
         }
         let (Some((gate, up, down)), Some(output)) = (
@@ -283,7 +291,10 @@ impl DecoderLayer {
         // Dense layers with `post-attention`, 4-bit ones with `affine4`: measured on the H200,
         // the one kernel loses to the three products over dense weights and wins over 4-bit
         // ones, where it replaces MLX's quantized products (BENCHMARKS.md).
-        let allowed = if all_dense {
+        let allowed = if tokens > 1 {
+            // Windows: dense weights only (4-bit windows run MLX's operations).
+            all_dense
+        } else if all_dense {
             fused.post_attention
         } else {
             fused.affine4 && one_group
@@ -292,9 +303,12 @@ impl DecoderLayer {
             return Ok(None);
         }
         let (h, zw, n, p) = (h as usize, zw as usize, n as usize, p as usize);
-        if !post_attention::serves(h, zw, n, p, x.dtype())
-            || post_attention::grid_blocks().is_none()
-        {
+        let serves = if tokens > 1 {
+            window_post_attention::serves(h, zw, n, p, tokens, x.dtype())
+        } else {
+            post_attention::serves(h, zw, n, p, x.dtype())
+        };
+        if !serves || post_attention::grid_blocks().is_none() {
             return Ok(None);
         }
         let weights = PostAttention {
@@ -306,15 +320,27 @@ impl DecoderLayer {
             down,
             post_norm: &self.post_feedforward_norm,
         };
-        let out = post_attention(
-            x,
-            z,
-            self.eps,
-            &weights,
-            ple.as_ref(),
-            &self.layer_scalar_device,
-            &self.post_attention_barrier,
-        )?;
+        let out = if tokens > 1 {
+            window_post_attention(
+                x,
+                z,
+                self.eps,
+                &weights,
+                ple.as_ref(),
+                &self.layer_scalar_device,
+                &self.window_barrier,
+            )?
+        } else {
+            post_attention(
+                x,
+                z,
+                self.eps,
+                &weights,
+                ple.as_ref(),
+                &self.layer_scalar_device,
+                &self.post_attention_barrier,
+            )?
+        };
         Ok(Some(out))
     }
 

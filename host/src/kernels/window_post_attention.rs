@@ -1,0 +1,473 @@
+//! Everything of a layer after its attention heads for a window of 2 to 8 tokens (a verify
+//! window, or a short prompt) as one kernel (`--fused-kernels ...,window`), over dense
+//! weights: the stages of [`super::post_attention`] with each weight row read once for all
+//! the window's tokens.
+//!
+//! Why: a window of k tokens ran MLX's operations, about 25 a layer after the heads (cuBLAS
+//! products at ~13 µs of host time each, norms, adds, the GELU), and on an H200 a window of
+//! four cost as much as four decode steps, bound by that host work (BENCHMARKS.md, "why a
+//! verify window costs four decode steps"). One kernel a layer leaves the weights' bytes,
+//! read once, as its cost.
+//!
+//! Each token's result equals what [`super::post_attention`] computes for that token alone,
+//! bit for bit: the same stages with the same roundings, every row's dot summed over the same
+//! pieces in the same order (`rows_dot_window`), every norm by the same threads in the same
+//! order. So a verify window scores each drafted token exactly as the plain decode step
+//! would, and greedy speculative output equals plain output on the GPU as on the CPU.
+//!
+//! The tokens' staged inputs live in dynamic shared memory (`TOKENS` vectors of the widest
+//! stage, 20 KB each for E4B in bf16), which decides how many blocks fit a multiprocessor:
+//! two up to [`TWO_BLOCKS_SHARED_BYTES`], one up to [`ONE_BLOCK_SHARED_BYTES`]; wider
+//! windows run MLX's operations. The hidden state after the attention block (`x1`) is kept
+//! in a device output, each block writing its share, instead of in every block's shared
+//! memory as the single-token kernel keeps it.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use anyhow::{anyhow, bail, Result};
+use mlx_rs::{Array, Dtype};
+
+use super::post_attention::{header, PerLayerInput, PostAttention, Weight};
+use super::products::{element_bytes, THREADS};
+use super::{PerEpsilon, TemplateArg};
+
+/// Device helpers added to the post-attention kernel's ones.
+const WINDOW_HEADER: &str = r#"
+// Dots of R rows (K elements of T each, 16-byte aligned) with each of the TOKENS inputs
+// staged at xs + t * STRIDE, summed over the warp: out[r * TOKENS + t]. A lane adds pieces
+// lane, lane + 32, ... of a row in that order for every token, as rows_dot does for one
+// input, so each (row, token) sum is the single-token kernels' bit for bit.
+template <typename T, int K, int R, int TOKENS, int STRIDE>
+__device__ inline void rows_dot_window(const T* const* rows, const T* xs, float* out) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNKS = K / VEC;
+  constexpr int UNROLL = R >= 8 ? 1 : 8 / R;
+  const int lane = threadIdx.x & 31;
+  const uint4* x4 = reinterpret_cast<const uint4*>(xs);
+  float acc[R][TOKENS];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) acc[r][t] = 0.f;
+  }
+#pragma unroll UNROLL
+  for (int c = lane; c < CHUNKS; c += 32) {
+    uint4 wc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) wc[r] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) {
+      const uint4 xc = x4[t * (STRIDE / VEC) + c];
+#pragma unroll
+      for (int r = 0; r < R; r++) acc[r][t] = piece_dot<T>(wc[r], xc, acc[r][t]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) out[r * TOKENS + t] = warp_sum(acc[r][t]);
+  }
+}
+
+// o[t * rows + r] = W[r] . (input t), rounded to T as MLX's product rounds it and kept in
+// float32, two of the warp's rows at a time (every `warps`-th from `first`); W is [rows, K].
+template <typename T, int K, int TOKENS, int STRIDE>
+__device__ inline void window_product_rows(const T* w, const T* xs, float* o, int rows,
+                                           int first, int warps) {
+  const bool lane0 = (threadIdx.x & 31) == 0;
+  for (int r = first; r < rows; r += 2 * warps) {
+    // A last row without a partner is paired with itself and written once.
+    const int r2 = r + warps < rows ? r + warps : r;
+    const T* rs[2] = {w + (size_t)r * K, w + (size_t)r2 * K};
+    float d[2 * TOKENS];
+    rows_dot_window<T, K, 2, TOKENS, STRIDE>(rs, xs, d);
+    if (lane0) {
+#pragma unroll
+      for (int t = 0; t < TOKENS; t++) {
+        o[t * rows + r] = static_cast<float>(static_cast<T>(d[t]));
+        if (r2 != r) o[t * rows + r2] = static_cast<float>(static_cast<T>(d[TOKENS + t]));
+      }
+    }
+  }
+}
+"#;
+
+const SOURCE: &str = r#"
+  constexpr int WARPS = 8;
+  constexpr int NH = N > H ? N : H;
+  constexpr int PZ = P > Z ? P : Z;
+  constexpr int STAGED = NH > PZ ? NH : PZ;
+  // Token t's staged input at buf + t * STAGED (TOKENS * STAGED elements, set by the host).
+  extern __shared__ __align__(16) unsigned char window_shared[];
+  T* const buf = reinterpret_cast<T*>(window_shared);
+  __shared__ float red[32];
+  unsigned int* bar = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(barrier));
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * WARPS;
+  const int first = blockIdx.x * WARPS + (threadIdx.x >> 5);
+  const float s = static_cast<float>(scale[0]);
+  // This block's share of a [TOKENS, H] output the grid writes once: the elements i with
+  // i / BLOCK_THREADS = blockIdx.x (mod the grid), as the output loops below take them.
+  const int share = blockIdx.x * BLOCK_THREADS + threadIdx.x;
+  const int share_step = gridDim.x * BLOCK_THREADS;
+
+  // 0. o0 = W_o z, every token.
+  for (int t = 0; t < TOKENS; t++) stage_input<T, Z, false>(z + t * Z, z, buf + t * STAGED, red);
+  window_product_rows<T, Z, TOKENS, STAGED>(wo, buf, o0, H, first, warps);
+  __threadfence();
+  grid_barrier(bar);
+
+  // x1 = x + rms_norm(o0, post_attention_norm), whole in every block (and this block's share
+  // kept in x1 for the later stages), then x' = rms_norm(x1, pre_norm) staged in place.
+  for (int t = 0; t < TOKENS; t++) {
+    const float r0 = product_rms<H>(o0 + t * H, red);
+    T* xt = buf + t * STAGED;
+    for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
+      const T v = closed<T, false>(__ldcg(o0 + t * H + i), r0, x[t * H + i], post_attention_norm[i], s);
+      xt[i] = v;
+      if ((i / BLOCK_THREADS) % gridDim.x == blockIdx.x) x1[t * H + i] = v;
+    }
+  }
+  __syncthreads();
+  for (int t = 0; t < TOKENS; t++) {
+    stage_input<T, H, true>(buf + t * STAGED, pre_norm, buf + t * STAGED, red);
+  }
+
+  // 1. a = gelu_tanh(W_gate x') * (W_up x').
+  for (int r = first; r < N; r += warps) {
+    const T* rs[2] = {wg + (size_t)r * H, wu + (size_t)r * H};
+    float d[2 * TOKENS];
+    rows_dot_window<T, H, 2, TOKENS, STAGED>(rs, buf, d);
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < TOKENS; t++) {
+        const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[t]))));
+        a[t * N + r] = static_cast<T>(static_cast<float>(act) *
+                                      static_cast<float>(static_cast<T>(d[TOKENS + t])));
+      }
+    }
+  }
+  __threadfence();
+  grid_barrier(bar);
+
+  // 2. o = W_down a.
+  for (int t = 0; t < TOKENS; t++) stage_written<T, N>(a + t * N, buf + t * STAGED);
+  window_product_rows<T, N, TOKENS, STAGED>(wd, buf, o, H, first, warps);
+  __threadfence();
+  grid_barrier(bar);
+
+  // 3. h = x1 + rms_norm(o, post_norm): the output without a per-layer input (times the
+  // layer scalar, each block its share), else staged whole in every block.
+  if constexpr (P == 0) {
+    if (blockIdx.x * BLOCK_THREADS >= H) return;
+    for (int t = 0; t < TOKENS; t++) {
+      const float r1 = product_rms<H>(o + t * H, red);
+      for (int i = share; i < H; i += share_step) {
+        out[t * H + i] = closed<T, true>(__ldcg(o + t * H + i), r1, x1[t * H + i], post_norm[i], s);
+      }
+    }
+  } else {
+    for (int t = 0; t < TOKENS; t++) {
+      const float r1 = product_rms<H>(o + t * H, red);
+      T* ht = buf + t * STAGED;
+      for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
+        ht[i] = closed<T, false>(__ldcg(o + t * H + i), r1, __ldcg(x1 + t * H + i), post_norm[i], s);
+      }
+    }
+    __syncthreads();
+
+    // 4. g = gelu_tanh(W_in h) * v, v token t's P values of this layer.
+    const int v0 = ple_offset[0];
+    for (int r = first; r < P; r += warps) {
+      const T* rs[1] = {pg + (size_t)r * H};
+      float d[TOKENS];
+      rows_dot_window<T, H, 1, TOKENS, STAGED>(rs, buf, d);
+      if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < TOKENS; t++) {
+          const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[t]))));
+          g[t * P + r] = static_cast<T>(static_cast<float>(act) *
+                                        static_cast<float>(per_layer[t * VSTRIDE + v0 + r]));
+        }
+      }
+    }
+    __threadfence();
+    grid_barrier(bar);
+
+    // 5. o2 = W_proj g.
+    for (int t = 0; t < TOKENS; t++) stage_written<T, P>(g + t * P, buf + t * STAGED);
+    window_product_rows<T, P, TOKENS, STAGED>(pp, buf, o2, H, first, warps);
+    __threadfence();
+    grid_barrier(bar);
+
+    // 6. out = (h + rms_norm(o2, post_norm_2)) * layer scalar, h computed again as in 3.
+    if (blockIdx.x * BLOCK_THREADS >= H) return;
+    for (int t = 0; t < TOKENS; t++) {
+      const float r1 = product_rms<H>(o + t * H, red);
+      const float r2 = product_rms<H>(o2 + t * H, red);
+      for (int i = share; i < H; i += share_step) {
+        const T h = closed<T, false>(__ldcg(o + t * H + i), r1, x1[t * H + i], post_norm[i], s);
+        out[t * H + i] = closed<T, true>(__ldcg(o2 + t * H + i), r2, h, post_norm_2[i], s);
+      }
+    }
+  }
+"#;
+
+const INPUTS: &[&str] = &[
+    "x",
+    "z",
+    "wo",
+    "post_attention_norm",
+    "pre_norm",
+    "wg",
+    "wu",
+    "wd",
+    "post_norm",
+    "pg",
+    "per_layer",
+    "ple_offset",
+    "pp",
+    "post_norm_2",
+    "scale",
+    "barrier",
+];
+
+const OUTPUTS: &[&str] = &["out", "o0", "a", "o", "x1", "g", "o2"];
+
+/// Tokens a call takes at most (and at least 2: one token is [`super::post_attention`]'s).
+pub const MAX_TOKENS: usize = 8;
+
+/// Dynamic shared memory a block may use with two blocks a multiprocessor (an H200 has
+/// 228 KB a multiprocessor, 1 KB of it reserved per block).
+const TWO_BLOCKS_SHARED_BYTES: usize = 108 * 1024;
+
+/// Dynamic shared memory a block may use alone on a multiprocessor.
+const ONE_BLOCK_SHARED_BYTES: usize = 216 * 1024;
+
+/// Bytes of dynamic shared memory a call over `tokens` tokens needs: each token's input to
+/// the widest stage.
+fn shared_bytes(h: usize, z: usize, n: usize, p: usize, tokens: usize, element: usize) -> usize {
+    tokens * h.max(z).max(n).max(p) * element
+}
+
+/// Blocks a multiprocessor holds for a call needing `shared` bytes, `None` if none fits.
+fn blocks_per_multiprocessor(shared: usize) -> Option<i32> {
+    if shared <= TWO_BLOCKS_SHARED_BYTES {
+        Some(2)
+    } else if shared <= ONE_BLOCK_SHARED_BYTES {
+        Some(1)
+    } else {
+        None
+    }
+}
+
+/// Whether the kernel serves `tokens` tokens of hidden size `h`, attention width `z`,
+/// feed-forward width `n` and per-layer width `p` (0: none) in `dtype`: 2 to [`MAX_TOKENS`]
+/// tokens, whole 16-byte loads, and the staged inputs fit a block's shared memory.
+pub fn serves(h: usize, z: usize, n: usize, p: usize, tokens: usize, dtype: Dtype) -> bool {
+    let Some(e) = element_bytes(dtype) else {
+        return false;
+    };
+    let whole = |k: usize| (k * e) % 16 == 0;
+    (2..=MAX_TOKENS).contains(&tokens)
+        && h > 0
+        && z > 0
+        && n > 0
+        && [h, z, n, p].into_iter().all(whole)
+        && blocks_per_multiprocessor(shared_bytes(h, z, n, p, tokens, e)).is_some()
+}
+
+thread_local! {
+    // One kernel object per amount of dynamic shared memory: MLX sets a kernel's shared
+    // memory limit once, when it first loads the compiled function, so each amount gets its
+    // own name (and so its own compiled function).
+    static KERNELS: RefCell<HashMap<usize, PerEpsilon>> = RefCell::new(HashMap::new());
+}
+
+/// The layer's output for the window's tokens `x` (`[T, H]`, the layer's input) and their
+/// attention heads' output `z` (`[T, Z]`), with dense weights: the attention's output product
+/// and residual, the feed-forward block, then the per-layer-input block when given (`values`
+/// `[T, layers, P]`), the result times `scale` (the layer scalar, first element of a device
+/// array). Each token's row equals [`super::post_attention`]'s for that token. `barrier` is
+/// the call site's ([`super::post_attention::new_barrier`]). Check [`serves`].
+pub fn window_post_attention(
+    x: &Array,
+    z: &Array,
+    eps: f32,
+    w: &PostAttention,
+    ple: Option<&PerLayerInput>,
+    scale: &Array,
+    barrier: &Array,
+) -> Result<Array> {
+    let dtype = x.dtype();
+    let tokens = x.shape()[0];
+    let h = x.shape()[x.ndim() - 1];
+    let zw = z.shape()[z.ndim() - 1];
+    let n = w.gate.rows();
+    for (a, what) in [(x, "the hidden states"), (z, "the attention outputs")] {
+        let width = a.shape()[a.ndim() - 1];
+        if a.shape() != [tokens, width] || a.dtype() != dtype {
+            bail!(
+                "window_post_attention: {what} are {:?} {:?}, expected [{tokens}, {width}] {dtype:?}",
+                a.shape(),
+                a.dtype()
+            );
+        }
+    }
+    let dense = |w: &Weight<'_>, rows: i32, k: i32, what: &str| -> Result<()> {
+        match w.layout(rows, k, dtype, what) {
+            Ok((0, _)) => Ok(()),
+            Ok(_) => bail!("window_post_attention: {what} is not dense"),
+            Err(e) => Err(anyhow!("window_post_attention: {e}")),
+        }
+    };
+    dense(&w.output, h, zw, "the attention output weight")?;
+    dense(&w.gate, n, h, "the gate weight")?;
+    dense(&w.up, n, h, "the up weight")?;
+    dense(&w.down, h, n, "the down weight")?;
+    let p = match ple {
+        Some(v) => {
+            let p = v.gate.rows();
+            dense(&v.gate, p, h, "the per-layer input gate")?;
+            dense(&v.projection, h, p, "the per-layer projection")?;
+            if v.offset.dtype() != Dtype::Int32 {
+                bail!("window_post_attention: the per-layer input offset must be int32");
+            }
+            if v.values.dtype() != dtype || v.values.size() % (tokens.max(1) as usize) != 0 {
+                bail!(
+                    "window_post_attention: the per-layer inputs are {:?} {:?}, expected [{tokens}, layers, {p}] {dtype:?}",
+                    v.values.shape(),
+                    v.values.dtype()
+                );
+            }
+            p
+        }
+        None => 0,
+    };
+    let (tk, hu, zu, nu, pu) = (
+        tokens as usize,
+        h as usize,
+        zw as usize,
+        n as usize,
+        p as usize,
+    );
+    if !serves(hu, zu, nu, pu, tk, dtype) {
+        bail!(
+            "window_post_attention does not serve {tokens} tokens of hidden {h}, attention {zw}, width {n}, per-layer {p} in {dtype:?}"
+        );
+    }
+    let element = element_bytes(dtype).unwrap_or(2);
+    let shared = shared_bytes(hu, zu, nu, pu, tk, element);
+    let per_multiprocessor = blocks_per_multiprocessor(shared).unwrap_or(1);
+    let Some(multiprocessors) = super::post_attention::grid_blocks()
+        .map(|blocks| blocks / super::post_attention::BLOCKS_PER_MULTIPROCESSOR)
+    else {
+        bail!("window_post_attention needs the CUDA device's multiprocessor count");
+    };
+    let blocks = multiprocessors * per_multiprocessor;
+    // Without a per-layer input its inputs are never read: the hidden state stands in.
+    let unread = super::post_attention::unread_input(dtype);
+    let (pg, values, offset, pp, post_norm_2, vstride) = match ple {
+        Some(v) => {
+            let [pg, _, _] = v.gate.inputs();
+            let [pp, _, _] = v.projection.inputs();
+            let vstride = (v.values.size() / tk) as i32;
+            (pg, v.values, v.offset, pp, v.post_norm, vstride)
+        }
+        None => (unread, unread, barrier, unread, unread, 0),
+    };
+    let [wo, _, _] = w.output.inputs();
+    let [wg, _, _] = w.gate.inputs();
+    let [wu, _, _] = w.up.inputs();
+    let [wd, _, _] = w.down.inputs();
+    let (rows, width, per_layer_width) = ([tokens, h], [tokens, n], [tokens, p.max(1)]);
+    let outputs = [
+        (&rows[..], dtype),
+        (&rows[..], Dtype::Float32),
+        (&width[..], dtype),
+        (&rows[..], Dtype::Float32),
+        (&rows[..], dtype),
+        (&per_layer_width[..], dtype),
+        (&rows[..], Dtype::Float32),
+    ];
+    KERNELS.with(|cell| {
+        let mut map = cell.borrow_mut();
+        let per_shared = map.entry(shared).or_insert_with(|| {
+            let name: &'static str =
+                Box::leak(format!("window_post_attention_{shared}").into_boxed_str());
+            PerEpsilon::new(name, INPUTS, OUTPUTS, SOURCE)
+                .with_header(window_header())
+                .with_shared_memory(shared as i32)
+        });
+        let kernel = per_shared.get(eps)?;
+        let mut out = kernel.apply(
+            &[
+                x,
+                z,
+                wo,
+                w.post_attention_norm,
+                w.pre_norm,
+                wg,
+                wu,
+                wd,
+                w.post_norm,
+                pg,
+                values,
+                offset,
+                pp,
+                post_norm_2,
+                scale,
+                barrier,
+            ],
+            &outputs,
+            (blocks * THREADS, 1, 1),
+            (THREADS, 1, 1),
+            &[
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"H", TemplateArg::Int(h)),
+                (c"Z", TemplateArg::Int(zw)),
+                (c"N", TemplateArg::Int(n)),
+                (c"P", TemplateArg::Int(p)),
+                (c"TOKENS", TemplateArg::Int(tokens)),
+                (c"VSTRIDE", TemplateArg::Int(vstride)),
+            ],
+        )?;
+        Ok(out.swap_remove(0))
+    })
+}
+
+/// The post-attention kernel's header and this kernel's helpers.
+fn window_header() -> &'static str {
+    Box::leak(format!("{}{WINDOW_HEADER}", header(false)).into_boxed_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_are_served_while_their_inputs_fit_shared_memory() {
+        // E4B in bf16: 20 KB a token for the feed-forward width of 10 240.
+        let e4b = |tokens| serves(2560, 2048, 10240, 256, tokens, Dtype::Bfloat16);
+        assert!(!e4b(1), "one token is the single-token kernel's");
+        assert!(e4b(2) && e4b(5) && e4b(8));
+        assert!(!e4b(9), "past MAX_TOKENS");
+        assert_eq!(
+            blocks_per_multiprocessor(shared_bytes(2560, 2048, 10240, 256, 5, 2)),
+            Some(2)
+        );
+        assert_eq!(
+            blocks_per_multiprocessor(shared_bytes(2560, 2048, 10240, 256, 6, 2)),
+            Some(1)
+        );
+        // 12B (15 360 wide): seven tokens fit one block a multiprocessor, eight do not.
+        assert!(serves(3840, 4096, 15360, 0, 7, Dtype::Bfloat16));
+        assert!(!serves(3840, 4096, 15360, 0, 8, Dtype::Bfloat16));
+        // Rows that are not whole 16-byte loads, and dtypes the kernel has no type for.
+        assert!(!serves(2564, 2048, 10240, 256, 4, Dtype::Bfloat16));
+        assert!(!serves(2560, 2048, 10240, 256, 4, Dtype::Int32));
+        // The float32 fixtures: small widths, four bytes a value.
+        assert!(serves(64, 128, 256, 16, 8, Dtype::Float32));
+    }
+}
