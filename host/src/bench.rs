@@ -437,20 +437,63 @@ fn report_verify_window(
     }
     let total = median(times.iter().map(|t| t.total_ms).collect());
     let build = median(times.iter().map(|t| t.build_ms).collect());
+    let (differing, values, largest) = window_against_steps(model, &mut cache, &window)?;
     if args.json {
         println!(
             "{}",
-            json!({ "verify_window": { "k": k, "ms": total, "build_ms": build, "repeats": args.repeats } })
+            json!({ "verify_window": { "k": k, "ms": total, "build_ms": build, "repeats": args.repeats,
+                    "logits_unlike_steps": differing, "logits": values, "largest_difference": largest } })
         );
     } else {
         println!(
             "verify window of {k} tokens after {} prompt tokens: {total:.2} ms a forward (median of {}), \
-             {build:.2} ms of it building the graph on the host",
+             {build:.2} ms of it building the graph on the host; its logits against {k} single-token \
+             steps: {}",
             prompt.len(),
-            args.repeats
+            args.repeats,
+            if differing == 0 {
+                format!("identical ({values} values)")
+            } else {
+                format!("{differing} of {values} differ, by up to {largest:.3e}")
+            }
         );
     }
     Ok(())
+}
+
+/// The logits of one forward over `window` against those of `window.len()` single-token
+/// forwards over the same tokens from the same cache (rolled back after each): how many
+/// values differ, of how many, and the largest difference. A window computes what decode
+/// steps compute when this is 0.
+fn window_against_steps(
+    model: &Gemma4Model,
+    cache: &mut mlx_spec::model::gemma4::ModelCache,
+    window: &[u32],
+) -> Result<(usize, usize, f32)> {
+    let together = model.forward(window, cache, LogitsFor::All, false)?.logits;
+    together.eval()?;
+    cache.trim(window.len())?;
+    let mut steps = Vec::new();
+    for &token in window {
+        let logits = model
+            .forward(&[token], cache, LogitsFor::All, false)?
+            .logits;
+        logits.eval()?;
+        steps.push(logits);
+    }
+    cache.trim(window.len())?;
+    let steps = mlx_rs::ops::concatenate(&steps, 0)?;
+    let differing = steps
+        .ne(&together)?
+        .as_dtype(Dtype::Int32)?
+        .sum(None)?
+        .try_item_exact::<i32>()? as usize;
+    let largest = steps
+        .subtract(&together)?
+        .abs()?
+        .max(None)?
+        .try_item_exact::<f32>()?;
+    Ok((differing, steps.size(), largest))
 }
 
 /// Where the host spends a pipelined decode step, in milliseconds per step.

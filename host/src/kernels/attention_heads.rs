@@ -495,7 +495,7 @@ pub fn attention_heads(
 }
 
 /// Whether MLX holds `a` as one row-major block (its kernels then take it without a copy).
-fn is_row_contiguous(a: &Array) -> bool {
+pub(crate) fn is_row_contiguous(a: &Array) -> bool {
     // SAFETY: reads the strides of a live array; the pointer is valid for ndim entries.
     let strides = unsafe {
         let ptr = mlx_sys::mlx_array_strides(a.as_ptr());

@@ -55,6 +55,10 @@ const SOURCE: &str = r#"
   __shared__ float sums[WARPS * D];
   __shared__ float red[32];
   __shared__ int seen[2];
+  // A window of queries (`window_attention`): query `token` of the window, each with its own
+  // visible slots, counters, shares and output row; one query is token 0.
+  const int token = blockIdx.y;
+  const int heads = gridDim.x / SPLITS;
   const int head = blockIdx.x / SPLITS;
   const int split = blockIdx.x % SPLITS;
   const int kv_head = head / GROUP;
@@ -68,14 +72,21 @@ const SOURCE: &str = r#"
   // The slots this query sees, [first, last + 1): requested first, used last.
   int first_seen = 0, end_seen = 0;
   if (threadIdx.x == 0) {
-    first_seen = visible[0];
-    end_seen = visible[1];
+    if constexpr (SLIDE == 0) {
+      first_seen = visible[0];
+      end_seen = visible[1];
+    } else {
+      // A window's query `token`: `visible` holds the first kept slot and the end of query
+      // 0's slots; each later query sees one slot more, from SLIDE slots before its end.
+      end_seen = visible[1] + token;
+      first_seen = max(end_seen - SLIDE, visible[0]);
+    }
   }
 
   // This lane's elements of q: chunk j covers elements (lane + 32 j) * VEC ... + VEC - 1.
   float qr[CH * VEC];
   {
-    const uint4* q4 = reinterpret_cast<const uint4*>(q + (size_t)head * D);
+    const uint4* q4 = reinterpret_cast<const uint4*>(q + ((size_t)token * heads + head) * D);
 #pragma unroll
     for (int j = 0; j < CH; j++) {
       uint4 c = q4[lane + 32 * j];
@@ -216,7 +227,7 @@ const SOURCE: &str = r#"
     for (int x = 0; x < VEC; x++) sums[warp * D + (lane + 32 * j) * VEC + x] = acc[j * VEC + x];
   }
   __syncthreads();
-  float* mine = partial + (size_t)blockIdx.x * (D + 2);
+  float* mine = partial + ((size_t)token * gridDim.x + blockIdx.x) * (D + 2);
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     float o = 0.f;
 #pragma unroll
@@ -232,7 +243,7 @@ const SOURCE: &str = r#"
   // head in `counter`, which that block resets for the call site's next step.
   __shared__ bool is_last;
   __shared__ float weight[SPLITS];
-  unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
+  unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter)) + token * heads;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last = SPLITS == 1 || atomicAdd(done + head, 1u) == SPLITS - 1;
@@ -241,7 +252,7 @@ const SOURCE: &str = r#"
   __threadfence();
   // Thread b reads share b's maximum and sum; every share is then weighted by
   // exp(its maximum - the head's), 0 for a share with nothing visible.
-  const float* ph = partial + (size_t)head * SPLITS * (D + 2);
+  const float* ph = partial + ((size_t)token * gridDim.x + (size_t)head * SPLITS) * (D + 2);
   const int b = threadIdx.x;
   const float share_max = b < SPLITS ? __ldcg(ph + b * (D + 2) + D) : -INFINITY;
   const float share_total = b < SPLITS ? __ldcg(ph + b * (D + 2) + D + 1) : 0.f;
@@ -253,7 +264,7 @@ const SOURCE: &str = r#"
     float o = 0.f;
 #pragma unroll
     for (int s = 0; s < SPLITS; s++) o += weight[s] * __ldcg(ph + s * (D + 2) + i);
-    out[(size_t)head * D + i] = static_cast<T>(o * inv);
+    out[((size_t)token * heads + head) * D + i] = static_cast<T>(o * inv);
   }
   if (SPLITS > 1 && threadIdx.x == 0) done[head] = 0u;
 "#;
@@ -345,8 +356,7 @@ pub fn decode_attention(
     splits: usize,
     counters: &Array,
 ) -> Result<Array> {
-    let (heads, d) = (q.shape()[1], q.shape()[3]);
-    let (kv_heads, slots) = (keys.shape()[1], keys.shape()[2]);
+    let (heads, slots) = (q.shape()[1], keys.shape()[2]);
     if counters.size() < heads as usize || counters.dtype() != Dtype::Uint32 {
         bail!("decode_attention needs {heads} uint32 counters, got {counters:?}");
     }
@@ -358,6 +368,90 @@ pub fn decode_attention(
         Some(copy) => bail!("decode_attention: visible slots in {copy:?}, not int32 x 2"),
         None => step_ints(&[visible.start as i32, visible.end as i32])?,
     };
+    launch(q, keys, values, &visible, 1, 0, splits, counters)
+}
+
+/// Attention of a window of queries (`q`: `[T, heads, D]`, a verify window's, at consecutive
+/// positions) over the layer's whole K/V buffers, query `t` over `query_slots[t]` (the
+/// cache's view of the window); returns `[T, heads * D]`. Each query's row is what
+/// [`decode_attention`] gives for that query alone over the same buffers, bit for bit (the
+/// same blocks, shares and merge). `counters`: one per query head and token, the call site's.
+///
+/// The slots reach the kernel as two integers (8 bytes, which MLX keeps in host-visible
+/// memory; a longer host-made array would live in managed memory, paged in at the kernel's
+/// first touch): the first kept slot and the end of query 0's slots. Query `t` sees up to
+/// `t` slots more, from `window` slots before its end (a sliding layer's window; none for a
+/// full-attention layer): checked against `query_slots` here.
+pub fn window_attention(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    query_slots: &[std::ops::Range<usize>],
+    window: Option<usize>,
+    splits: usize,
+    counters: &Array,
+) -> Result<Array> {
+    let (tokens, heads) = (q.shape()[0], q.shape()[1]);
+    if q.ndim() != 3 || tokens < 1 || query_slots.len() != tokens as usize {
+        bail!(
+            "window_attention: queries {:?} for {} visible ranges, expected [T, heads, D]",
+            q.shape(),
+            query_slots.len()
+        );
+    }
+    if counters.size() < (tokens * heads) as usize || counters.dtype() != Dtype::Uint32 {
+        bail!(
+            "window_attention needs {} uint32 counters, got {counters:?}",
+            tokens * heads
+        );
+    }
+    let slide = window.unwrap_or(1 << 30);
+    let kept = query_slots.iter().map(|r| r.start).min().unwrap_or(0);
+    let end = query_slots[0].end;
+    let derived = |t: usize| (end + t).saturating_sub(slide).max(kept)..end + t;
+    if let Some(t) = (0..tokens as usize).find(|&t| query_slots[t] != derived(t)) {
+        bail!(
+            "window_attention: query {t} sees slots {:?}, not the {:?} its window gives",
+            query_slots[t],
+            derived(t)
+        );
+    }
+    if end + tokens as usize - 1 > keys.shape()[2] as usize {
+        bail!(
+            "window_attention: slots past a buffer of {}",
+            keys.shape()[2]
+        );
+    }
+    let visible = step_ints(&[kept as i32, end as i32])?;
+    launch(
+        q,
+        keys,
+        values,
+        &visible,
+        tokens,
+        slide as i32,
+        splits,
+        counters,
+    )
+}
+
+/// Adds the kernel over `tokens` queries to the graph (`slide`: 0 for one query whose slots
+/// `visible` gives, else the window's slide, see [`window_attention`]).
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    visible: &Array,
+    tokens: i32,
+    slide: i32,
+    splits: usize,
+    counters: &Array,
+) -> Result<Array> {
+    // [1, heads, 1, D] for one query, [T, heads, D] for a window.
+    let heads = q.shape()[1];
+    let d = q.shape()[q.ndim() - 1];
+    let (kv_heads, slots) = (keys.shape()[1], keys.shape()[2]);
     let splits = splits as i32;
     KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();
@@ -373,12 +467,12 @@ pub fn decode_attention(
         let kernel = slot.as_ref().expect("just built");
         let threads = 32 * WARPS;
         let mut out = kernel.apply(
-            &[q, keys, values, &visible, counters],
+            &[q, keys, values, visible, counters],
             &[
-                (&[heads * splits, d + 2], Dtype::Float32),
-                (&[1, heads * d], q.dtype()),
+                (&[tokens * heads * splits, d + 2], Dtype::Float32),
+                (&[tokens, heads * d], q.dtype()),
             ],
-            (heads * splits * threads, 1, 1),
+            (heads * splits * threads, tokens, 1),
             (threads, 1, 1),
             &[
                 (c"T", TemplateArg::Dtype(q.dtype())),
@@ -389,6 +483,7 @@ pub fn decode_attention(
                 (c"SLOTS", TemplateArg::Int(slots)),
                 (c"MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
                 (c"WIDE", TemplateArg::Bool(wide_rounds())),
+                (c"SLIDE", TemplateArg::Int(slide)),
             ],
         )?;
         Ok(out.remove(1))

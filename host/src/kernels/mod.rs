@@ -45,6 +45,8 @@ pub mod per_layer_input;
 pub mod post_attention;
 pub mod products;
 pub mod source_files;
+pub mod window_attention_heads;
+pub mod window_output_head;
 pub mod window_post_attention;
 
 use std::cell::RefCell;

@@ -32,8 +32,8 @@ use super::post_attention::{header, PerLayerInput, PostAttention, Weight};
 use super::products::{element_bytes, THREADS};
 use super::{PerEpsilon, TemplateArg};
 
-/// Device helpers added to the post-attention kernel's ones.
-const WINDOW_HEADER: &str = r#"
+/// `rows_dot_window`, the row dots of every window kernel (after the products' header).
+pub(crate) const ROWS_DOT_WINDOW: &str = r#"
 // Dots of R rows (K elements of T each, 16-byte aligned) with each of the TOKENS inputs
 // staged at xs + t * STRIDE, summed over the warp: out[r * TOKENS + t]. A lane adds pieces
 // lane, lane + 32, ... of a row in that order for every token, as rows_dot does for one
@@ -69,7 +69,10 @@ __device__ inline void rows_dot_window(const T* const* rows, const T* xs, float*
     for (int t = 0; t < TOKENS; t++) out[r * TOKENS + t] = warp_sum(acc[r][t]);
   }
 }
+"#;
 
+/// Device helpers added to the post-attention kernel's ones, after [`ROWS_DOT_WINDOW`].
+const WINDOW_HEADER: &str = r#"
 // o[t * rows + r] = W[r] . (input t), rounded to T as MLX's product rounds it and kept in
 // float32, two of the warp's rows at a time (every `warps`-th from `first`); W is [rows, K].
 template <typename T, int K, int TOKENS, int STRIDE>
@@ -439,7 +442,7 @@ pub fn window_post_attention(
 
 /// The post-attention kernel's header and this kernel's helpers.
 fn window_header() -> &'static str {
-    Box::leak(format!("{}{WINDOW_HEADER}", header(false)).into_boxed_str())
+    Box::leak(format!("{}{ROWS_DOT_WINDOW}{WINDOW_HEADER}", header(false)).into_boxed_str())
 }
 
 #[cfg(test)]

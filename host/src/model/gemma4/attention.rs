@@ -1,11 +1,12 @@
 //! Gemma 4 self-attention: q/k norms, weightless v norm, per-kind RoPE, scale 1.0, GQA, and
 //! KV sharing (sharer layers project only Q and read a donor layer's K/V).
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 
 use super::norm::rms_norm;
-use mlx_rs::ops::{arange, logical_and, matmul, softmax_axis};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{arange, concatenate, logical_and, matmul, softmax_axis};
 use mlx_rs::Array;
 
 use super::cache::{KvView, LayerKv};
@@ -16,9 +17,10 @@ use crate::kernels::attention_heads::{
     attention_heads, serves as heads_kernel_serves, CacheSlot, HeadShape, HeadWeights,
 };
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
-use crate::kernels::decode_attention::{decode_attention, splits_for};
+use crate::kernels::decode_attention::{decode_attention, splits_for, window_attention};
 use crate::kernels::post_attention::Weight;
 use crate::kernels::products::{new_counters, normed_products, serves_token};
+use crate::kernels::window_attention_heads::{self, window_attention_heads};
 use crate::kernels::Fused;
 
 /// K/V projections, present only on KV-owning layers.
@@ -44,6 +46,9 @@ pub struct Attention {
     heads_counter: Array,
     /// Block counters of this layer's fused decode attention (device memory).
     attention_counters: Array,
+    /// The same two for windows of several tokens (one attention counter per head and token).
+    window_heads_counter: Array,
+    window_attention_counters: Array,
 }
 
 impl Attention {
@@ -83,6 +88,8 @@ impl Attention {
             // One per head whose rows the attention-heads kernel makes: queries, keys, values.
             heads_counter: new_counters(nh + 2 * nkv)?,
             attention_counters: new_counters(nh)?,
+            window_heads_counter: new_counters(1)?,
+            window_attention_counters: new_counters(nh * window_attention_heads::MAX_TOKENS)?,
         })
     }
 
@@ -155,6 +162,9 @@ impl Attention {
         fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[0];
+        if let Some(weights) = self.window_head_weights(x, cache.is_some(), fused) {
+            return self.window_forward(x, input_norm, offset, &weights, cache, shared, window);
+        }
         let (q, view, produced, visible_on_device) =
             match self.fused_head_weights(x, cache.is_some(), fused) {
                 Some(weights) => {
@@ -248,6 +258,128 @@ impl Attention {
             q_norm: &self.q_norm,
             periods: self.rope.device_periods(),
         })
+    }
+
+    /// The weights [`window_attention_heads`] needs, when the window kernels serve this call:
+    /// 2-8 tokens, the window kernels allowed with the single-token kernels they match (so a
+    /// window computes what decode steps compute), head and hidden sizes they take, and
+    /// dense weights.
+    fn window_head_weights(
+        &self,
+        x: &Array,
+        owning: bool,
+        fused: Fused,
+    ) -> Option<HeadWeights<'_>> {
+        let t = x.shape()[0] as usize;
+        if !(t > 1 && fused.window && fused.attention && fused.products) || x.ndim() != 2 {
+            return None;
+        }
+        let hidden = x.shape()[1] as usize;
+        if !window_attention_heads::serves(t, hidden, self.head_dim as usize, x.dtype()) {
+            return None;
+        }
+        let q = self.q_proj.kernel_weight().filter(|w| w.is_dense())?;
+        let kv = match self.kv.as_ref().filter(|_| owning) {
+            Some(kv) => {
+                let v = match &kv.v_proj {
+                    Some(v_proj) => Some(v_proj.kernel_weight().filter(|w| w.is_dense())?),
+                    None => None,
+                };
+                let k = kv.k_proj.kernel_weight().filter(|w| w.is_dense())?;
+                Some((k, v, &kv.k_norm))
+            }
+            None => None,
+        };
+        Some(HeadWeights {
+            q,
+            kv,
+            q_norm: &self.q_norm,
+            periods: self.rope.device_periods(),
+        })
+    }
+
+    /// A window of 2-8 tokens through the window kernels: [`window_attention_heads`] (one
+    /// kernel to normed, rotated heads, the keys and values written into the cache), then
+    /// [`window_attention`]; each token's output equals a decode step's for it.
+    #[allow(clippy::too_many_arguments)]
+    fn window_forward(
+        &self,
+        x: &Array,
+        input_norm: &Array,
+        offset: usize,
+        weights: &HeadWeights,
+        cache: Option<&mut LayerKv>,
+        shared: Option<&KvView>,
+        window: usize,
+    ) -> Result<(Array, Option<KvView>)> {
+        let t = x.shape()[0];
+        let dtype = x.dtype();
+        let shape = HeadShape {
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+        };
+        let heads = |target: Option<CacheSlot>| {
+            window_attention_heads(
+                x,
+                input_norm,
+                self.eps,
+                weights,
+                &shape,
+                offset,
+                target,
+                &self.window_heads_counter,
+            )
+        };
+        let (q, view, produced) = match cache {
+            Some(cache) if weights.kv.is_some() => {
+                let kv_shape = [1, self.num_kv_heads, t, self.head_dim];
+                let (keys, values, slot) = cache.slots_for_next(t as usize, &kv_shape, dtype)?;
+                // Counted before the kernel is built, as for one token (fused_heads).
+                let view = cache.count_written(t as usize, dtype)?;
+                let q = heads(Some(CacheSlot {
+                    keys: &keys,
+                    values: &values,
+                    slot,
+                }))?;
+                (q, view.clone(), Some(view))
+            }
+            _ => {
+                let view = donor_view(shared)?;
+                (heads(None)?, view, None)
+            }
+        };
+        let slots = view.keys.shape()[2] as usize;
+        let slide = (self.kind == AttentionKind::Sliding).then_some(window);
+        let splits = splits_for(slots, self.head_dim as usize, dtype)
+            .filter(|_| view.query_slots.len() == t as usize);
+        let out = match (splits, &view.slot_mask) {
+            (Some(splits), _) => window_attention(
+                &q,
+                &view.keys,
+                &view.values,
+                &view.query_slots,
+                slide,
+                splits,
+                &self.window_attention_counters,
+            )?,
+            // Head sizes the attention kernel does not take: MLX's operations, a query at a
+            // time with its row of the mask, as a decode step runs them for that query.
+            (None, Some(mask)) => {
+                let rows = (0..t)
+                    .map(|i| {
+                        let q =
+                            q.index(i..i + 1)
+                                .reshape(&[1, self.num_heads, 1, self.head_dim])?;
+                        let mask = mask.index(i..i + 1);
+                        buffer_attention(&q, &view, &mask, self.num_kv_heads, self.head_dim)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                concatenate(&rows, 0)?
+            }
+            (None, None) => bail!("a window of {t} tokens without a slot mask"),
+        };
+        Ok((out, produced))
     }
 
     /// Queries, and the view they attend over, from [`attention_heads`]: one kernel from the

@@ -57,6 +57,9 @@ pub struct KvView {
     /// The slots the first new query sees (its window's kept keys up to its own): with one
     /// query, what `slot_mask` leaves visible.
     pub first_query_slots: std::ops::Range<usize>,
+    /// The slots each new query sees, in order (what each row of `slot_mask` leaves
+    /// visible); empty for windows past [`MAX_MASKED_WINDOW`].
+    pub query_slots: Vec<std::ops::Range<usize>>,
 }
 
 /// Query windows up to this many tokens attend over whole buffers with a slot mask.
@@ -201,7 +204,18 @@ impl LayerKv {
     /// room for it (`shape`: `[1, kv_heads, 1, head_dim]`) and returns the buffers and the
     /// slot to write. Follow with [`LayerKv::count_written`] once the write is in the graph.
     pub fn slot_for_next(&mut self, shape: &[i32], dtype: Dtype) -> Result<(Array, Array, usize)> {
-        let slot = self.make_room(1, shape, dtype)?;
+        self.slots_for_next(1, shape, dtype)
+    }
+
+    /// [`LayerKv::slot_for_next`] for `t` tokens, written to the `t` slots from the one
+    /// returned (`shape`: `[1, kv_heads, t, head_dim]`).
+    pub fn slots_for_next(
+        &mut self,
+        t: usize,
+        shape: &[i32],
+        dtype: Dtype,
+    ) -> Result<(Array, Array, usize)> {
+        let slot = self.make_room(t, shape, dtype)?;
         let keys = self.keys.clone().expect("allocated by make_room");
         let values = self.values.clone().expect("allocated by make_room");
         Ok((keys, values, slot))
@@ -248,6 +262,7 @@ impl LayerKv {
                 first_position,
                 slot_mask: Some(self.slot_mask(t, dtype)?),
                 first_query_slots,
+                query_slots: (0..t).map(|i| self.query_visible(offset, i)).collect(),
             });
         }
         let (from, to) = (from as i32, to as i32);
@@ -257,7 +272,16 @@ impl LayerKv {
             first_position,
             slot_mask: None,
             first_query_slots,
+            query_slots: Vec::new(),
         })
+    }
+
+    /// The slots the query `i` of a window starting at position `offset` sees: the kept slots
+    /// from its window's start up to its own.
+    fn query_visible(&self, offset: usize, i: usize) -> std::ops::Range<usize> {
+        let slot_of = |position: usize| self.head + position - self.start;
+        let position = offset + i;
+        slot_of(self.first_visible(position))..slot_of(position) + 1
     }
 
     /// The first position a query at `position` attends to: the first kept one, or for a
@@ -285,11 +309,7 @@ impl LayerKv {
             }
         }
         let offset = self.end_position() - t;
-        let slot_of = |position: usize| self.head + position - self.start;
-        let visible = |i: usize| {
-            let position = offset + i;
-            slot_of(self.first_visible(position))..slot_of(position) + 1
-        };
+        let visible = |i: usize| self.query_visible(offset, i);
         let mask = mask_array(t, self.capacity(), visible, dtype)?;
         *self.mask_memo.borrow_mut() = Some((key, mask.clone()));
         Ok(mask)
@@ -473,6 +493,38 @@ mod tests {
                 if kind == AttentionKind::Sliding {
                     assert_eq!(seen.len(), 4, "a window of four, step {step}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn each_query_of_a_window_sees_the_slots_of_its_mask_row() {
+        for kind in [AttentionKind::Sliding, AttentionKind::Full] {
+            let mut layer = LayerKv::new(kind, 4, 8, MaskMemo::default());
+            let prompt = Array::zeros::<f32>(&[1, 1, 2, 2]).unwrap();
+            layer.append(&prompt, &prompt).unwrap();
+            // Windows of three past several compactions.
+            for step in 0..200 {
+                let window = Array::zeros::<f32>(&[1, 1, 3, 2]).unwrap();
+                let view = layer.append(&window, &window).unwrap();
+                let mask = view
+                    .slot_mask
+                    .as_ref()
+                    .unwrap()
+                    .as_dtype(Dtype::Float32)
+                    .unwrap();
+                let capacity = mask.shape()[1] as usize;
+                let values = mask.as_slice::<f32>();
+                assert_eq!(view.query_slots.len(), 3);
+                assert_eq!(view.query_slots[0], view.first_query_slots);
+                for (i, slots) in view.query_slots.iter().enumerate() {
+                    let row = &values[i * capacity..(i + 1) * capacity];
+                    let shown: Vec<usize> = (0..capacity).filter(|&s| row[s] == 0.0).collect();
+                    let expected: Vec<usize> = slots.clone().collect();
+                    assert_eq!(shown, expected, "{kind:?}, step {step}, query {i}");
+                }
+                // Rejected drafts: the cache rolls back one of the three, as a verify step does.
+                layer.trim(0, 1).unwrap();
             }
         }
     }

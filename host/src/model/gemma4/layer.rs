@@ -292,8 +292,9 @@ impl DecoderLayer {
         // the one kernel loses to the three products over dense weights and wins over 4-bit
         // ones, where it replaces MLX's quantized products (BENCHMARKS.md).
         let allowed = if tokens > 1 {
-            // Windows: dense weights only (4-bit windows run MLX's operations).
-            all_dense
+            // Windows: dense weights only (4-bit windows run MLX's operations), where decode
+            // steps run the single-token kernel whose values the window kernel gives.
+            all_dense && fused.post_attention
         } else if all_dense {
             fused.post_attention
         } else {

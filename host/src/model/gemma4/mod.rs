@@ -270,8 +270,14 @@ impl Gemma4Model {
         let ids = ids.reshape(&[t])?;
 
         let mut x = self.embed.lookup(&ids)?.multiply(&self.embed_scale)?;
+        let fused = crate::kernels::Fused::for_next_forward();
+        // A window the window kernels take computes what as many decode steps compute, so
+        // its per-layer projection is made a token at a time, as a decode step makes it.
+        let window = fused.window
+            && t > 1
+            && t as usize <= crate::kernels::window_post_attention::MAX_TOKENS;
         let per_layer = match &self.per_layer {
-            Some(p) => Some(p.inputs(&ids, &x)?),
+            Some(p) => Some(p.inputs(&ids, &x, window)?),
             None => None,
         };
         let mut hidden = Vec::new();
@@ -279,7 +285,6 @@ impl Gemma4Model {
             hidden.push(x.clone());
         }
 
-        let fused = crate::kernels::Fused::for_next_forward();
         let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let plan = &self.config.layers[i];
@@ -319,6 +324,29 @@ impl Gemma4Model {
                         weight,
                         self.config.final_logit_softcapping,
                     )?;
+                    return Ok(ForwardOutput { logits, hidden });
+                }
+            }
+        }
+        // A window of 2-8 tokens: its head as one kernel, each token's logits a decode step's.
+        if fused.output_head && window && !capture_hidden {
+            let head = match &self.head {
+                Some(head) => head,
+                None => &self.embed.0,
+            };
+            if let Some(weight) = head.kernel_weight() {
+                if crate::kernels::window_output_head::serves_head(&x, &weight) {
+                    let logits = crate::kernels::window_output_head::window_output_head(
+                        &x,
+                        &self.final_norm,
+                        self.config.rms_norm_eps,
+                        weight,
+                        self.config.final_logit_softcapping,
+                    )?;
+                    let logits = match logits_for {
+                        LogitsFor::All => logits,
+                        LogitsFor::Last => logits.index(((t - 1).., ..)),
+                    };
                     return Ok(ForwardOutput { logits, hidden });
                 }
             }

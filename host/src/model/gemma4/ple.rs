@@ -3,6 +3,8 @@
 
 use super::norm::rms_norm;
 use anyhow::Result;
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use super::linear::{Embedding, Linear, Loader};
@@ -48,8 +50,10 @@ impl PerLayerEmbeddings {
     }
 
     /// `[T, layers, width]` inputs for every layer, from token ids `[T]` and the scaled main
-    /// embedding `[T, hidden]`.
-    pub fn inputs(&self, ids: &Array, embedded: &Array) -> Result<Array> {
+    /// embedding `[T, hidden]`. `row_by_row`: the projection made one token at a time, so that
+    /// each token's values are those of a forward of that token alone (a matrix product over
+    /// several rows may sum in another order than one over a single row).
+    pub fn inputs(&self, ids: &Array, embedded: &Array, row_by_row: bool) -> Result<Array> {
         let t = ids.shape()[0];
         let shape = [t, self.num_layers, self.width];
         let from_table = self
@@ -57,9 +61,15 @@ impl PerLayerEmbeddings {
             .lookup(ids)?
             .multiply(&self.table_scale)?
             .reshape(&shape)?;
-        let projected = self
-            .model_projection
-            .forward(embedded)?
+        let projected = if row_by_row && t > 1 {
+            let rows = (0..t)
+                .map(|i| self.model_projection.forward(&embedded.index(i..i + 1)))
+                .collect::<Result<Vec<_>>>()?;
+            concatenate(&rows, 0)?
+        } else {
+            self.model_projection.forward(embedded)?
+        };
+        let projected = projected
             .multiply(&self.projection_scale)?
             .reshape(&shape)?;
         let projected = rms_norm(&projected, Some(&self.projection_norm), self.eps)?;

@@ -1,0 +1,315 @@
+//! The attention heads of a window of 2 to 8 tokens as one kernel, over dense weights: what
+//! [`super::attention_heads`] does for one token (the input RMSNorm, the q/k/v products, the
+//! head norms and RoPE, the write of the keys and values into the cache), each weight row read
+//! once for all the window's tokens.
+//!
+//! Each token's queries, keys and values are the single-token kernel's bit for bit: the same
+//! staging and norm of the input, each row's dot over the same pieces in the same order
+//! (`rows_dot_window`), the same head code at the token's position. The keys and values go
+//! to the `T` consecutive slots from the given one (the cache keeps keys in temporal order).
+//! As in the single-token kernel, the buffers are inputs written in place, and the queries,
+//! which every later reader of the buffers depends on, order the write before them.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use anyhow::{anyhow, bail, Result};
+use mlx_rs::{Array, Dtype};
+
+use super::attention_heads::{is_row_contiguous, CacheSlot, HeadShape, HeadWeights};
+use super::post_attention::Weight;
+use super::products::{element_bytes, HEADER as PRODUCTS_HEADER, THREADS, WARPS};
+use super::{step_ints, PerEpsilon, TemplateArg};
+
+/// Device helpers after the products' ones: `rows_dot_window`.
+fn header() -> &'static str {
+    Box::leak(
+        format!(
+            "{PRODUCTS_HEADER}{}",
+            super::window_post_attention::ROWS_DOT_WINDOW
+        )
+        .into_boxed_str(),
+    )
+}
+
+const SOURCE: &str = r#"
+  constexpr int WARPS = 8;
+  // Token t's normed input at xs + t * K (TOKENS * K elements, set by the host).
+  extern __shared__ __align__(16) unsigned char heads_shared[];
+  T* const xs = reinterpret_cast<T*>(heads_shared);
+  __shared__ float red[32];
+  __shared__ bool is_last;
+  constexpr int NQ = NH * D;
+  constexpr int NK = NKV * D;
+  constexpr int NV = K_EQ_V ? 0 : NK;
+  constexpr int ROWS = NQ + NK + NV;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * WARPS + warp;
+  for (int t = 0; t < TOKENS; t++) stage_input<T, K, true>(x + t * K, nw, xs + t * K, red);
+  if (row < ROWS) {
+    const T* w = row < NQ ? wq + (size_t)row * K
+        : row < NQ + NK ? wk + (size_t)(row - NQ) * K
+        : wv + (size_t)(row - NQ - NK) * K;
+    float d[TOKENS];
+    rows_dot_window<T, K, 1, TOKENS, K>(&w, xs, d);
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < TOKENS; t++) raw[t * ROWS + row] = static_cast<T>(d[t]);
+    }
+  }
+
+  // The last block to finish takes every head of every token.
+  unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+
+  constexpr int HALF = D / 2;
+  constexpr int PAIRS = HALF / 32;
+  constexpr int HEADS = NH + 2 * NKV;
+  const int first_position = position[0];
+  const int first_slot = cache_slot[0];
+  const int capacity = cache_slot[1];
+  for (int i = warp; i < TOKENS * HEADS; i += WARPS) {
+    const int t = i / HEADS;
+    const int h = i % HEADS;
+    const float pos = static_cast<float>(first_position + t);
+    const int slot = first_slot + t;
+    const T* token_raw = raw + (size_t)t * ROWS;
+    // Kind of head: 0 query, 1 key, 2 value (K = V: the value is the raw key, normed
+    // without weight).
+    const int kind = h < NH ? 0 : h < NH + NKV ? 1 : 2;
+    const T* src = kind == 0 ? token_raw + (size_t)h * D
+        : kind == 1 ? token_raw + NQ + (size_t)(h - NH) * D
+        : token_raw + NQ + (K_EQ_V ? 0 : NK) + (size_t)(h - NH - NKV) * D;
+    const T* w = kind == 0 ? q_w : k_w;
+    T* dst = kind == 0 ? q + ((size_t)t * NH + h) * D
+        : kind == 1 ? const_cast<T*>(k_cache) + ((size_t)(h - NH) * capacity + slot) * D
+        : const_cast<T*>(v_cache) + ((size_t)(h - NH - NKV) * capacity + slot) * D;
+    float a[PAIRS], c[PAIRS];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < PAIRS; j++) {
+      a[j] = static_cast<float>(__ldcg(src + lane + 32 * j));
+      c[j] = static_cast<float>(__ldcg(src + lane + 32 * j + HALF));
+      ss += a[j] * a[j] + c[j] * c[j];
+    }
+    const float r = rsqrtf(warp_sum(ss) / D + EPS);
+#pragma unroll
+    for (int j = 0; j < PAIRS; j++) {
+      const int p = lane + 32 * j;
+      T n1 = static_cast<T>(a[j] * r);
+      T n2 = static_cast<T>(c[j] * r);
+      if (kind == 2) {
+        dst[p] = n1;
+        dst[p + HALF] = n2;
+        continue;
+      }
+      n1 = static_cast<T>(static_cast<float>(w[p]) * static_cast<float>(n1));
+      n2 = static_cast<T>(static_cast<float>(w[p + HALF]) * static_cast<float>(n2));
+      const float inv_freq = 1.0 / periods[p];
+      const float theta = pos * inv_freq;
+      const float cs = cos(theta);
+      const float sn = sin(theta);
+      const float x1 = static_cast<float>(n1);
+      const float x2 = static_cast<float>(n2);
+      dst[p] = static_cast<T>(x1 * cs - x2 * sn);
+      dst[p + HALF] = static_cast<T>(x1 * sn + x2 * cs);
+    }
+  }
+  // Ready for this call site's next call.
+  if (threadIdx.x == 0) done[0] = 0u;
+"#;
+
+const INPUTS: [&str; 13] = [
+    "x",
+    "nw",
+    "wq",
+    "wk",
+    "wv",
+    "q_w",
+    "k_w",
+    "periods",
+    "position",
+    "cache_slot",
+    "counter",
+    "k_cache",
+    "v_cache",
+];
+
+/// Tokens a call takes at most.
+pub const MAX_TOKENS: usize = super::window_post_attention::MAX_TOKENS;
+
+thread_local! {
+    // One kernel object per amount of dynamic shared memory (see window_post_attention).
+    static KERNELS: RefCell<HashMap<usize, PerEpsilon>> = RefCell::new(HashMap::new());
+}
+
+/// Whether the kernel serves `tokens` tokens of width `hidden` with heads of `head_dim` in
+/// `dtype` (the single-token kernel's head sizes; the staged inputs fit shared memory).
+pub fn serves(tokens: usize, hidden: usize, head_dim: usize, dtype: Dtype) -> bool {
+    let Some(e) = element_bytes(dtype) else {
+        return false;
+    };
+    (2..=MAX_TOKENS).contains(&tokens)
+        && super::attention_heads::serves(head_dim, dtype)
+        && super::products::serves(hidden, dtype)
+        && tokens * hidden * e <= 200 * 1024
+}
+
+/// The query heads `[T, heads, D]` of the window `x` (`[T, hidden]`, positions `position..`),
+/// its keys and values written into `cache` (slots `cache.slot..`) on a KV-owning layer, with
+/// dense weights. `counter`: the call site's ([`super::products::new_counter`]). Check
+/// [`serves`].
+#[allow(clippy::too_many_arguments)]
+pub fn window_attention_heads(
+    x: &Array,
+    input_norm: &Array,
+    eps: f32,
+    weights: &HeadWeights,
+    shape: &HeadShape,
+    position: usize,
+    cache: Option<CacheSlot>,
+    counter: &Array,
+) -> Result<Array> {
+    let dtype = x.dtype();
+    let (tokens, k) = (x.shape()[0], x.shape()[x.ndim() - 1]);
+    let d = shape.head_dim;
+    if x.ndim() != 2 || !serves(tokens as usize, k as usize, d as usize, dtype) {
+        bail!(
+            "window_attention_heads does not serve {:?} {dtype:?} with heads of {d}",
+            x.shape()
+        );
+    }
+    let nkv = match (&weights.kv, &cache) {
+        (Some(_), Some(_)) => shape.kv_heads,
+        (None, None) => 0,
+        _ => {
+            bail!("window_attention_heads: a KV-owning layer needs both its weights and its cache")
+        }
+    };
+    let dense = |w: &Weight, rows: i32, what: &str| -> Result<()> {
+        match w.layout(rows, k, dtype, what) {
+            Ok((0, _)) => Ok(()),
+            Ok(_) => bail!("window_attention_heads: {what} is not dense"),
+            Err(e) => Err(anyhow!("window_attention_heads: {e}")),
+        }
+    };
+    dense(&weights.q, shape.heads * d, "the q weight")?;
+    let unread = super::post_attention::unread_input(dtype);
+    let (wk, wv, k_norm, k_eq_v) = match weights.kv {
+        Some((wk, wv, k_norm)) => {
+            dense(&wk, nkv * d, "the k weight")?;
+            if let Some(wv) = &wv {
+                dense(wv, nkv * d, "the v weight")?;
+            }
+            let [wk, _, _] = wk.inputs();
+            let wv = match wv {
+                Some(v) => v.inputs()[0],
+                None => wk,
+            };
+            (
+                wk,
+                wv,
+                k_norm,
+                weights.kv.is_some_and(|(_, v, _)| v.is_none()),
+            )
+        }
+        None => (unread, unread, weights.q_norm, false),
+    };
+    let (k_cache, v_cache, slot_values) = match &cache {
+        Some(c) => {
+            let capacity = c.keys.shape()[2];
+            for buffer in [c.keys, c.values] {
+                if buffer.shape() != [1, nkv, capacity, d]
+                    || buffer.dtype() != dtype
+                    || !is_row_contiguous(buffer)
+                {
+                    bail!(
+                        "window_attention_heads: cache buffer {:?} {:?} cannot take the write in place",
+                        buffer.shape(),
+                        buffer.dtype()
+                    );
+                }
+            }
+            if c.slot + tokens as usize > capacity as usize {
+                bail!(
+                    "window_attention_heads: slots {}..{} past the buffer's {capacity}",
+                    c.slot,
+                    c.slot + tokens as usize
+                );
+            }
+            (c.keys, c.values, [c.slot as i32, capacity])
+        }
+        None => (unread, unread, [0, 0]),
+    };
+    let slot = step_ints(&slot_values)?;
+    let position = step_ints(&[position as i32])?;
+    let rows = shape.heads * d + nkv * d * if k_eq_v { 1 } else { 2 };
+    let [wq, _, _] = weights.q.inputs();
+    let inputs = [
+        x,
+        input_norm,
+        wq,
+        wk,
+        wv,
+        weights.q_norm,
+        k_norm,
+        weights.periods,
+        &position,
+        &slot,
+        counter,
+        k_cache,
+        v_cache,
+    ];
+    let shared = tokens as usize * k as usize * element_bytes(dtype).unwrap_or(2);
+    let (q_shape, raw_shape) = ([tokens, shape.heads, d], [tokens * rows]);
+    KERNELS.with(|cell| {
+        let mut map = cell.borrow_mut();
+        let per_shared = map.entry(shared).or_insert_with(|| {
+            let name: &'static str =
+                Box::leak(format!("window_attention_heads_{shared}").into_boxed_str());
+            PerEpsilon::new(name, &INPUTS, &["q", "raw"], SOURCE)
+                .with_header(header())
+                .with_shared_memory(shared as i32)
+        });
+        let kernel = per_shared.get(eps)?;
+        let mut out = kernel.apply(
+            &inputs,
+            &[(&q_shape[..], dtype), (&raw_shape[..], dtype)],
+            ((rows + WARPS - 1) / WARPS * THREADS, 1, 1),
+            (THREADS, 1, 1),
+            &[
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"K", TemplateArg::Int(k)),
+                (c"D", TemplateArg::Int(d)),
+                (c"NH", TemplateArg::Int(shape.heads)),
+                (c"NKV", TemplateArg::Int(nkv)),
+                (c"K_EQ_V", TemplateArg::Bool(k_eq_v)),
+                (c"TOKENS", TemplateArg::Int(tokens)),
+            ],
+        )?;
+        Ok(out.swap_remove(0))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_of_gemma_head_sizes_are_served() {
+        assert!(serves(4, 2560, 256, Dtype::Bfloat16));
+        assert!(serves(8, 2560, 512, Dtype::Bfloat16));
+        assert!(
+            !serves(1, 2560, 256, Dtype::Bfloat16),
+            "one token is the single-token kernel's"
+        );
+        assert!(!serves(9, 2560, 256, Dtype::Bfloat16));
+        assert!(!serves(4, 2560, 96, Dtype::Bfloat16));
+    }
+}

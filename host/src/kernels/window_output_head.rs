@@ -1,0 +1,167 @@
+//! The output head of a window of 2 to 8 tokens as one kernel, over a dense head: what
+//! [`super::output_head`] does for one token (the final RMSNorm, the product with the head,
+//! the soft-cap), each row of the head (the largest matrix of a step) read once for all the
+//! window's tokens. Each token's logits are the single-token kernel's bit for bit: the same
+//! staging and norm, each row's dot over the same pieces in the same order.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use anyhow::{bail, Result};
+use mlx_rs::{Array, Dtype};
+
+use super::post_attention::Weight;
+use super::products::{
+    element_bytes, serves as row_width_served, HEADER as PRODUCTS_HEADER, THREADS,
+};
+use super::{PerEpsilon, TemplateArg};
+
+const SOURCE: &str = r#"
+  constexpr int WARPS = 8;
+  // Token t's normed input at xs + t * K (TOKENS * K elements, set by the host).
+  extern __shared__ __align__(16) unsigned char head_shared[];
+  T* const xs = reinterpret_cast<T*>(head_shared);
+  __shared__ float red[32];
+  for (int t = 0; t < TOKENS; t++) stage_input<T, K, true>(x + t * K, nw, xs + t * K, red);
+  // The soft-cap, its float32 bits passed as an integer (0: none).
+  const float cap = __int_as_float(CAP_BITS);
+  const int stride = gridDim.x * WARPS * 2;
+  for (int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * 2; first < N; first += stride) {
+    // Two rows a warp (the last row again past N).
+    const T* rows[2] = {w + (size_t)first * K, w + (size_t)min(first + 1, N - 1) * K};
+    float d[2 * TOKENS];
+    rows_dot_window<T, K, 2, TOKENS, K>(rows, xs, d);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; i++) {
+        if (first + i < N) {
+#pragma unroll
+          for (int t = 0; t < TOKENS; t++) {
+            float l = static_cast<float>(static_cast<T>(d[i * TOKENS + t]));
+            if (CAP_BITS != 0) l = tanhf(l / cap) * cap;
+            logits[(size_t)t * N + first + i] = l;
+          }
+        }
+      }
+    }
+  }
+"#;
+
+/// Blocks of the kernel at most (as [`super::output_head`]'s).
+const MAX_BLOCKS: i32 = 1056;
+
+thread_local! {
+    // One kernel object per amount of dynamic shared memory (see window_post_attention).
+    static KERNELS: RefCell<HashMap<usize, PerEpsilon>> = RefCell::new(HashMap::new());
+}
+
+/// Device helpers after the products' ones: `rows_dot_window`.
+fn header() -> &'static str {
+    Box::leak(
+        format!(
+            "{PRODUCTS_HEADER}{}",
+            super::window_post_attention::ROWS_DOT_WINDOW
+        )
+        .into_boxed_str(),
+    )
+}
+
+/// Whether [`window_output_head`] takes the window `x` (`[T, K]`) with this head: 2 to 8
+/// tokens of a width the product kernels serve, and a dense head of that width.
+pub fn serves_head(x: &Array, head: &Weight) -> bool {
+    let tokens = x.shape().first().copied().unwrap_or(0) as usize;
+    x.ndim() == 2
+        && (2..=super::window_post_attention::MAX_TOKENS).contains(&tokens)
+        && row_width_served(x.shape()[1] as usize, x.dtype())
+        && head.is_dense()
+        && head
+            .layout(head.rows(), x.shape()[1], x.dtype(), "")
+            .is_ok()
+}
+
+/// Float32 logits `[T, N]` of the window `x` (`[T, K]`): for each token what
+/// [`super::output_head::output_head`] gives for it alone, `W` `[N, K]` dense in `x`'s
+/// dtype. Check [`serves_head`] first.
+pub fn window_output_head(
+    x: &Array,
+    norm: &Array,
+    eps: f32,
+    head: Weight,
+    softcap: Option<f32>,
+) -> Result<Array> {
+    if !serves_head(x, &head) {
+        bail!(
+            "window_output_head: a window {:?} {:?} with this head is not served",
+            x.shape(),
+            x.dtype()
+        );
+    }
+    let (tokens, k) = (x.shape()[0], x.shape()[1]);
+    let dtype = x.dtype();
+    if norm.shape() != [k] || norm.dtype() != dtype {
+        bail!(
+            "window_output_head: the norm weight is {:?} {:?}, expected [{k}] {dtype:?}",
+            norm.shape(),
+            norm.dtype()
+        );
+    }
+    let cap_bits = match softcap {
+        Some(c) if c.is_finite() && c > 0.0 => c.to_bits(),
+        Some(c) => bail!("window_output_head: the soft-cap must be a positive number, got {c}"),
+        None => 0,
+    };
+    let n = head.rows();
+    let warps_needed = (n + 1) / 2;
+    let blocks = ((warps_needed + 7) / 8).clamp(1, MAX_BLOCKS);
+    let shared = tokens as usize * k as usize * element_bytes(dtype).unwrap_or(2);
+    let [w, _, _] = head.inputs();
+    KERNELS.with(|cell| {
+        let mut map = cell.borrow_mut();
+        let per_shared = map.entry(shared).or_insert_with(|| {
+            let name: &'static str =
+                Box::leak(format!("window_output_head_{shared}").into_boxed_str());
+            PerEpsilon::new(name, &["x", "nw", "w"], &["logits"], SOURCE)
+                .with_header(header())
+                .with_shared_memory(shared as i32)
+        });
+        let kernel = per_shared.get(eps)?;
+        let mut out = kernel.apply(
+            &[x, norm, w],
+            &[(&[tokens, n], Dtype::Float32)],
+            (blocks * THREADS, 1, 1),
+            (THREADS, 1, 1),
+            &[
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"K", TemplateArg::Int(k)),
+                (c"N", TemplateArg::Int(n)),
+                (c"TOKENS", TemplateArg::Int(tokens)),
+                (c"CAP_BITS", TemplateArg::Int(cap_bits as i32)),
+            ],
+        )?;
+        Ok(out.remove(0))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_with_a_dense_head_of_their_width_are_served() {
+        let w = Array::zeros::<f32>(&[16, 64]).unwrap();
+        let head = Weight::Dense(&w);
+        let window = |t| Array::zeros::<f32>(&[t, 64]).unwrap();
+        assert!(serves_head(&window(2), &head));
+        assert!(serves_head(&window(8), &head));
+        assert!(
+            !serves_head(&window(1), &head),
+            "one token is the single-token kernel's"
+        );
+        assert!(!serves_head(&window(9), &head));
+        let narrow = Array::zeros::<f32>(&[16, 32]).unwrap();
+        assert!(!serves_head(&window(4), &Weight::Dense(&narrow)));
+        let norm = Array::zeros::<f32>(&[64]).unwrap();
+        let err = window_output_head(&window(4), &norm, 1e-6, head, Some(-1.0)).unwrap_err();
+        assert!(err.to_string().contains("soft-cap"), "{err}");
+    }
+}
