@@ -181,3 +181,40 @@ fn bytes_read_per_token_skip_gathered_tables_and_unrouted_experts() {
         total - ple_table - unrouted
     );
 }
+
+/// A long verify window run as consecutive shorter windows (as the GPU runs windows longer
+/// than its window kernels take) gives the logits and hidden states of one forward over it,
+/// and leaves the cache where one forward leaves it.
+#[test]
+fn a_window_run_in_parts_equals_one_forward() {
+    let model = Gemma4Model::random(tiny_config(false), 3, Dtype::Float32, None).unwrap();
+    let ids = mlx_rs::Array::from_slice(&PROMPT[..11], &[1, 11]);
+    let mut whole_cache = model.new_cache();
+    let whole = model
+        .forward_ids(&ids, &mut whole_cache, LogitsFor::All, true)
+        .unwrap();
+    for largest in [1, 4, 8] {
+        let mut cache = model.new_cache();
+        let parts = model
+            .forward_in_windows(&ids, &mut cache, LogitsFor::All, true, largest)
+            .unwrap();
+        assert_eq!(cache.offset(), whole_cache.offset(), "largest {largest}");
+        assert_eq!(parts.logits.shape(), whole.logits.shape());
+        let (a, b) = (parts.logits.as_slice::<f32>(), whole.logits.as_slice::<f32>());
+        assert!(max_abs_diff(a, b) < 1e-4, "largest {largest}: logits");
+        assert_eq!(parts.hidden.len(), whole.hidden.len());
+        for (i, (p, w)) in parts.hidden.iter().zip(&whole.hidden).enumerate() {
+            assert_eq!(p.shape(), w.shape(), "hidden state {i}");
+            let (p, w) = (p.as_slice::<f32>(), w.as_slice::<f32>());
+            assert!(max_abs_diff(p, w) < 1e-4, "largest {largest}: hidden state {i}");
+        }
+        // Only the last logits: those of the last part's last token.
+        let mut cache = model.new_cache();
+        let last = model
+            .forward_in_windows(&ids, &mut cache, LogitsFor::Last, false, largest)
+            .unwrap();
+        let vocab = model.config.vocab_size;
+        assert_eq!(last.logits.shape(), [1, vocab as i32]);
+        assert!(max_abs_diff(last.logits.as_slice::<f32>(), &b[10 * vocab..]) < 1e-4);
+    }
+}

@@ -22,12 +22,12 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::tanh;
+use mlx_rs::ops::{concatenate, tanh};
 use mlx_rs::{Array, Dtype};
 use norm::rms_norm;
 
 use crate::weights::{TensorSource, WeightStore};
-pub use cache::{KvView, ModelCache, TrimError};
+pub use cache::{KvView, ModelCache, TrimError, MAX_MASKED_WINDOW};
 pub use config::{AttentionKind, Gemma4Config};
 use layer::DecoderLayer;
 use linear::{Embedding, Linear, Loader};
@@ -264,13 +264,19 @@ impl Gemma4Model {
             );
         }
         let t = ids.shape()[1];
+        let fused = crate::kernels::Fused::for_next_forward();
+        let largest_window = crate::kernels::window_post_attention::MAX_TOKENS;
+        // A verify window longer than the window kernels take runs as windows they take, one
+        // after the other, so that every window computes what decode steps compute.
+        if fused.window && t as usize > largest_window && t as usize <= MAX_MASKED_WINDOW {
+            return self.forward_in_windows(ids, cache, logits_for, capture_hidden, largest_window);
+        }
         let offset = cache.offset();
         // Activations are `[T, hidden]` matrices throughout: MLX wraps a product of a 3-D
         // input in flatten/unflatten operations, two extra graph nodes per matrix product.
         let ids = ids.reshape(&[t])?;
 
         let mut x = self.embed.lookup(&ids)?.multiply(&self.embed_scale)?;
-        let fused = crate::kernels::Fused::for_next_forward();
         // A window the window kernels take computes what as many decode steps compute, so
         // its per-layer projection is made a token at a time, as a decode step makes it.
         let window = fused.window
@@ -309,47 +315,18 @@ impl Gemma4Model {
         }
         cache.advance(t as usize);
 
-        // One decode token whose hidden state nobody asked for: the head as one kernel.
-        if fused.output_head && t == 1 && !capture_hidden {
-            let head = match &self.head {
-                Some(head) => head,
-                None => &self.embed.0,
-            };
-            if let Some(weight) = head.kernel_weight() {
-                if crate::kernels::output_head::serves_head(&x, &weight) {
-                    let logits = crate::kernels::output_head::output_head(
-                        &x,
-                        &self.final_norm,
-                        self.config.rms_norm_eps,
-                        weight,
-                        self.config.final_logit_softcapping,
-                    )?;
-                    return Ok(ForwardOutput { logits, hidden });
-                }
+        // A decode token, or a window of 2-8 tokens: the head as one kernel (each window
+        // token's logits a decode step's). The final norm's output, when asked for, is made
+        // beside it by MLX's operations.
+        if let Some(logits) = self.head_kernel_logits(&x, fused, window)? {
+            if capture_hidden {
+                hidden.push(rms_norm(&x, Some(&self.final_norm), self.config.rms_norm_eps)?);
             }
-        }
-        // A window of 2-8 tokens: its head as one kernel, each token's logits a decode step's.
-        if fused.output_head && window && !capture_hidden {
-            let head = match &self.head {
-                Some(head) => head,
-                None => &self.embed.0,
+            let logits = match logits_for {
+                LogitsFor::Last if t > 1 => logits.index(((t - 1).., ..)),
+                _ => logits,
             };
-            if let Some(weight) = head.kernel_weight() {
-                if crate::kernels::window_output_head::serves_head(&x, &weight) {
-                    let logits = crate::kernels::window_output_head::window_output_head(
-                        &x,
-                        &self.final_norm,
-                        self.config.rms_norm_eps,
-                        weight,
-                        self.config.final_logit_softcapping,
-                    )?;
-                    let logits = match logits_for {
-                        LogitsFor::All => logits,
-                        LogitsFor::Last => logits.index(((t - 1).., ..)),
-                    };
-                    return Ok(ForwardOutput { logits, hidden });
-                }
-            }
+            return Ok(ForwardOutput { logits, hidden });
         }
 
         let x = rms_norm(&x, Some(&self.final_norm), self.config.rms_norm_eps)?;
@@ -365,6 +342,86 @@ impl Gemma4Model {
             logits: self.logits_from_hidden(&x)?,
             hidden,
         })
+    }
+
+    /// The logits of `x` (the last layer's output, `[T, hidden]`) through the output-head
+    /// kernels, where they serve it: one token ([`crate::kernels::output_head`]), or a window
+    /// (`window`) of 2-8 tokens ([`crate::kernels::window_output_head`]). `None` otherwise.
+    fn head_kernel_logits(
+        &self,
+        x: &Array,
+        fused: crate::kernels::Fused,
+        window: bool,
+    ) -> Result<Option<Array>> {
+        if !fused.output_head {
+            return Ok(None);
+        }
+        let head = match &self.head {
+            Some(head) => head,
+            None => &self.embed.0,
+        };
+        let Some(weight) = head.kernel_weight() else {
+            return Ok(None);
+        };
+        let (eps, cap) = (
+            self.config.rms_norm_eps,
+            self.config.final_logit_softcapping,
+        );
+        use crate::kernels::{output_head, window_output_head};
+        Ok(if x.shape()[0] == 1 && output_head::serves_head(x, &weight) {
+            Some(output_head::output_head(x, &self.final_norm, eps, weight, cap)?)
+        } else if window && window_output_head::serves_head(x, &weight) {
+            Some(window_output_head::window_output_head(
+                x,
+                &self.final_norm,
+                eps,
+                weight,
+                cap,
+            )?)
+        } else {
+            None
+        })
+    }
+
+    /// [`Gemma4Model::forward_ids`] over `ids` (`[1, T]`) as consecutive windows of at most
+    /// `largest` tokens: the logits (and hidden states) of every window, joined.
+    pub fn forward_in_windows(
+        &self,
+        ids: &Array,
+        cache: &mut ModelCache,
+        logits_for: LogitsFor,
+        capture_hidden: bool,
+        largest: usize,
+    ) -> Result<ForwardOutput> {
+        let t = ids.shape()[1] as usize;
+        let mut logits = Vec::new();
+        let mut hidden: Vec<Vec<Array>> = Vec::new();
+        for start in (0..t).step_by(largest) {
+            let end = (start + largest).min(t);
+            let part = ids.index((.., start as i32..end as i32));
+            let wanted = if logits_for == LogitsFor::Last && end < t {
+                // Only the last window's last logits are wanted; this one's are not kept.
+                LogitsFor::Last
+            } else {
+                logits_for
+            };
+            let out = self.forward_ids(&part, cache, wanted, capture_hidden)?;
+            if logits_for == LogitsFor::All || end == t {
+                logits.push(out.logits);
+            }
+            for (i, h) in out.hidden.into_iter().enumerate() {
+                match hidden.get_mut(i) {
+                    Some(parts) => parts.push(h),
+                    None => hidden.push(vec![h]),
+                }
+            }
+        }
+        let logits = concatenate(&logits, 0)?;
+        let hidden = hidden
+            .iter()
+            .map(|parts| Ok(concatenate(parts, 0)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ForwardOutput { logits, hidden })
     }
 
     /// Scaled token embeddings `[1, T, hidden]`, the input of the first layer.
