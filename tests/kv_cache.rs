@@ -200,13 +200,19 @@ fn a_window_run_in_parts_equals_one_forward() {
             .unwrap();
         assert_eq!(cache.offset(), whole_cache.offset(), "largest {largest}");
         assert_eq!(parts.logits.shape(), whole.logits.shape());
-        let (a, b) = (parts.logits.as_slice::<f32>(), whole.logits.as_slice::<f32>());
+        let (a, b) = (
+            parts.logits.as_slice::<f32>(),
+            whole.logits.as_slice::<f32>(),
+        );
         assert!(max_abs_diff(a, b) < 1e-4, "largest {largest}: logits");
         assert_eq!(parts.hidden.len(), whole.hidden.len());
         for (i, (p, w)) in parts.hidden.iter().zip(&whole.hidden).enumerate() {
             assert_eq!(p.shape(), w.shape(), "hidden state {i}");
             let (p, w) = (p.as_slice::<f32>(), w.as_slice::<f32>());
-            assert!(max_abs_diff(p, w) < 1e-4, "largest {largest}: hidden state {i}");
+            assert!(
+                max_abs_diff(p, w) < 1e-4,
+                "largest {largest}: hidden state {i}"
+            );
         }
         // Only the last logits: those of the last part's last token.
         let mut cache = model.new_cache();

@@ -731,7 +731,7 @@ pub fn window_post_attention_differences() -> Result<Vec<WindowCheck>> {
         &Array::from_slice(&[0.75f32], &[1]).as_dtype(Dtype::Bfloat16)?,
         8,
     )?;
-    let offset = device_array(&Array::from_slice(&[(7 * per_layer) as i32], &[1]), 4)?;
+    let offset = device_array(&Array::from_slice(&[7 * per_layer], &[1]), 4)?;
     let (single_barrier, window_barrier) = (new_barrier()?, new_barrier()?);
     let mut rows = Vec::new();
     for (attention_width, with_ple) in [(2048, true), (4096, true), (2048, false)] {

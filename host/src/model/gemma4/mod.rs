@@ -320,7 +320,11 @@ impl Gemma4Model {
         // beside it by MLX's operations.
         if let Some(logits) = self.head_kernel_logits(&x, fused, window)? {
             if capture_hidden {
-                hidden.push(rms_norm(&x, Some(&self.final_norm), self.config.rms_norm_eps)?);
+                hidden.push(rms_norm(
+                    &x,
+                    Some(&self.final_norm),
+                    self.config.rms_norm_eps,
+                )?);
             }
             let logits = match logits_for {
                 LogitsFor::Last if t > 1 => logits.index(((t - 1).., ..)),
@@ -368,19 +372,27 @@ impl Gemma4Model {
             self.config.final_logit_softcapping,
         );
         use crate::kernels::{output_head, window_output_head};
-        Ok(if x.shape()[0] == 1 && output_head::serves_head(x, &weight) {
-            Some(output_head::output_head(x, &self.final_norm, eps, weight, cap)?)
-        } else if window && window_output_head::serves_head(x, &weight) {
-            Some(window_output_head::window_output_head(
-                x,
-                &self.final_norm,
-                eps,
-                weight,
-                cap,
-            )?)
-        } else {
-            None
-        })
+        Ok(
+            if x.shape()[0] == 1 && output_head::serves_head(x, &weight) {
+                Some(output_head::output_head(
+                    x,
+                    &self.final_norm,
+                    eps,
+                    weight,
+                    cap,
+                )?)
+            } else if window && window_output_head::serves_head(x, &weight) {
+                Some(window_output_head::window_output_head(
+                    x,
+                    &self.final_norm,
+                    eps,
+                    weight,
+                    cap,
+                )?)
+            } else {
+                None
+            },
+        )
     }
 
     /// [`Gemma4Model::forward_ids`] over `ids` (`[1, T]`) as consecutive windows of at most
