@@ -168,6 +168,8 @@ if want fixtures-variants; then
         --kernel-variants weights-as-stand-ins
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants per-layer-rows-late" \
         --kernel-variants per-layer-rows-late
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants aligned-attention-shares" \
+        --kernel-variants aligned-attention-shares
 fi
 unset MLX_ENABLE_TF32
 
@@ -339,6 +341,15 @@ if want window; then
                 --dtype bf16 --prompt-tokens 512 --repeats 5 --fused-kernels "$fused" --verify-window "$k" \
                 2>>"$RES/window.err" | tee -a "$RES/window.md"
         done
+    done
+    # A window that makes the buffers grow where the decode steps would not (prompt 765, a
+    # window of 4 past the 768 slots prefill leaves): with shares sized by the buffer, some of
+    # its queries group their slots otherwise; with aligned shares they must not.
+    for variants in "" aligned-attention-shares; do
+        echo "## verify window k=4 across a buffer growth, --kernel-variants ${variants:-(none)}" | tee -a "$RES/window.md"
+        timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
+            --dtype bf16 --prompt-tokens 765 --repeats 2 --verify-window 4 ${variants:+--kernel-variants $variants} \
+            2>>"$RES/window.err" | tee -a "$RES/window.md"
     done
     row "verify windows with and without the window kernels | printed above, kept in window.md"
 fi

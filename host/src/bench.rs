@@ -437,7 +437,7 @@ fn report_verify_window(
     }
     let total = median(times.iter().map(|t| t.total_ms).collect());
     let build = median(times.iter().map(|t| t.build_ms).collect());
-    let (differing, values, largest) = window_against_steps(model, &mut cache, &window)?;
+    let (differing, values, largest) = window_against_steps(model, prompt, &window)?;
     if args.json {
         println!(
             "{}",
@@ -461,27 +461,33 @@ fn report_verify_window(
     Ok(())
 }
 
-/// The logits of one forward over `window` against those of `window.len()` single-token
-/// forwards over the same tokens from the same cache (rolled back after each): how many
-/// values differ, of how many, and the largest difference. A window computes what decode
-/// steps compute when this is 0.
+/// The logits of one forward over `window` after `prompt` against those of `window.len()`
+/// single-token forwards over the same tokens, each from its own freshly filled cache (so
+/// that each grows its buffers where it would in a request): how many values differ, of how
+/// many, and the largest difference. A window computes what decode steps compute when this
+/// is 0.
 fn window_against_steps(
     model: &Gemma4Model,
-    cache: &mut mlx_spec::model::gemma4::ModelCache,
+    prompt: &[u32],
     window: &[u32],
 ) -> Result<(usize, usize, f32)> {
-    let together = model.forward(window, cache, LogitsFor::All, false)?.logits;
+    let reserve = window.len().max(64);
+    let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, reserve);
+    prefill(model, &mut cache, prompt)?;
+    let together = model
+        .forward(window, &mut cache, LogitsFor::All, false)?
+        .logits;
     together.eval()?;
-    cache.trim(window.len())?;
+    let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, reserve);
+    prefill(model, &mut cache, prompt)?;
     let mut steps = Vec::new();
     for &token in window {
         let logits = model
-            .forward(&[token], cache, LogitsFor::All, false)?
+            .forward(&[token], &mut cache, LogitsFor::All, false)?
             .logits;
         logits.eval()?;
         steps.push(logits);
     }
-    cache.trim(window.len())?;
     let steps = mlx_rs::ops::concatenate(&steps, 0)?;
     let differing = steps
         .ne(&together)?
@@ -1048,6 +1054,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             affine4_rows_per_warp: 2,
             dense_loads: 16,
             per_layer_rows_early: !default.per_layer_rows_early,
+            aligned_attention_shares: !default.aligned_attention_shares,
             ..default
         },
     ];

@@ -178,7 +178,10 @@ struct ModelArgs {
     /// since MLX counts every input's bytes towards when it commits a CUDA graph),
     /// `per-layer-rows-late` (the post-attention kernel loads its rows of the per-layer-input
     /// block after the barrier that ends the down product, as first written; by default they
-    /// are copied into shared memory while the grid meets there; dense weights).
+    /// are copied into shared memory while the grid meets there; dense weights),
+    /// `aligned-attention-shares` (decode attention splits a head's slots into shares of a
+    /// fixed size at fixed slots, so that a verify window's queries sum as decode steps do even
+    /// when the window made the cache grow; moves roundings).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
@@ -197,6 +200,7 @@ enum KernelVariantArg {
     StepIntsAcrossTheBus,
     WeightsAsStandIns,
     PerLayerRowsLate,
+    AlignedAttentionShares,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -262,6 +266,7 @@ impl ModelArgs {
             step_ints_from_heads: !variants.contains(&KernelVariantArg::StepIntsAcrossTheBus),
             unread_stand_ins: !variants.contains(&KernelVariantArg::WeightsAsStandIns),
             per_layer_rows_early: !variants.contains(&KernelVariantArg::PerLayerRowsLate),
+            aligned_attention_shares: variants.contains(&KernelVariantArg::AlignedAttentionShares),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep

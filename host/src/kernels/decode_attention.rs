@@ -40,7 +40,9 @@ const SOURCE: &str = r#"
   // for keys and again for values.
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CH = D / (32 * VEC);
-  constexpr int CHUNK = (SLOTS + SPLITS - 1) / SPLITS;
+  // FIXED_CHUNK (`set_aligned_shares`): shares of that many slots at multiples of it, so that
+  // a query's grouping of its slots does not change when its buffer grows.
+  constexpr int CHUNK = FIXED_CHUNK > 0 ? FIXED_CHUNK : (SLOTS + SPLITS - 1) / SPLITS;
   constexpr int NARROW_UNROLL = CH > 2 ? 2 : 4;
   constexpr int WIDEST_UNROLL = 16 / CH > NARROW_UNROLL ? 16 / CH : NARROW_UNROLL;
   constexpr int WARP_SHARE = (CHUNK + WARPS - 1) / WARPS;
@@ -310,6 +312,37 @@ pub fn wide_rounds() -> bool {
 /// At most this many blocks per head.
 const MAX_SPLITS: usize = 64;
 
+static ALIGNED_SHARES: AtomicBool = AtomicBool::new(false);
+
+/// Sets whether a head's slots are split into shares of a fixed size at fixed slots
+/// ([`share_slots`], larger only past 64 shares), rather than into a power of two of shares
+/// sized by the buffer. With the cache keeping each position's slot modulo that size when it
+/// compacts ([`crate::model::gemma4::cache`]), a query's slots then fall into the same shares
+/// whatever the buffer's capacity, so a verify window's queries sum exactly as the decode
+/// steps of the same positions sum, even when the window made the buffer grow or compact at
+/// another position. Moves where float32 sums round (`--kernel-variants
+/// aligned-attention-shares`, off until measured on a GPU).
+pub fn set_aligned_shares(on: bool) {
+    ALIGNED_SHARES.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_aligned_shares`] setting.
+pub fn aligned_shares() -> bool {
+    ALIGNED_SHARES.load(Ordering::Relaxed)
+}
+
+/// With [`set_aligned_shares`]: slots a share takes for a buffer of `slots` (a power of two, at
+/// least [`share_slots`], enough for at most [`MAX_SPLITS`] shares), and how many shares.
+fn aligned_split(slots: usize) -> (usize, usize) {
+    aligned_split_of(slots, share_slots())
+}
+
+/// [`aligned_split`] for shares of at least `share` slots.
+fn aligned_split_of(slots: usize, share: usize) -> (usize, usize) {
+    let chunk = share.max(slots.div_ceil(MAX_SPLITS).next_power_of_two());
+    (chunk, slots.div_ceil(chunk).max(1))
+}
+
 thread_local! {
     static KERNEL: RefCell<Option<CudaKernel>> = const { RefCell::new(None) };
 }
@@ -327,6 +360,10 @@ pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> 
     };
     if head_dim == 0 || (head_dim * element) % (32 * 16) != 0 || slots == 0 {
         return None;
+    }
+    if aligned_shares() {
+        let (chunk, splits) = aligned_split(slots);
+        return (chunk <= MAX_CHUNK).then_some(splits);
     }
     let share = share_slots();
     let splits = (slots.next_power_of_two() / share).clamp(1, MAX_SPLITS);
@@ -452,6 +489,11 @@ fn launch(
     let heads = q.shape()[1];
     let d = q.shape()[q.ndim() - 1];
     let (kv_heads, slots) = (keys.shape()[1], keys.shape()[2]);
+    let fixed_chunk = if aligned_shares() {
+        aligned_split(slots as usize).0 as i32
+    } else {
+        0
+    };
     let splits = splits as i32;
     KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();
@@ -484,6 +526,7 @@ fn launch(
                 (c"MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
                 (c"WIDE", TemplateArg::Bool(wide_rounds())),
                 (c"SLIDE", TemplateArg::Int(slide)),
+                (c"FIXED_CHUNK", TemplateArg::Int(fixed_chunk)),
             ],
         )?;
         Ok(out.remove(1))
@@ -493,6 +536,41 @@ fn launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_window_whose_slots_do_not_follow_its_positions_is_refused() {
+        let q = Array::zeros::<f32>(&[2, 8, 256]).unwrap();
+        let kv = Array::zeros::<f32>(&[1, 2, 64, 256]).unwrap();
+        let counters = Array::zeros::<u32>(&[16]).unwrap();
+        // The second query must see one slot more than the first.
+        let err = window_attention(&q, &kv, &kv, &[0..10, 0..10], None, 1, &counters).unwrap_err();
+        assert!(err.to_string().contains("query 1"), "{err}");
+        // A sliding window of 8: the second query's first slot moves on too.
+        let err =
+            window_attention(&q, &kv, &kv, &[2..10, 2..11], Some(8), 1, &counters).unwrap_err();
+        assert!(err.to_string().contains("query 1"), "{err}");
+        // Too few counters for two tokens of eight heads.
+        let few = Array::zeros::<u32>(&[8]).unwrap();
+        let err = window_attention(&q, &kv, &kv, &[0..10, 0..11], None, 1, &few).unwrap_err();
+        assert!(err.to_string().contains("counters"), "{err}");
+        // Slots past the buffer.
+        let err = window_attention(&q, &kv, &kv, &[0..64, 0..65], None, 1, &counters).unwrap_err();
+        assert!(err.to_string().contains("past a buffer"), "{err}");
+    }
+
+    #[test]
+    fn aligned_shares_keep_their_size_as_a_buffer_grows() {
+        // The same 128-slot shares whatever the capacity: a slot stays in share slot / 128.
+        for slots in [100, 768, 1024, 1280, 8192] {
+            let (chunk, splits) = aligned_split_of(slots, 128);
+            assert_eq!(chunk, 128, "{slots} slots");
+            assert_eq!(splits, slots.div_ceil(128));
+        }
+        // Past 64 shares they grow, in powers of two, to stay at 64 at most.
+        assert_eq!(aligned_split_of(8193, 128), (256, 33));
+        assert_eq!(aligned_split_of(40_000, 128), (1024, 40));
+        assert_eq!(aligned_split_of(70_000, 128).0, 2048);
+    }
 
     #[test]
     fn splits_slots_into_block_sized_shares_for_gemma_head_sizes() {

@@ -231,6 +231,8 @@ pub struct Tuning {
     pub unread_stand_ins: bool,
     /// [`post_attention::set_per_layer_rows_early`].
     pub per_layer_rows_early: bool,
+    /// [`decode_attention::set_aligned_shares`] (moves roundings).
+    pub aligned_attention_shares: bool,
 }
 
 impl Tuning {
@@ -250,6 +252,7 @@ impl Tuning {
             step_ints_from_heads: attention_heads::step_ints_from_heads(),
             unread_stand_ins: post_attention::unread_stand_ins(),
             per_layer_rows_early: post_attention::per_layer_rows_early(),
+            aligned_attention_shares: decode_attention::aligned_shares(),
         }
     }
 
@@ -288,6 +291,7 @@ impl Tuning {
         attention_heads::set_step_ints_from_heads(self.step_ints_from_heads);
         post_attention::set_unread_stand_ins(self.unread_stand_ins);
         post_attention::set_per_layer_rows_early(self.per_layer_rows_early);
+        decode_attention::set_aligned_shares(self.aligned_attention_shares);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

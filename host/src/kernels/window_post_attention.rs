@@ -473,4 +473,62 @@ mod tests {
         // The float32 fixtures: small widths, four bytes a value.
         assert!(serves(64, 128, 256, 16, 8, Dtype::Float32));
     }
+
+    #[test]
+    fn mismatched_windows_and_packed_weights_are_refused_before_any_kernel() {
+        let (h, z, n) = (64, 128, 256);
+        let zeros = |shape: &[i32]| Array::zeros::<f32>(shape).unwrap();
+        let (wo, wg, wu, wd) = (
+            zeros(&[h, z]),
+            zeros(&[n, h]),
+            zeros(&[n, h]),
+            zeros(&[h, n]),
+        );
+        let norm = zeros(&[h]);
+        let weights = PostAttention {
+            output: Weight::Dense(&wo),
+            post_attention_norm: &norm,
+            pre_norm: &norm,
+            gate: Weight::Dense(&wg),
+            up: Weight::Dense(&wu),
+            down: Weight::Dense(&wd),
+            post_norm: &norm,
+        };
+        let scale = zeros(&[1]);
+        let barrier = Array::zeros::<u32>(&[4]).unwrap();
+        // Three hidden states for two attention outputs.
+        let err = window_post_attention(
+            &zeros(&[3, h]),
+            &zeros(&[2, z]),
+            1e-6,
+            &weights,
+            None,
+            &scale,
+            &barrier,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("attention outputs"), "{err}");
+        // A 4-bit down weight.
+        let packed = Array::zeros::<u32>(&[h, n / 8]).unwrap();
+        let (scales, biases) = (zeros(&[h, n / 32]), zeros(&[h, n / 32]));
+        let mixed = PostAttention {
+            down: Weight::Affine4 {
+                packed: &packed,
+                scales: &scales,
+                biases: &biases,
+            },
+            ..weights
+        };
+        let err = window_post_attention(
+            &zeros(&[2, h]),
+            &zeros(&[2, z]),
+            1e-6,
+            &mixed,
+            None,
+            &scale,
+            &barrier,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("not dense"), "{err}");
+    }
 }

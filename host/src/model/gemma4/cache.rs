@@ -25,6 +25,11 @@ use super::config::{AttentionKind, Gemma4Config};
 /// Keys and values are allocated in multiples of this many positions.
 const GROWTH_STEP: usize = 256;
 
+/// A compaction keeps every position's slot modulo this many slots: the share size of the
+/// GPU's decode attention with aligned shares
+/// ([`crate::kernels::decode_attention::set_aligned_shares`]).
+pub const SLOT_ALIGNMENT: usize = crate::kernels::decode_attention::DEFAULT_SHARE_SLOTS;
+
 /// Default number of positions a sliding buffer keeps beyond the window, so any verify
 /// window up to this size can be rolled back.
 pub const DEFAULT_ROLLBACK_RESERVE: usize = 64;
@@ -317,21 +322,39 @@ impl LayerKv {
 
     /// Moves the valid slots to the front of a fresh buffer with room for `needed` slots plus
     /// at least one growth step (so a sliding buffer compacts once per step, not per token).
+    /// The front is kept at the old first slot modulo [`SLOT_ALIGNMENT`], so every position
+    /// keeps its slot modulo that: a query's slots fall into the same shares of the GPU's
+    /// decode attention whenever its buffer was compacted.
     fn compact_and_grow(&mut self, shape: &[i32], dtype: Dtype, needed: usize) -> Result<()> {
-        let capacity = (needed + GROWTH_STEP).div_ceil(GROWTH_STEP) * GROWTH_STEP;
-        let fresh_shape = [shape[0], shape[1], (capacity - self.len) as i32, shape[3]];
-        let fresh_k = zeros_dtype(&fresh_shape, dtype)?;
-        let fresh_v = zeros_dtype(&fresh_shape, dtype)?;
+        let lead = self.head % SLOT_ALIGNMENT;
+        let capacity = (lead + needed + GROWTH_STEP).div_ceil(GROWTH_STEP) * GROWTH_STEP;
+        let fresh_shape = [
+            shape[0],
+            shape[1],
+            (capacity - lead - self.len) as i32,
+            shape[3],
+        ];
+        let lead_shape = [shape[0], shape[1], lead as i32, shape[3]];
         let (from, to) = (self.head as i32, (self.head + self.len) as i32);
-        self.keys = Some(match &self.keys {
-            Some(old) => concatenate(&[old.index((.., .., from..to, ..)), fresh_k], 2)?,
-            None => fresh_k,
-        });
-        self.values = Some(match &self.values {
-            Some(old) => concatenate(&[old.index((.., .., from..to, ..)), fresh_v], 2)?,
-            None => fresh_v,
-        });
-        self.head = 0;
+        let moved = |old: &Option<Array>| -> Result<Array> {
+            let fresh = zeros_dtype(&fresh_shape, dtype)?;
+            let mut parts = Vec::with_capacity(3);
+            if lead > 0 {
+                parts.push(zeros_dtype(&lead_shape, dtype)?);
+            }
+            if let Some(old) = old {
+                parts.push(old.index((.., .., from..to, ..)));
+            }
+            parts.push(fresh);
+            Ok(if parts.len() == 1 {
+                parts.pop().expect("one part")
+            } else {
+                concatenate(&parts, 2)?
+            })
+        };
+        self.keys = Some(moved(&self.keys)?);
+        self.values = Some(moved(&self.values)?);
+        self.head = lead;
         Ok(())
     }
 
@@ -495,6 +518,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_compaction_keeps_every_position_slot_modulo_the_alignment() {
+        let mut layer = LayerKv::new(AttentionKind::Sliding, 16, 4, MaskMemo::default());
+        let prompt = Array::zeros::<f32>(&[1, 1, 5, 2]).unwrap();
+        layer.append(&prompt, &prompt).unwrap();
+        // The slot of position p is head + p - start: its offset from p must not change.
+        let offset = |l: &LayerKv| (l.head + SLOT_ALIGNMENT * 64 - l.start) % SLOT_ALIGNMENT;
+        let first = offset(&layer);
+        let mut compactions = 0;
+        for step in 0..2000 {
+            let head = layer.head;
+            let t = 1 + step % 3;
+            let window = Array::zeros::<f32>(&[1, 1, t, 2]).unwrap();
+            layer.append(&window, &window).unwrap();
+            // Forgetting moves the first slot forward; only a compaction moves it back.
+            if layer.head < head {
+                compactions += 1;
+            }
+            assert_eq!(offset(&layer), first, "step {step}");
+            assert!(layer.head + layer.len <= layer.capacity());
+        }
+        assert!(compactions > 3, "the buffer compacted {compactions} times");
     }
 
     #[test]
