@@ -814,6 +814,15 @@ fn compare_fused(
             ),
             variant("narrow attention rounds", default_set, default_name, narrow),
             variant(
+                "aligned attention shares",
+                default_set,
+                default_name,
+                Tuning {
+                    aligned_attention_shares: true,
+                    ..default
+                },
+            ),
+            variant(
                 "per-layer rows loaded late",
                 default_set,
                 default_name,
