@@ -224,3 +224,31 @@ fn a_window_run_in_parts_equals_one_forward() {
         assert!(max_abs_diff(last.logits.as_slice::<f32>(), &b[10 * vocab..]) < 1e-4);
     }
 }
+
+/// How long a window the GPU's window kernels take whole, by model: up to eight tokens for
+/// dense weights, none (1) for 4-bit weights or an MoE branch, whose windows then run a token
+/// at a time on a GPU.
+#[test]
+fn the_window_kernels_take_dense_models_only() {
+    // The fixture's heads of 32 are narrower than the heads kernels take: none.
+    let narrow = Gemma4Model::random(tiny_config(false), 0, Dtype::Float32, None).unwrap();
+    assert_eq!(narrow.largest_exact_window(), 1);
+    let wide_heads_of = |moe| {
+        let mut c = tiny_config(moe);
+        for plan in c.layers.iter_mut() {
+            plan.head_dim *= 2;
+        }
+        c
+    };
+    let wide_heads = || wide_heads_of(false);
+    let dense = Gemma4Model::random(wide_heads(), 0, Dtype::Float32, None).unwrap();
+    assert_eq!(dense.largest_exact_window(), 8);
+    let quantized = Some(QuantSpec {
+        group_size: 32,
+        bits: 4,
+    });
+    let packed = Gemma4Model::random(wide_heads(), 0, Dtype::Float32, quantized).unwrap();
+    assert_eq!(packed.largest_exact_window(), 1);
+    let moe = Gemma4Model::random(wide_heads_of(true), 0, Dtype::Float32, None).unwrap();
+    assert_eq!(moe.largest_exact_window(), 1);
+}

@@ -97,6 +97,28 @@ impl Attention {
         &self.o_proj
     }
 
+    /// The most tokens a window may hold for [`window_attention_heads`] to take this layer's
+    /// heads (dense projections, a head size and width it takes), 1 when it takes none.
+    pub fn largest_window(&self, hidden: usize, dtype: mlx_rs::Dtype) -> usize {
+        let dense = |l: &Linear| l.kernel_weight().is_some_and(|w| w.is_dense());
+        let kv_dense = self
+            .kv
+            .as_ref()
+            .is_none_or(|kv| dense(&kv.k_proj) && kv.v_proj.as_ref().is_none_or(dense));
+        if !dense(&self.q_proj) || !kv_dense {
+            return 1;
+        }
+        (2..=window_attention_heads::MAX_TOKENS)
+            .rev()
+            .find(|&t| window_attention_heads::serves(t, hidden, self.head_dim as usize, dtype))
+            .unwrap_or(1)
+    }
+
+    /// The heads' output width (`heads * head_dim`), the input of `o_proj`.
+    pub fn width(&self) -> usize {
+        (self.num_heads * self.head_dim) as usize
+    }
+
     /// Raw q and, on a KV-owning layer (`owning`), raw k and v projections of
     /// `rms_norm(x, input_norm)`. One CUDA kernel for a single token with `fused.products`.
     fn projections(

@@ -120,6 +120,39 @@ impl DecoderLayer {
         })
     }
 
+    /// The most tokens a window may hold for the window kernels to take this whole layer
+    /// (heads and everything after them; dense weights, no MoE branch, shapes they take), 1
+    /// when they take none of it: a window of that many tokens computes what as many decode
+    /// steps compute.
+    pub fn largest_window(&self, dtype: mlx_rs::Dtype) -> usize {
+        if self.moe.is_some() {
+            return 1;
+        }
+        let (Some((gate, up, down)), Some(output)) = (
+            self.mlp.kernel_weights(),
+            self.attention.o_proj().kernel_weight(),
+        ) else {
+            return 1;
+        };
+        let hidden = output.rows() as usize;
+        let (per_layer, ple_dense) = match &self.ple {
+            None => (0, true),
+            Some(g) => match (g.input_gate.kernel_weight(), g.projection.kernel_weight()) {
+                (Some(a), Some(b)) => (a.rows() as usize, a.is_dense() && b.is_dense()),
+                _ => return 1,
+            },
+        };
+        if !ple_dense || ![gate, up, down, output].iter().all(|w| w.is_dense()) {
+            return 1;
+        }
+        let (width, n) = (self.attention.width(), gate.rows() as usize);
+        let heads = self.attention.largest_window(hidden, dtype);
+        (2..=heads)
+            .rev()
+            .find(|&t| window_post_attention::serves(hidden, width, n, per_layer, t, dtype))
+            .unwrap_or(1)
+    }
+
     /// Bytes of this layer's weights a single token does not read (unrouted experts).
     pub fn unread_nbytes_per_token(&self) -> usize {
         self.moe

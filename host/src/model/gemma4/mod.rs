@@ -77,6 +77,8 @@ pub struct Gemma4Model {
     /// `final_logit_softcapping` as a float32 scalar, made once: a scalar made from host data
     /// at every step would be one more host-written array the device reads.
     softcap: Option<Array>,
+    /// [`Gemma4Model::largest_exact_window`], worked out at first use.
+    largest_window: std::sync::OnceLock<usize>,
 }
 
 /// Tensor name prefixes of the decoder in the layouts we know, most specific first.
@@ -206,6 +208,7 @@ impl Gemma4Model {
             layers,
             final_norm,
             head,
+            largest_window: std::sync::OnceLock::new(),
         })
     }
 
@@ -265,10 +268,21 @@ impl Gemma4Model {
         }
         let t = ids.shape()[1];
         let fused = crate::kernels::Fused::for_next_forward();
-        let largest_window = crate::kernels::window_post_attention::MAX_TOKENS;
-        // A verify window longer than the window kernels take runs as windows they take, one
-        // after the other, so that every window computes what decode steps compute.
-        if fused.window && t as usize > largest_window && t as usize <= MAX_MASKED_WINDOW {
+        // With the window kernels on (a GPU), a verify window (logits for every position)
+        // longer than they take for this model runs as windows they take, one after the other
+        // (a token at a time where they take none, as for 4-bit weights), so that every window
+        // computes what decode steps compute. A prompt (the last logits only) runs whole: plain
+        // and speculative decoding fill their caches alike.
+        let largest_window = if fused.window {
+            self.largest_exact_window()
+        } else {
+            1
+        };
+        if fused.window
+            && logits_for == LogitsFor::All
+            && t as usize > largest_window
+            && t as usize <= MAX_MASKED_WINDOW
+        {
             return self.forward_in_windows(ids, cache, logits_for, capture_hidden, largest_window);
         }
         let offset = cache.offset();
@@ -279,9 +293,7 @@ impl Gemma4Model {
         let mut x = self.embed.lookup(&ids)?.multiply(&self.embed_scale)?;
         // A window the window kernels take computes what as many decode steps compute, so
         // its per-layer projection is made a token at a time, as a decode step makes it.
-        let window = fused.window
-            && t > 1
-            && t as usize <= crate::kernels::window_post_attention::MAX_TOKENS;
+        let window = fused.window && t > 1 && t as usize <= largest_window;
         let per_layer = match &self.per_layer {
             Some(p) => Some(p.inputs(&ids, &x, window)?),
             None => None,
@@ -345,6 +357,30 @@ impl Gemma4Model {
         Ok(ForwardOutput {
             logits: self.logits_from_hidden(&x)?,
             hidden,
+        })
+    }
+
+    /// The most tokens a window may hold for the window kernels to take all of this model
+    /// (every layer, and the head): 2-8 for dense weights of the shapes they take, 1 where
+    /// they take any part of it not (4-bit weights, an MoE branch). Windows longer than this
+    /// run in parts on a GPU ([`Gemma4Model::forward_in_windows`]).
+    pub fn largest_exact_window(&self) -> usize {
+        *self.largest_window.get_or_init(|| {
+            let head = match &self.head {
+                Some(head) => head,
+                None => &self.embed.0,
+            };
+            let hidden = self.config.hidden_size;
+            let head_served = head.kernel_weight().is_some_and(|w| w.is_dense())
+                && crate::kernels::products::serves(hidden, self.dtype);
+            if !head_served {
+                return 1;
+            }
+            self.layers
+                .iter()
+                .map(|l| l.largest_window(self.dtype))
+                .min()
+                .unwrap_or(1)
         })
     }
 
