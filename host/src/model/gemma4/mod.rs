@@ -273,11 +273,14 @@ impl Gemma4Model {
         // (a token at a time where they take none, as for 4-bit weights), so that every window
         // computes what decode steps compute. A prompt (the last logits only) runs whole: plain
         // and speculative decoding fill their caches alike.
-        let largest_window = if fused.window {
-            self.largest_exact_window()
-        } else {
-            1
-        };
+        // (Where no grid-wide barrier is safe, as on a GPU shared through MPS, the window
+        // post-attention kernel gives way: then a token at a time too.)
+        let largest_window =
+            if fused.window && crate::kernels::post_attention::grid_blocks().is_some() {
+                self.largest_exact_window()
+            } else {
+                1
+            };
         if fused.window
             && logits_for == LogitsFor::All
             && t as usize > largest_window
