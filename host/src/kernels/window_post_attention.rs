@@ -12,13 +12,14 @@
 //! Each token's result equals what [`super::post_attention`] computes for that token alone,
 //! bit for bit: the same stages with the same roundings, every row's dot summed over the same
 //! pieces in the same order (`rows_dot_window`), every norm by the same threads in the same
-//! order. So a verify window scores each drafted token exactly as the plain decode step
-//! would, and greedy speculative output equals plain output on the GPU as on the CPU.
+//! order. So, with the other window kernels ([`super::window_attention_heads`], decode
+//! attention over a window, [`super::window_output_head`]), a verify window scores each
+//! drafted token exactly as the plain decode step would.
 //!
 //! The tokens' staged inputs live in dynamic shared memory (`TOKENS` vectors of the widest
 //! stage, 20 KB each for E4B in bf16), which decides how many blocks fit a multiprocessor:
-//! two up to [`TWO_BLOCKS_SHARED_BYTES`], one up to [`ONE_BLOCK_SHARED_BYTES`]; wider
-//! windows run MLX's operations. The hidden state after the attention block (`x1`) is kept
+//! two up to [`TWO_BLOCKS_SHARED_BYTES`], one up to [`ONE_BLOCK_SHARED_BYTES`]; longer
+//! windows run in parts (`Gemma4Model::forward_in_windows`). The hidden state after the attention block (`x1`) is kept
 //! in a device output, each block writing its share, instead of in every block's shared
 //! memory as the single-token kernel keeps it.
 
