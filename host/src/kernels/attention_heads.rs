@@ -32,6 +32,54 @@ use super::products::{
 };
 use super::{step_ints, PerEpsilon, TemplateArg};
 
+/// The head step of the attention-heads kernels, one token's head at a time (after the
+/// products' header, for `warp_sum` and `EPS`); the window kernel
+/// ([`super::window_attention_heads`]) calls it too, so a window's heads are a decode step's.
+pub(crate) const FINISH_HEAD: &str = r#"
+// One head of a token from its raw product row `src` (D values rounded to T), a warp's job:
+// lane l holds the rotate-half pairs (p, p + D/2) for p = l, l + 32, ..., so norm and rotation
+// need no shared memory. The head is RMS-normed, a query or key head (kind 0, 1) then weighted
+// by `w` and rotated at `pos` (RoPE periods in `periods`); a value head (kind 2) is normed
+// without weight. Written to `dst`.
+template <typename T, int D>
+__device__ inline void finish_head(const T* src, const T* w, const float* periods, float pos,
+                                   int kind, T* dst) {
+  constexpr int HALF = D / 2;
+  constexpr int PAIRS = HALF / 32;
+  const int lane = threadIdx.x & 31;
+  float a[PAIRS], c[PAIRS];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < PAIRS; j++) {
+    a[j] = static_cast<float>(__ldcg(src + lane + 32 * j));
+    c[j] = static_cast<float>(__ldcg(src + lane + 32 * j + HALF));
+    ss += a[j] * a[j] + c[j] * c[j];
+  }
+  const float r = rsqrtf(warp_sum(ss) / D + EPS);
+#pragma unroll
+  for (int j = 0; j < PAIRS; j++) {
+    const int p = lane + 32 * j;
+    T n1 = static_cast<T>(a[j] * r);
+    T n2 = static_cast<T>(c[j] * r);
+    if (kind == 2) {
+      dst[p] = n1;
+      dst[p + HALF] = n2;
+      continue;
+    }
+    n1 = static_cast<T>(static_cast<float>(w[p]) * static_cast<float>(n1));
+    n2 = static_cast<T>(static_cast<float>(w[p + HALF]) * static_cast<float>(n2));
+    const float inv_freq = 1.0 / periods[p];
+    const float theta = pos * inv_freq;
+    const float cs = cos(theta);
+    const float sn = sin(theta);
+    const float x1 = static_cast<float>(n1);
+    const float x2 = static_cast<float>(n2);
+    dst[p] = static_cast<T>(x1 * cs - x2 * sn);
+    dst[p + HALF] = static_cast<T>(x1 * sn + x2 * cs);
+  }
+}
+"#;
+
 const SOURCE: &str = r#"
   constexpr int WARPS = 8;
   __shared__ __align__(16) T xs[K];
@@ -130,8 +178,6 @@ const SOURCE: &str = r#"
   if (!is_last) return;
   __threadfence();
 
-  constexpr int HALF = D / 2;
-  constexpr int PAIRS = HALF / 32;
 #if STEP_INTS_FROM_HEADS
   const float pos = static_cast<float>(__ldcg(step_copy + 4 + 4 * group));
   const int slot = __ldcg(step_copy + 5 + 4 * group);
@@ -151,40 +197,10 @@ const SOURCE: &str = r#"
     const T* src = kind == 0 ? raw + (size_t)h * D
         : kind == 1 ? raw + NQ + (size_t)(h - NH) * D
         : raw + NQ + (K_EQ_V ? 0 : NK) + (size_t)(h - NH - NKV) * D;
-    const T* w = kind == 0 ? q_w : k_w;
     T* dst = kind == 0 ? q + (size_t)h * D
         : kind == 1 ? const_cast<T*>(k_cache) + ((size_t)(h - NH) * capacity + slot) * D
         : const_cast<T*>(v_cache) + ((size_t)(h - NH - NKV) * capacity + slot) * D;
-    float a[PAIRS], c[PAIRS];
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < PAIRS; j++) {
-      a[j] = static_cast<float>(__ldcg(src + lane + 32 * j));
-      c[j] = static_cast<float>(__ldcg(src + lane + 32 * j + HALF));
-      ss += a[j] * a[j] + c[j] * c[j];
-    }
-    const float r = rsqrtf(warp_sum(ss) / D + EPS);
-#pragma unroll
-    for (int j = 0; j < PAIRS; j++) {
-      const int p = lane + 32 * j;
-      T n1 = static_cast<T>(a[j] * r);
-      T n2 = static_cast<T>(c[j] * r);
-      if (kind == 2) {
-        dst[p] = n1;
-        dst[p + HALF] = n2;
-        continue;
-      }
-      n1 = static_cast<T>(static_cast<float>(w[p]) * static_cast<float>(n1));
-      n2 = static_cast<T>(static_cast<float>(w[p + HALF]) * static_cast<float>(n2));
-      const float inv_freq = 1.0 / periods[p];
-      const float theta = pos * inv_freq;
-      const float cs = cos(theta);
-      const float sn = sin(theta);
-      const float x1 = static_cast<float>(n1);
-      const float x2 = static_cast<float>(n2);
-      dst[p] = static_cast<T>(x1 * cs - x2 * sn);
-      dst[p + HALF] = static_cast<T>(x1 * sn + x2 * cs);
-    }
+    finish_head<T, D>(src, kind == 0 ? q_w : k_w, periods, pos, kind, dst);
   }
   // Ready for this call site's next step.
   if (threadIdx.x == 0) done[group] = 0u;
@@ -219,7 +235,7 @@ const INPUTS: [&str; 19] = [
 fn header(step_ints_from_heads: bool) -> &'static str {
     Box::leak(
         format!(
-            "#define STEP_INTS_FROM_HEADS {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}",
+            "#define STEP_INTS_FROM_HEADS {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{FINISH_HEAD}",
             step_ints_from_heads as i32
         )
         .into_boxed_str(),
@@ -296,6 +312,17 @@ pub struct HeadWeights<'a> {
     pub q_norm: &'a Array,
     /// RoPE periods `[D / 2]` (float32; infinite for pairs that are not rotated).
     pub periods: &'a Array,
+}
+
+impl<'a> HeadWeights<'a> {
+    /// The projections: q, then k and v where the layer has them.
+    pub fn projections(&self) -> impl Iterator<Item = Weight<'a>> + 'a {
+        let kv = self.kv.map(|(k, v, _)| (k, v));
+        let kv = kv
+            .into_iter()
+            .flat_map(|(k, v)| std::iter::once(k).chain(v));
+        std::iter::once(self.q).chain(kv)
+    }
 }
 
 /// Where a KV-owning layer's new key and value go: its buffers

@@ -786,6 +786,58 @@ impl PerEpsilon {
     }
 }
 
+/// A [`PerEpsilon`] kernel whose blocks get dynamic shared memory (the window kernels: so many
+/// bytes a token), one compiled kernel per amount. MLX sets a kernel's shared memory limit
+/// once, when it first loads the compiled function, so each amount gets its own name (and so
+/// its own compiled function). Keep one per thread, like [`CudaKernel`].
+pub(crate) struct PerSharedMemory {
+    name: &'static str,
+    inputs: &'static [&'static str],
+    outputs: &'static [&'static str],
+    source: &'static str,
+    header: &'static str,
+    kernels: HashMap<usize, PerEpsilon>,
+}
+
+impl PerSharedMemory {
+    pub(crate) fn new(
+        name: &'static str,
+        inputs: &'static [&'static str],
+        outputs: &'static [&'static str],
+        source: &'static str,
+        header: &'static str,
+    ) -> Self {
+        PerSharedMemory {
+            name,
+            inputs,
+            outputs,
+            source,
+            header,
+            kernels: HashMap::new(),
+        }
+    }
+
+    /// The kernel for `eps` whose blocks get `shared` bytes.
+    pub(crate) fn get(&mut self, shared: usize, eps: f32) -> Result<&CudaKernel> {
+        let (name, inputs, outputs, source, header) = (
+            self.name,
+            self.inputs,
+            self.outputs,
+            self.source,
+            self.header,
+        );
+        self.kernels
+            .entry(shared)
+            .or_insert_with(|| {
+                let name: &'static str = Box::leak(format!("{name}_{shared}").into_boxed_str());
+                PerEpsilon::new(name, inputs, outputs, source)
+                    .with_header(header)
+                    .with_shared_memory(shared as i32)
+            })
+            .get(eps)
+    }
+}
+
 /// Device helpers shared by the kernels: block-wide sum and max over `float`, with `red`
 /// a `__shared__ float[32]` scratch.
 const REDUCE_HEADER: &str = r#"

@@ -101,11 +101,7 @@ pub fn output_head(
     }
     let n = head.rows();
     let (bits, group) = head.layout(n, k, dtype, "output_head: the head weight")?;
-    let cap_bits = match softcap {
-        Some(c) if c.is_finite() && c > 0.0 => c.to_bits(),
-        Some(c) => bail!("output_head: the soft-cap must be a positive number, got {c}"),
-        None => 0,
-    };
+    let cap_bits = softcap_bits(softcap, "output_head")?;
     let rows_per_warp = rows_per_warp_for(&head);
     let blocks = blocks_for_rows_per_warp(n, rows_per_warp).min(MAX_BLOCKS);
     let [w, w_s, w_b] = head.inputs();
@@ -132,6 +128,16 @@ pub fn output_head(
             ],
         )?;
         Ok(out.remove(0))
+    })
+}
+
+/// The soft-cap as the kernels take it: its float32 bits (0: none). `what` names the caller
+/// in the error for a cap that is not a positive number.
+pub(crate) fn softcap_bits(softcap: Option<f32>, what: &str) -> Result<u32> {
+    Ok(match softcap {
+        Some(c) if c.is_finite() && c > 0.0 => c.to_bits(),
+        Some(c) => bail!("{what}: the soft-cap must be a positive number, got {c}"),
+        None => 0,
     })
 }
 

@@ -11,26 +11,14 @@
 //! which every later reader of the buffers depends on, order the write before them.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::attention_heads::{is_row_contiguous, CacheSlot, HeadShape, HeadWeights};
 use super::post_attention::Weight;
-use super::products::{element_bytes, HEADER as PRODUCTS_HEADER, THREADS, WARPS};
-use super::{step_ints, PerEpsilon, TemplateArg};
-
-/// Device helpers after the products' ones: `rows_dot_window`.
-fn header() -> &'static str {
-    Box::leak(
-        format!(
-            "{PRODUCTS_HEADER}{}",
-            super::window_post_attention::ROWS_DOT_WINDOW
-        )
-        .into_boxed_str(),
-    )
-}
+use super::products::{element_bytes, THREADS, WARPS};
+use super::{step_ints, PerSharedMemory, TemplateArg};
 
 const SOURCE: &str = r#"
   constexpr int WARPS = 8;
@@ -68,8 +56,6 @@ const SOURCE: &str = r#"
   if (!is_last) return;
   __threadfence();
 
-  constexpr int HALF = D / 2;
-  constexpr int PAIRS = HALF / 32;
   constexpr int HEADS = NH + 2 * NKV;
   const int first_position = position[0];
   const int first_slot = cache_slot[0];
@@ -86,40 +72,10 @@ const SOURCE: &str = r#"
     const T* src = kind == 0 ? token_raw + (size_t)h * D
         : kind == 1 ? token_raw + NQ + (size_t)(h - NH) * D
         : token_raw + NQ + (K_EQ_V ? 0 : NK) + (size_t)(h - NH - NKV) * D;
-    const T* w = kind == 0 ? q_w : k_w;
     T* dst = kind == 0 ? q + ((size_t)t * NH + h) * D
         : kind == 1 ? const_cast<T*>(k_cache) + ((size_t)(h - NH) * capacity + slot) * D
         : const_cast<T*>(v_cache) + ((size_t)(h - NH - NKV) * capacity + slot) * D;
-    float a[PAIRS], c[PAIRS];
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < PAIRS; j++) {
-      a[j] = static_cast<float>(__ldcg(src + lane + 32 * j));
-      c[j] = static_cast<float>(__ldcg(src + lane + 32 * j + HALF));
-      ss += a[j] * a[j] + c[j] * c[j];
-    }
-    const float r = rsqrtf(warp_sum(ss) / D + EPS);
-#pragma unroll
-    for (int j = 0; j < PAIRS; j++) {
-      const int p = lane + 32 * j;
-      T n1 = static_cast<T>(a[j] * r);
-      T n2 = static_cast<T>(c[j] * r);
-      if (kind == 2) {
-        dst[p] = n1;
-        dst[p + HALF] = n2;
-        continue;
-      }
-      n1 = static_cast<T>(static_cast<float>(w[p]) * static_cast<float>(n1));
-      n2 = static_cast<T>(static_cast<float>(w[p + HALF]) * static_cast<float>(n2));
-      const float inv_freq = 1.0 / periods[p];
-      const float theta = pos * inv_freq;
-      const float cs = cos(theta);
-      const float sn = sin(theta);
-      const float x1 = static_cast<float>(n1);
-      const float x2 = static_cast<float>(n2);
-      dst[p] = static_cast<T>(x1 * cs - x2 * sn);
-      dst[p + HALF] = static_cast<T>(x1 * sn + x2 * cs);
-    }
+    finish_head<T, D>(src, kind == 0 ? q_w : k_w, periods, pos, kind, dst);
   }
   // Ready for this call site's next call.
   if (threadIdx.x == 0) done[0] = 0u;
@@ -145,8 +101,13 @@ const INPUTS: [&str; 13] = [
 pub const MAX_TOKENS: usize = super::window_post_attention::MAX_TOKENS;
 
 thread_local! {
-    // One kernel object per amount of dynamic shared memory (see window_post_attention).
-    static KERNELS: RefCell<HashMap<usize, PerEpsilon>> = RefCell::new(HashMap::new());
+    static KERNELS: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
+        "window_attention_heads",
+        &INPUTS,
+        &["q", "raw"],
+        SOURCE,
+        super::window_post_attention::rows_window_header(super::attention_heads::FINISH_HEAD),
+    ));
 }
 
 /// Whether the kernel serves `tokens` tokens of width `hidden` with heads of `head_dim` in
@@ -269,15 +230,8 @@ pub fn window_attention_heads(
     let shared = tokens as usize * k as usize * element_bytes(dtype).unwrap_or(2);
     let (q_shape, raw_shape) = ([tokens, shape.heads, d], [tokens * rows]);
     KERNELS.with(|cell| {
-        let mut map = cell.borrow_mut();
-        let per_shared = map.entry(shared).or_insert_with(|| {
-            let name: &'static str =
-                Box::leak(format!("window_attention_heads_{shared}").into_boxed_str());
-            PerEpsilon::new(name, &INPUTS, &["q", "raw"], SOURCE)
-                .with_header(header())
-                .with_shared_memory(shared as i32)
-        });
-        let kernel = per_shared.get(eps)?;
+        let mut kernels = cell.borrow_mut();
+        let kernel = kernels.get(shared, eps)?;
         let mut out = kernel.apply(
             &inputs,
             &[(&q_shape[..], dtype), (&raw_shape[..], dtype)],

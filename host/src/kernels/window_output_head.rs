@@ -5,16 +5,13 @@
 //! staging and norm, each row's dot over the same pieces in the same order.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::post_attention::Weight;
-use super::products::{
-    element_bytes, serves as row_width_served, HEADER as PRODUCTS_HEADER, THREADS,
-};
-use super::{PerEpsilon, TemplateArg};
+use super::products::{element_bytes, serves as row_width_served, THREADS};
+use super::{PerSharedMemory, TemplateArg};
 
 const SOURCE: &str = r#"
   constexpr int WARPS = 8;
@@ -51,19 +48,13 @@ const SOURCE: &str = r#"
 const MAX_BLOCKS: i32 = 1056;
 
 thread_local! {
-    // One kernel object per amount of dynamic shared memory (see window_post_attention).
-    static KERNELS: RefCell<HashMap<usize, PerEpsilon>> = RefCell::new(HashMap::new());
-}
-
-/// Device helpers after the products' ones: `rows_dot_window`.
-fn header() -> &'static str {
-    Box::leak(
-        format!(
-            "{PRODUCTS_HEADER}{}",
-            super::window_post_attention::ROWS_DOT_WINDOW
-        )
-        .into_boxed_str(),
-    )
+    static KERNELS: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
+        "window_output_head",
+        &["x", "nw", "w"],
+        &["logits"],
+        SOURCE,
+        super::window_post_attention::rows_window_header(""),
+    ));
 }
 
 /// Whether [`window_output_head`] takes the window `x` (`[T, K]`) with this head: 2 to 8
@@ -105,26 +96,15 @@ pub fn window_output_head(
             norm.dtype()
         );
     }
-    let cap_bits = match softcap {
-        Some(c) if c.is_finite() && c > 0.0 => c.to_bits(),
-        Some(c) => bail!("window_output_head: the soft-cap must be a positive number, got {c}"),
-        None => 0,
-    };
+    let cap_bits = super::output_head::softcap_bits(softcap, "window_output_head")?;
     let n = head.rows();
     let warps_needed = (n + 1) / 2;
     let blocks = ((warps_needed + 7) / 8).clamp(1, MAX_BLOCKS);
     let shared = tokens as usize * k as usize * element_bytes(dtype).unwrap_or(2);
     let [w, _, _] = head.inputs();
     KERNELS.with(|cell| {
-        let mut map = cell.borrow_mut();
-        let per_shared = map.entry(shared).or_insert_with(|| {
-            let name: &'static str =
-                Box::leak(format!("window_output_head_{shared}").into_boxed_str());
-            PerEpsilon::new(name, &["x", "nw", "w"], &["logits"], SOURCE)
-                .with_header(header())
-                .with_shared_memory(shared as i32)
-        });
-        let kernel = per_shared.get(eps)?;
+        let mut kernels = cell.borrow_mut();
+        let kernel = kernels.get(shared, eps)?;
         let mut out = kernel.apply(
             &[x, norm, w],
             &[(&[tokens, n], Dtype::Float32)],

@@ -24,14 +24,13 @@
 //! memory as the single-token kernel keeps it.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::post_attention::{header, PerLayerInput, PostAttention, Weight};
-use super::products::{element_bytes, THREADS};
-use super::{PerEpsilon, TemplateArg};
+use super::products::{element_bytes, HEADER as PRODUCTS_HEADER, THREADS};
+use super::{PerSharedMemory, TemplateArg};
 
 /// `rows_dot_window`, the row dots of every window kernel (after the products' header).
 pub(crate) const ROWS_DOT_WINDOW: &str = r#"
@@ -283,10 +282,13 @@ pub fn serves(h: usize, z: usize, n: usize, p: usize, tokens: usize, dtype: Dtyp
 }
 
 thread_local! {
-    // One kernel object per amount of dynamic shared memory: MLX sets a kernel's shared
-    // memory limit once, when it first loads the compiled function, so each amount gets its
-    // own name (and so its own compiled function).
-    static KERNELS: RefCell<HashMap<usize, PerEpsilon>> = RefCell::new(HashMap::new());
+    static KERNELS: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
+        "window_post_attention",
+        INPUTS,
+        OUTPUTS,
+        SOURCE,
+        Box::leak(format!("{}{ROWS_DOT_WINDOW}{WINDOW_HEADER}", header(false)).into_boxed_str()),
+    ));
 }
 
 /// The layer's output for the window's tokens `x` (`[T, H]`, the layer's input) and their
@@ -396,15 +398,8 @@ pub fn window_post_attention(
         (&rows[..], Dtype::Float32),
     ];
     KERNELS.with(|cell| {
-        let mut map = cell.borrow_mut();
-        let per_shared = map.entry(shared).or_insert_with(|| {
-            let name: &'static str =
-                Box::leak(format!("window_post_attention_{shared}").into_boxed_str());
-            PerEpsilon::new(name, INPUTS, OUTPUTS, SOURCE)
-                .with_header(window_header())
-                .with_shared_memory(shared as i32)
-        });
-        let kernel = per_shared.get(eps)?;
+        let mut kernels = cell.borrow_mut();
+        let kernel = kernels.get(shared, eps)?;
         let mut out = kernel.apply(
             &[
                 x,
@@ -441,9 +436,9 @@ pub fn window_post_attention(
     })
 }
 
-/// The post-attention kernel's header and this kernel's helpers.
-fn window_header() -> &'static str {
-    Box::leak(format!("{}{ROWS_DOT_WINDOW}{WINDOW_HEADER}", header(false)).into_boxed_str())
+/// The products' header and [`ROWS_DOT_WINDOW`], for the window kernels without barriers.
+pub(crate) fn rows_window_header(more: &str) -> &'static str {
+    Box::leak(format!("{PRODUCTS_HEADER}{ROWS_DOT_WINDOW}{more}").into_boxed_str())
 }
 
 #[cfg(test)]

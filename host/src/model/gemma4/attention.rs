@@ -100,12 +100,10 @@ impl Attention {
     /// The most tokens a window may hold for [`window_attention_heads`] to take this layer's
     /// heads (dense projections, a head size and width it takes), 1 when it takes none.
     pub fn largest_window(&self, hidden: usize, dtype: mlx_rs::Dtype) -> usize {
-        let dense = |l: &Linear| l.kernel_weight().is_some_and(|w| w.is_dense());
-        let kv_dense = self
-            .kv
-            .as_ref()
-            .is_none_or(|kv| dense(&kv.k_proj) && kv.v_proj.as_ref().is_none_or(dense));
-        if !dense(&self.q_proj) || !kv_dense {
+        let dense = self
+            .kernel_head_weights(true)
+            .is_some_and(|w| w.projections().all(|p| p.is_dense()));
+        if !dense {
             return 1;
         }
         (2..=window_attention_heads::MAX_TOKENS)
@@ -248,6 +246,26 @@ impl Attention {
         {
             return None;
         }
+        let weights = self.kernel_head_weights(owning)?;
+        let hidden = x.shape()[x.ndim() - 1];
+        let mut all = weights.projections();
+        let allowed = if weights.q.is_dense() {
+            all.all(|w| w.is_dense())
+        } else {
+            let group = weights.q.group(hidden);
+            // Of a layout the kernel takes, or MLX's products run (an error would end the step).
+            let fits = |w: &Weight| {
+                w.group(hidden) == group && w.layout(w.rows(), hidden, x.dtype(), "").is_ok()
+            };
+            fused.affine4_heads && group > 0 && all.all(|w| fits(&w))
+        };
+        allowed.then_some(weights)
+    }
+
+    /// The layer's projections (k and v on a KV-owning layer with `owning`) as the heads
+    /// kernels read them, with the head norms and RoPE periods; `None` where one is of no
+    /// layout they read.
+    fn kernel_head_weights(&self, owning: bool) -> Option<HeadWeights<'_>> {
         let q = self.q_proj.kernel_weight()?;
         let kv = match self.kv.as_ref().filter(|_| owning) {
             Some(kv) => {
@@ -259,22 +277,7 @@ impl Attention {
             }
             None => None,
         };
-        let hidden = x.shape()[x.ndim() - 1];
-        let mut all = std::iter::once(q).chain(
-            kv.iter()
-                .flat_map(|(k, v, _)| std::iter::once(*k).chain(*v)),
-        );
-        let allowed = if q.is_dense() {
-            all.all(|w| w.is_dense())
-        } else {
-            let group = q.group(hidden);
-            // Of a layout the kernel takes, or MLX's products run (an error would end the step).
-            let fits = |w: &Weight| {
-                w.group(hidden) == group && w.layout(w.rows(), hidden, x.dtype(), "").is_ok()
-            };
-            fused.affine4_heads && group > 0 && all.all(|w| fits(&w))
-        };
-        allowed.then_some(HeadWeights {
+        Some(HeadWeights {
             q,
             kv,
             q_norm: &self.q_norm,
@@ -300,24 +303,11 @@ impl Attention {
         if !window_attention_heads::serves(t, hidden, self.head_dim as usize, x.dtype()) {
             return None;
         }
-        let q = self.q_proj.kernel_weight().filter(|w| w.is_dense())?;
-        let kv = match self.kv.as_ref().filter(|_| owning) {
-            Some(kv) => {
-                let v = match &kv.v_proj {
-                    Some(v_proj) => Some(v_proj.kernel_weight().filter(|w| w.is_dense())?),
-                    None => None,
-                };
-                let k = kv.k_proj.kernel_weight().filter(|w| w.is_dense())?;
-                Some((k, v, &kv.k_norm))
-            }
-            None => None,
-        };
-        Some(HeadWeights {
-            q,
-            kv,
-            q_norm: &self.q_norm,
-            periods: self.rope.device_periods(),
-        })
+        let weights = self.kernel_head_weights(owning)?;
+        weights
+            .projections()
+            .all(|w| w.is_dense())
+            .then_some(weights)
     }
 
     /// A window of 2-8 tokens through the window kernels: [`window_attention_heads`] (one

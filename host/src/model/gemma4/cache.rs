@@ -62,8 +62,9 @@ pub struct KvView {
     /// The slots the first new query sees (its window's kept keys up to its own): with one
     /// query, what `slot_mask` leaves visible.
     pub first_query_slots: std::ops::Range<usize>,
-    /// The slots each new query sees, in order (what each row of `slot_mask` leaves
-    /// visible); empty for windows past [`MAX_MASKED_WINDOW`].
+    /// The slots each new query of a window sees, in order (what each row of `slot_mask`
+    /// leaves visible); empty for a single query (its slots are `first_query_slots`) and for
+    /// windows past [`MAX_MASKED_WINDOW`].
     pub query_slots: Vec<std::ops::Range<usize>>,
 }
 
@@ -267,7 +268,12 @@ impl LayerKv {
                 first_position,
                 slot_mask: Some(self.slot_mask(t, dtype)?),
                 first_query_slots,
-                query_slots: (0..t).map(|i| self.query_visible(offset, i)).collect(),
+                // (Not made for one token: a decode step would allocate it in every layer.)
+                query_slots: if t > 1 {
+                    (0..t).map(|i| self.query_visible(offset, i)).collect()
+                } else {
+                    Vec::new()
+                },
             });
         }
         let (from, to) = (from as i32, to as i32);
