@@ -57,6 +57,10 @@
 #   window-spec  ngram speculation (at most 7 drafts: windows the kernels take) vs plain
 #              greedy decoding of the default model, both prompt sets, outputs checked equal;
 #              WINDOW_SPEC_BASELINE=1 also runs it without the window kernels
+#   replay     speculation with replayed drafts (`bench --replay-drafts`: the plain output's own
+#              tokens, each right with a set probability) vs plain greedy decoding, E4B bf16
+#              and 4-bit (REPLAY_MODELS), drafts of 3 and 7: what the verify loop gives at a
+#              known acceptance on a shape no drafter accepts on with random weights
 #   stage-times the post-attention kernel's stages (attention output, gate/up, down, the
 #              per-layer input's gate and projection) timed on the device during pipelined
 #              decode, E4B bf16 and 4-bit, 12B bf16 (`bench --stage-times`)
@@ -168,8 +172,8 @@ if want fixtures-variants; then
         --kernel-variants weights-as-stand-ins
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants per-layer-rows-late" \
         --kernel-variants per-layer-rows-late
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants aligned-attention-shares" \
-        --kernel-variants aligned-attention-shares
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants buffer-sized-attention-shares" \
+        --kernel-variants buffer-sized-attention-shares
 fi
 unset MLX_ENABLE_TF32
 
@@ -344,8 +348,8 @@ if want window; then
     done
     # A window that makes the buffers grow where the decode steps would not (prompt 765, a
     # window of 4 past the 768 slots prefill leaves): with shares sized by the buffer, some of
-    # its queries group their slots otherwise; with aligned shares they must not.
-    for variants in "" aligned-attention-shares; do
+    # its queries group their slots otherwise; with aligned shares (the default) they must not.
+    for variants in "" buffer-sized-attention-shares; do
         echo "## verify window k=4 across a buffer growth, --kernel-variants ${variants:-(none)}" | tee -a "$RES/window.md"
         timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
             --dtype bf16 --prompt-tokens 765 --repeats 2 --verify-window 4 ${variants:+--kernel-variants $variants} \
@@ -370,6 +374,22 @@ if want window-spec; then
             row "ngram (7) vs plain, default model, $set set, $how | ${line:-failed: $(tail -n 1 "$RES/window.err")}"
         done
     done
+fi
+
+if want replay; then
+    # The verify loop at a known acceptance on real shapes: drafts replayed from the plain
+    # output, each right with probability P; plain and speculative runs alternate in one
+    # process and the bench fails if their outputs differ.
+    IFS=';' read -ra REPLAY_PICKED <<<"${REPLAY_MODELS:-E4B bf16;E4B 4-bit g64}"
+    for model in "${REPLAY_PICKED[@]}"; do
+        quant=(); [[ "$model" == *4-bit* ]] && quant=(--random-bits 4)
+        echo "## replayed drafts, $model, prompt 512, 128 tokens" | tee -a "$RES/replay.md"
+        timeout 280 "$BIN" bench --device gpu --random-weights "${quant[@]}" --model "$ROOT/configs/gemma-4-e4b.json" \
+            --dtype bf16 --prompt-tokens 512 --gen-tokens 128 --repeats "${REPLAY_REPEATS:-2}" \
+            --replay-drafts "${REPLAY_RATES:-1,0.8,0.6,0.4,0}" --replay-draft-lengths "${REPLAY_KS:-3,7}" \
+            2>>"$RES/replay.err" | tee -a "$RES/replay.md" || tail -n 3 "$RES/replay.err"
+    done
+    row "speculation with replayed drafts vs plain, E4B | printed above, kept in replay.md"
 fi
 
 if want profile-q4; then

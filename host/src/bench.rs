@@ -172,6 +172,100 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     Ok(())
 }
 
+/// Plain greedy decoding against speculation with replayed drafts (`--replay-drafts`): for
+/// each draft length and hit rate, side by side in every round, the outputs checked equal.
+fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
+    use mlx_spec::spec::replay::{expected_acceptance_length, ReplayDrafter};
+    if args.replay_draft_lengths.contains(&0) {
+        bail!("--replay-draft-lengths: every length must be at least 1");
+    }
+    let request = GenerateRequest {
+        prompt_ids: prompt.to_vec(),
+        max_tokens: args.gen_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        ignore_eos: true,
+    };
+    let cases: Vec<(usize, f64)> = args
+        .replay_draft_lengths
+        .iter()
+        .flat_map(|&k| args.replay_drafts.iter().map(move |&p| (k, p)))
+        .collect();
+    // Per case: spec rates, then the last round's counters.
+    let mut spec_rates = vec![Vec::new(); cases.len()];
+    let mut last_stats = vec![mlx_spec::spec::SpecStats::default(); cases.len()];
+    let mut plain_rates = Vec::new();
+    for round in 0..=args.repeats {
+        let start = Instant::now();
+        let (plain_tokens, _) = generate(model, &request, |_| Ok(()))?;
+        let plain_s = start.elapsed().as_secs_f64();
+        if round > 0 {
+            plain_rates.push(plain_tokens.len() as f64 / plain_s);
+        }
+        for (i, &(k, p)) in cases.iter().enumerate() {
+            let provider = ReplayDrafter::new(plain_tokens.clone(), p, 0x5eed)
+                .map_err(anyhow::Error::msg)?
+                .into_provider();
+            let options = SpecOptions {
+                num_draft_tokens: k,
+                auto_off: true,
+            };
+            let start = Instant::now();
+            let (spec_tokens, _, stats) =
+                generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
+            let spec_s = start.elapsed().as_secs_f64();
+            if spec_tokens != plain_tokens {
+                bail!("speculative output differs from plain output ({k} replayed drafts right with probability {p}, round {round}): this is a bug, please report it");
+            }
+            if round > 0 {
+                spec_rates[i].push(spec_tokens.len() as f64 / spec_s);
+            }
+            last_stats[i] = stats;
+        }
+    }
+    let plain = median(plain_rates);
+    let rows: Vec<_> = cases
+        .iter()
+        .zip(spec_rates)
+        .zip(&last_stats)
+        .map(|((&(k, p), rates), stats)| {
+            let spec = median(rates);
+            (k, p, spec, stats)
+        })
+        .collect();
+    if args.json {
+        let cases: Vec<_> = rows
+            .iter()
+            .map(|(k, p, spec, s)| {
+                json!({"num_draft_tokens": k, "hit_rate": p, "spec_tokens_per_s": spec, "speedup": spec / plain,
+                       "mean_acceptance_length": s.mean_acceptance_length,
+                       "expected_acceptance_length": expected_acceptance_length(*p, *k),
+                       "num_drafts": s.num_drafts, "num_draft_tokens_total": s.num_draft_tokens,
+                       "num_accepted_tokens": s.num_accepted_tokens, "target_forwards": s.target_forwards})
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({"model": args.model.model.display().to_string(), "prompt_tokens": prompt.len(),
+                   "gen_tokens": args.gen_tokens, "repeats": args.repeats, "plain_tokens_per_s": plain, "cases": cases})
+        );
+    } else {
+        println!("| drafts a round (k) | each right with | plain tok/s | spec tok/s | speedup | acceptance length (expected) | drafted rounds | forwards |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for (k, p, spec, s) in &rows {
+            println!(
+                "| {k} | {p} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} ({:.2}) | {} | {} |",
+                spec / plain,
+                s.mean_acceptance_length,
+                expected_acceptance_length(*p, *k),
+                s.num_drafts,
+                s.target_forwards
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Deterministic prompt ids away from the special-token range.
 fn synthetic_prompt(vocab: usize, len: usize) -> Vec<u32> {
     let vocab = vocab as u64;
@@ -814,11 +908,11 @@ fn compare_fused(
             ),
             variant("narrow attention rounds", default_set, default_name, narrow),
             variant(
-                "aligned attention shares",
+                "buffer-sized attention shares",
                 default_set,
                 default_name,
                 Tuning {
-                    aligned_attention_shares: true,
+                    aligned_attention_shares: false,
                     ..default
                 },
             ),
@@ -1384,6 +1478,9 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     }
     if let Some(k) = args.verify_window {
         return report_verify_window(model, &prompt, k, &args);
+    }
+    if !args.replay_drafts.is_empty() {
+        return report_replayed_drafts(model, &prompt, &args);
     }
 
     let mut prefill_rates = Vec::new();

@@ -148,11 +148,13 @@ struct ModelArgs {
     /// `affine4-heads` and `affine4-products` (the q/k/v products of `attention` and the
     /// products of `products` over 4-bit weights too), `output-head` (the final norm, the
     /// output head's product and the logit soft-cap as one kernel), `per-layer-input` (a
-    /// layer's per-layer-input block as one kernel), or `none` (MLX's operations only).
-    /// Default: the set that held its rate on every H200 host measured, for each kind of
-    /// weight (the post-attention kernel's fewer launches keep a slow host from bounding the
-    /// step; BENCHMARKS.md):
-    /// `attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head`.
+    /// layer's per-layer-input block as one kernel), `window` (the attention heads, decode
+    /// attention, everything after the heads and the output head for a verify window of 2-8
+    /// tokens over dense weights, each token bit for bit what a decode step gives it), or
+    /// `none` (MLX's operations only). Default: the set that held its rate on every H200 host
+    /// measured, for each kind of weight (the post-attention kernel's fewer launches keep a
+    /// slow host from bounding the step; BENCHMARKS.md), with the window kernels:
+    /// `attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head,window`.
     /// On a GPU shared through MPS the kernels with grid-wide barriers (`post-attention`,
     /// `affine4`, `per-layer-input`) give way to the product kernels.
     #[arg(
@@ -179,9 +181,10 @@ struct ModelArgs {
     /// `per-layer-rows-late` (the post-attention kernel loads its rows of the per-layer-input
     /// block after the barrier that ends the down product, as first written; by default they
     /// are copied into shared memory while the grid meets there; dense weights),
-    /// `aligned-attention-shares` (decode attention splits a head's slots into shares of a
-    /// fixed size at fixed slots, so that a verify window's queries sum as decode steps do even
-    /// when the window made the cache grow; moves roundings).
+    /// `buffer-sized-attention-shares` (decode attention splits a head's slots into a power of
+    /// two of shares sized by the buffer, as first written; by default shares of a fixed size
+    /// at fixed slots, so that a verify window's queries sum as decode steps do even when the
+    /// window made the cache grow; moves roundings).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
 }
@@ -200,7 +203,7 @@ enum KernelVariantArg {
     StepIntsAcrossTheBus,
     WeightsAsStandIns,
     PerLayerRowsLate,
-    AlignedAttentionShares,
+    BufferSizedAttentionShares,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -266,7 +269,8 @@ impl ModelArgs {
             step_ints_from_heads: !variants.contains(&KernelVariantArg::StepIntsAcrossTheBus),
             unread_stand_ins: !variants.contains(&KernelVariantArg::WeightsAsStandIns),
             per_layer_rows_early: !variants.contains(&KernelVariantArg::PerLayerRowsLate),
-            aligned_attention_shares: variants.contains(&KernelVariantArg::AlignedAttentionShares),
+            aligned_attention_shares: !variants
+                .contains(&KernelVariantArg::BufferSizedAttentionShares),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep
@@ -430,6 +434,16 @@ struct BenchArgs {
     /// starts after the warm-up (`bench/gpu/run.sh verify-profile`).
     #[arg(long, value_name = "K", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times", "dump_kernel_sources"])]
     verify_window: Option<usize>,
+    /// Instead of the decode measurements: speculative against plain greedy decoding with
+    /// drafts replayed from the plain run's own output, each draft right with this probability
+    /// (a list, one measurement each: `1,0.8,0.5,0`). A measuring instrument for shapes no
+    /// drafter can accept on (random weights): what the verify loop gives at a known
+    /// acceptance. The outputs are checked equal, as with a drafter.
+    #[arg(long, value_name = "P", value_delimiter = ',', conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times", "dump_kernel_sources", "verify_window"])]
+    replay_drafts: Vec<f64>,
+    /// With --replay-drafts: the most drafts a round, a list (one measurement each).
+    #[arg(long, value_name = "K", value_delimiter = ',', default_value = "3,7")]
+    replay_draft_lengths: Vec<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,

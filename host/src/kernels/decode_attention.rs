@@ -312,7 +312,7 @@ pub fn wide_rounds() -> bool {
 /// At most this many blocks per head.
 const MAX_SPLITS: usize = 64;
 
-static ALIGNED_SHARES: AtomicBool = AtomicBool::new(false);
+static ALIGNED_SHARES: AtomicBool = AtomicBool::new(true);
 
 /// Sets whether a head's slots are split into shares of a fixed size at fixed slots
 /// ([`share_slots`], larger only past 64 shares), rather than into a power of two of shares
@@ -320,8 +320,9 @@ static ALIGNED_SHARES: AtomicBool = AtomicBool::new(false);
 /// compacts ([`crate::model::gemma4::cache`]), a query's slots then fall into the same shares
 /// whatever the buffer's capacity, so a verify window's queries sum exactly as the decode
 /// steps of the same positions sum, even when the window made the buffer grow or compact at
-/// another position. Moves where float32 sums round (`--kernel-variants
-/// aligned-attention-shares`, off until measured on a GPU).
+/// another position. The default since it was measured on an H200 (BENCHMARKS.md: the same
+/// fixtures' tokens, no slower); `--kernel-variants buffer-sized-attention-shares` restores the
+/// first way, which rounds otherwise.
 pub fn set_aligned_shares(on: bool) {
     ALIGNED_SHARES.store(on, Ordering::Relaxed);
 }

@@ -18,6 +18,7 @@
 //! request still succeeds with correct output. [`gate`] pauses a drafter that keeps missing.
 
 pub mod gate;
+pub mod replay;
 pub mod target_port;
 
 use std::time::Instant;
