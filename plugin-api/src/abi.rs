@@ -18,11 +18,17 @@ use abi_stable::{declare_root_module_statics, package_version_strings, sabi_trai
 
 use crate::tensor::{Tensor, TensorRef};
 
-/// How the host should prefill the target for this source.
+/// How a source asked the host to prefill the target. Kept so that libraries built against
+/// earlier SDKs still load; the host now prefills the whole prompt for every source, as plain
+/// decoding does, and samples the first token from it (the `Full` shape). Leaving the last
+/// prompt token to head the first verify window (`TailSplit`) made the prompt's cache and the
+/// first token come out of other operations than plain decoding's, and speculative output
+/// must equal plain output.
 #[repr(u8)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillMode {
-    /// The last prompt token is left pending and heads the first verify window (default).
+    /// Was: the last prompt token is left pending and heads the first verify window. Now
+    /// served as `Full`.
     TailSplit,
     /// The whole prompt runs through the target and the first token is sampled from it.
     Full,
@@ -85,6 +91,7 @@ pub type TargetPortRef<'a> = TargetPort_TO<'a, RRef<'a, ()>>;
 /// Per-request drafter state.
 #[sabi_trait]
 pub trait DraftSource: Send {
+    /// The prefill the source asked for (see [`PrefillMode`]: the host no longer reads it).
     fn prefill_mode(&self) -> PrefillMode;
 
     /// Called once with the prompt before the first round.

@@ -51,8 +51,11 @@ impl Proposal {
 
 /// Per-request drafter state.
 pub trait DrafterSession: Send + 'static {
+    /// Kept for compatibility: the host prefills the whole prompt for every source
+    /// ([`PrefillMode`]), so the first `draft` call's history already ends with the first
+    /// generated token.
     fn prefill_mode(&self) -> PrefillMode {
-        PrefillMode::TailSplit
+        PrefillMode::Full
     }
 
     fn prefill(&mut self, _prompt: &[u32], _target: &Target<'_>) -> Result<(), String> {
@@ -149,7 +152,7 @@ impl<D: Drafter> abi::DraftProvider for ProviderAdapter<D> {
 
 impl<S: DrafterSession> abi::DraftSource for SessionAdapter<S> {
     fn prefill_mode(&self) -> PrefillMode {
-        catch_unwind(AssertUnwindSafe(|| self.0.prefill_mode())).unwrap_or(PrefillMode::TailSplit)
+        catch_unwind(AssertUnwindSafe(|| self.0.prefill_mode())).unwrap_or(PrefillMode::Full)
     }
 
     fn prefill(

@@ -28,9 +28,7 @@ use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RString};
 use anyhow::{bail, Result};
 use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::Dtype;
-use mlx_spec_plugin_api::abi::{
-    DraftProviderBox, DraftSourceBox, PrefillMode, SamplingInfo, TargetPort_TO,
-};
+use mlx_spec_plugin_api::abi::{DraftProviderBox, DraftSourceBox, SamplingInfo, TargetPort_TO};
 use serde::Serialize;
 
 use crate::generate::{pick_token, prefill, queue_greedy_step, GenerateRequest, GenerateStats};
@@ -305,25 +303,22 @@ pub fn generate_speculative(
             }
         }
     }
-    let mode = source
-        .as_ref()
-        .map_or(PrefillMode::TailSplit, |s| s.source.prefill_mode());
-
     let start = Instant::now();
     let prompt = &req.prompt_ids;
     let mut tokens: Vec<u32> = Vec::new();
     let mut history: Vec<u32> = prompt.clone();
     let mut stop_token = None;
-    let mut prefill_seconds = None;
-    let mut decode_start = start;
 
-    // Prefill. Tail split leaves the last prompt token pending: it heads the first verify
-    // window, so the first generated token comes out of a verify forward like all others.
-    let mut pending = if mode == PrefillMode::Full || prompt.len() == 1 {
+    // Prefill: the whole prompt, as plain decoding prefills it, whatever prefill mode the
+    // drafter names. The first token is then plain decoding's own, and every later token is
+    // made by windows that compute what decode steps compute. Leaving the last prompt token to
+    // head the first window (a "tail split") made the cache of the prompt and the first token
+    // come out of other operations than plain decoding's (a prompt of one token less, then a
+    // window instead of the prompt's last row), and on random E4B weights on an H200 that was
+    // enough to change the greedy tokens.
+    let mut pending = {
         let logits = prefill(model, &mut cache, prompt)?;
         let first = pick_token(&logits, &sampling, 0)?;
-        prefill_seconds = Some(start.elapsed().as_secs_f64());
-        decode_start = Instant::now();
         if !req.ignore_eos && req.stop_ids.contains(&first) {
             stop_token = Some(first);
         } else if req.max_tokens > 0 {
@@ -332,10 +327,9 @@ pub fn generate_speculative(
             on_token(first)?;
         }
         first
-    } else {
-        prefill(model, &mut cache, &prompt[..prompt.len() - 1])?;
-        prompt[prompt.len() - 1]
     };
+    let prefill_seconds = start.elapsed().as_secs_f64();
+    let decode_start = Instant::now();
     if let Some(s) = source.as_mut() {
         let target = HostTarget {
             model,
@@ -360,8 +354,7 @@ pub fn generate_speculative(
             None => remaining,
             Some(_) => (gate.paused_remaining() as usize).min(remaining),
         };
-        // (After the first token, so that the prefill time stays that of the first forward.)
-        if sampling.is_greedy() && plain_rounds >= 2 && prefill_seconds.is_some() {
+        if sampling.is_greedy() && plain_rounds >= 2 {
             gate.spend_pause(plain_rounds);
             let stop_ids: &[u32] = if req.ignore_eos { &[] } else { &req.stop_ids };
             let began = Instant::now();
@@ -428,11 +421,6 @@ pub fn generate_speculative(
             .forward(&window, &mut cache, LogitsFor::All, false)?
             .logits;
         stats.target_forwards += 1;
-        let prefill_seconds_before_round = prefill_seconds.is_some();
-        if prefill_seconds.is_none() {
-            prefill_seconds = Some(start.elapsed().as_secs_f64());
-            decode_start = Instant::now();
-        }
 
         // The target's own choices at every window position.
         let greedy_picks: Vec<u32> = if sampling.is_greedy() {
@@ -483,12 +471,9 @@ pub fn generate_speculative(
                     stats.accepted_per_position[i] += 1;
                 }
             }
-            // (Not the prefill's round: a tail-split prefill's last token heads it.)
-            if prefill_seconds_before_round {
-                gate.observe_round_time(round_began.elapsed().as_secs_f64());
-            }
+            gate.observe_round_time(round_began.elapsed().as_secs_f64());
             gate.observe(d, accepted);
-        } else if prefill_seconds_before_round && !sampling.is_greedy() {
+        } else if !sampling.is_greedy() {
             // Sampled plain rounds run one by one like this; greedy ones as bursts, timed
             // there.
             gate.observe_plain_time(round_began.elapsed().as_secs_f64(), emitted.len());
@@ -514,7 +499,6 @@ pub fn generate_speculative(
     } else {
         0.0
     };
-    let prefill_seconds = prefill_seconds.unwrap_or_else(|| start.elapsed().as_secs_f64());
     let decode_seconds = decode_start.elapsed().as_secs_f64();
     let decoded = tokens.len().saturating_sub(1);
     let generate_stats = GenerateStats::new(

@@ -436,6 +436,14 @@ impl Gemma4Model {
 
     /// [`Gemma4Model::forward_ids`] over `ids` (`[1, T]`) as consecutive windows of at most
     /// `largest` tokens: the logits (and hidden states) of every window, joined.
+    ///
+    /// Each window but the last is handed to the device (`async_eval`) before the next is
+    /// built, so the windows run one after the other on the stream. Without that, MLX sees no
+    /// dependency between a layer's kernels of one window and the same layer's kernels of the
+    /// next: the next window's tokens are known ahead, and our kernels write the cache in place
+    /// and count their blocks in the call site's counters, neither of which MLX tracks. It may
+    /// then run them at once, and on an H200 a 4-bit E4B verify window a token at a time did
+    /// (an illegal memory access).
     pub fn forward_in_windows(
         &self,
         ids: &Array,
@@ -457,6 +465,11 @@ impl Gemma4Model {
                 logits_for
             };
             let out = self.forward_ids(&part, cache, wanted, capture_hidden)?;
+            if end < t {
+                let mut queued = vec![&out.logits];
+                queued.extend(&out.hidden);
+                mlx_rs::transforms::async_eval(queued)?;
+            }
             if logits_for == LogitsFor::All || end == t {
                 logits.push(out.logits);
             }
