@@ -748,6 +748,10 @@ fn run_job(job: Job) -> Result<()> {
                 spec.drafter_error
                     .as_ref()
                     .map(|e| format!(" (drafter switched off: {e})"))
+                    .or_else(|| spec
+                        .drafting_skipped
+                        .as_ref()
+                        .map(|why| format!(" (drafter not asked: {why})")))
                     .unwrap_or_default()
             );
         }

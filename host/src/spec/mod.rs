@@ -66,6 +66,9 @@ pub struct SpecStats {
     pub paused_rounds: u64,
     /// Why the drafter was switched off for the rest of the request, if it was.
     pub drafter_error: Option<String>,
+    /// Why the drafter was not asked at all, if it was not (a target whose verify windows
+    /// run a token at a time on this device, where drafting cannot pay).
+    pub drafting_skipped: Option<String>,
     /// Wall time spent inside the drafter's calls (draft and commit, across the plugin
     /// boundary), seconds.
     pub drafter_seconds: f64,
@@ -265,8 +268,23 @@ pub fn accept_walk(
     walk
 }
 
+/// The most drafts a round asks for, `requested` at most: a round verifies its drafts and the
+/// pending token in one window, so where windows longer than `window_limit` would run in parts
+/// ([`Gemma4Model::verify_window_limit`]), a round keeps to one part; a later part only costs
+/// more when an earlier draft is rejected. `None` where windows run a token at a time: a round
+/// then costs a decode step per token it could emit, and drafting cannot pay.
+pub fn most_drafts(requested: usize, window_limit: Option<usize>) -> Option<usize> {
+    let requested = requested.max(1);
+    match window_limit {
+        None => Some(requested),
+        Some(0 | 1) => None,
+        Some(limit) => Some(requested.min(limit - 1)),
+    }
+}
+
 /// Generates with speculative decoding. The drafter comes from `provider`; without one (or
-/// once it faults) this is plain decoding through the same loop.
+/// once it faults, or where drafting cannot pay: [`most_drafts`]) this is plain decoding
+/// through the same loop.
 pub fn generate_speculative(
     model: &Gemma4Model,
     req: &GenerateRequest,
@@ -280,8 +298,18 @@ pub fn generate_speculative(
     req.sampling.validate()?;
     let sampling: SamplingParams = req.sampling;
     let vocab = model.config.vocab_size;
-    let k_max = options.num_draft_tokens.max(1);
     let mut stats = SpecStats::default();
+    let window_limit = model.verify_window_limit();
+    let k_max = match most_drafts(options.num_draft_tokens, window_limit) {
+        Some(k) => k,
+        None => {
+            let why = "this target's verify windows run a token at a time on this device (no window kernels for its weights), so a drafted round costs as many steps as it could emit: decoding plainly";
+            tracing::info!("{why}");
+            stats.drafting_skipped = Some(why.to_owned());
+            1
+        }
+    };
+    let provider = provider.filter(|_| stats.drafting_skipped.is_none());
     let mut gate = DraftGate::new(options.auto_off);
     let mut cache =
         ModelCache::with_reserve(&model.config, DEFAULT_ROLLBACK_RESERVE.max(k_max + 1));
@@ -584,4 +612,22 @@ fn plain_burst(
         }
     }
     Ok(burst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::most_drafts;
+
+    #[test]
+    fn rounds_keep_to_one_window_of_the_kernels_and_skip_drafting_a_token_at_a_time() {
+        // Windows of any length run whole (the CPU): as many drafts as asked.
+        assert_eq!(most_drafts(10, None), Some(10));
+        // Window kernels that take 8 tokens: 7 drafts and the pending token.
+        assert_eq!(most_drafts(10, Some(8)), Some(7));
+        assert_eq!(most_drafts(3, Some(8)), Some(3));
+        // A token at a time: drafting cannot pay.
+        assert_eq!(most_drafts(10, Some(1)), None);
+        // At least one draft is asked for.
+        assert_eq!(most_drafts(0, None), Some(1));
+    }
 }

@@ -269,20 +269,11 @@ impl Gemma4Model {
         let t = ids.shape()[1];
         let fused = crate::kernels::Fused::for_next_forward();
         // With the window kernels on (a GPU), a verify window (logits for every position)
-        // longer than they take for this model runs as windows they take, one after the other
-        // (a token at a time where they take none, as for 4-bit weights), so that every window
-        // computes what decode steps compute. A prompt (the last logits only) runs whole: plain
-        // and speculative decoding fill their caches alike.
-        // (Where no grid-wide barrier is safe, as on a GPU shared through MPS, the window
-        // post-attention kernel gives way: then a token at a time too.)
-        let largest_window =
-            if fused.window && crate::kernels::post_attention::grid_blocks().is_some() {
-                self.largest_exact_window()
-            } else {
-                1
-            };
-        if fused.window
-            && logits_for == LogitsFor::All
+        // longer than they take for this model runs as windows they take, one after the other,
+        // so that every window computes what decode steps compute. A prompt (the last logits
+        // only) runs whole: plain and speculative decoding fill their caches alike.
+        let largest_window = self.verify_window_limit().unwrap_or(usize::MAX);
+        if logits_for == LogitsFor::All
             && t as usize > largest_window
             && t as usize <= MAX_MASKED_WINDOW
         {
@@ -432,6 +423,23 @@ impl Gemma4Model {
                 None
             },
         )
+    }
+
+    /// The longest verify window that runs as one forward, where longer ones run in parts
+    /// ([`Gemma4Model::forward_in_windows`]): with the window kernels on (a GPU), the longest
+    /// they take for this model ([`Gemma4Model::largest_exact_window`]), 1 where they take none
+    /// (4-bit weights, an MoE branch) or where no grid-wide barrier is safe (a GPU shared
+    /// through MPS): such a window verifies a token at a time, as decode steps. `None` where a
+    /// window of any length runs whole (MLX's operations: the CPU, or the window kernels off).
+    pub fn verify_window_limit(&self) -> Option<usize> {
+        if !crate::kernels::Fused::for_next_forward().window {
+            return None;
+        }
+        Some(if crate::kernels::post_attention::grid_blocks().is_some() {
+            self.largest_exact_window()
+        } else {
+            1
+        })
     }
 
     /// [`Gemma4Model::forward_ids`] over `ids` (`[1, T]`) as consecutive windows of at most
