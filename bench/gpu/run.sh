@@ -104,6 +104,16 @@ for h in /usr/local/cuda "$NV/cu13" "$NV/cuda_runtime"; do
     [[ -f "$h/include/cuda_runtime.h" ]] && export CUDA_HOME="$h" && break
 done
 export MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-$G/ptx-cache}"
+# The kernels a lease compiles (MLX's PTX cache, the driver's cache of what it built from the
+# PTX) go with the machine. A lease that ends with KEEP_KERNEL_CACHE=1 leaves them in
+# $RES/kernel-cache.tar.xz; carried back as .gpu/kernel-cache.tar.xz, the next lease starts
+# with them instead of spending minutes compiling (bench/gpu/README.md).
+export CUDA_CACHE_PATH="${CUDA_CACHE_PATH:-$G/cuda-cache}"
+export CUDA_CACHE_MAXSIZE="${CUDA_CACHE_MAXSIZE:-1073741824}"
+if [[ -f "$G/kernel-cache.tar.xz" && ! -d "$MLX_PTX_CACHE_DIR" ]]; then
+    xz -dc "$G/kernel-cache.tar.xz" | tar -C "$G" -xf - && echo "kernel cache unpacked"
+fi
+STARTED=$SECONDS
 BIN="$G/bin/mlx-spec"
 chmod +x "$BIN"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -113,7 +123,7 @@ ldd "$BIN" | grep -E "mlx|not found"
 ROWS=()
 # Each row is printed as it is measured too, so a call cut short by its time limit still
 # reports what it measured.
-row() { ROWS+=("$*"); echo "row: $*"; }
+row() { ROWS+=("$*"); echo "row ($((SECONDS - STARTED)) s): $*"; }
 
 # 1. The GPU computes the same function: greedy tokens on every fixture (f32, TF32 off)
 #    equal the transformers continuation in the fixture's golden file, which the CPU build
@@ -618,6 +628,12 @@ if want cpu-check-q4; then
             --fused-kernels "$fused" 2>"$RES/cpu-check-q4.err" | tail -n 1)"
         row "E4B shape, 4-bit weights, f32: GPU (TF32 off, --fused-kernels $fused) vs CPU | ${line:-failed: $(tail -n 1 "$RES/cpu-check-q4.err")}"
     done
+fi
+
+if [[ "${KEEP_KERNEL_CACHE:-0}" == 1 ]]; then
+    (cd "$G" && tar cf - "$(basename "$MLX_PTX_CACHE_DIR")" "$(basename "$CUDA_CACHE_PATH")" 2>/dev/null) \
+        | xz -T0 -6 >"$RES/kernel-cache.tar.xz"
+    echo "kernel cache kept: $(du -h "$RES/kernel-cache.tar.xz" | cut -f1)"
 fi
 
 echo
