@@ -366,7 +366,12 @@ pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> 
         let (chunk, splits) = aligned_split(slots);
         return (chunk <= MAX_CHUNK).then_some(splits);
     }
-    let share = share_slots();
+    buffer_sized_splits(slots, share_slots())
+}
+
+/// Without [`set_aligned_shares`]: a power of two of shares of about `share` slots each,
+/// sized by the buffer's `slots`; `None` where a share would not fit a block's score buffer.
+fn buffer_sized_splits(slots: usize, share: usize) -> Option<usize> {
     let splits = (slots.next_power_of_two() / share).clamp(1, MAX_SPLITS);
     (slots.div_ceil(splits) <= MAX_CHUNK).then_some(splits)
 }
@@ -575,13 +580,20 @@ mod tests {
 
     #[test]
     fn splits_slots_into_block_sized_shares_for_gemma_head_sizes() {
-        // About 128 slots a block, in powers of two.
-        assert_eq!(splits_for(600, 256, Dtype::Bfloat16), Some(8));
+        // The default: shares of 128 slots at multiples of 128.
+        assert_eq!(splits_for(600, 256, Dtype::Bfloat16), Some(5));
         assert_eq!(splits_for(100, 512, Dtype::Float32), Some(1));
         assert_eq!(splits_for(4096, 512, Dtype::Bfloat16), Some(32));
-        // At most 64 blocks a head; beyond 64 x 1024 slots the MLX operations take over.
-        assert_eq!(splits_for(40_000, 256, Dtype::Bfloat16), Some(64));
+        // At most 64 blocks a head, their shares growing past 8 192 slots; beyond 64 x 1024
+        // slots the MLX operations take over.
+        assert_eq!(splits_for(40_000, 256, Dtype::Bfloat16), Some(40));
         assert_eq!(splits_for(70_000, 256, Dtype::Bfloat16), None);
+        // Shares sized by the buffer (`--kernel-variants buffer-sized-attention-shares`):
+        // about 128 slots a block, in powers of two.
+        assert_eq!(buffer_sized_splits(600, 128), Some(8));
+        assert_eq!(buffer_sized_splits(4096, 128), Some(32));
+        assert_eq!(buffer_sized_splits(40_000, 128), Some(64));
+        assert_eq!(buffer_sized_splits(70_000, 128), None);
         // Rows that do not split into 16-byte loads over a warp.
         assert_eq!(splits_for(100, 64, Dtype::Bfloat16), None);
         assert_eq!(splits_for(100, 128, Dtype::Float32), Some(1));
