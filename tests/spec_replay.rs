@@ -29,6 +29,7 @@ fn replay(model: &Gemma4Model, plain: &[u32], hit_rate: f64, k: usize) -> SpecSt
     let options = SpecOptions {
         num_draft_tokens: k,
         auto_off: false,
+        fitted_draft_length: false,
     };
     let (tokens, _, stats) =
         generate_speculative(model, &request(), Some(&provider), options, |_| Ok(())).unwrap();
@@ -117,8 +118,15 @@ fn the_bench_measures_replayed_drafts_against_plain_decoding() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v = common::json_of(&out);
-    let cases = v["cases"].as_array().unwrap();
+    // Each hit rate with rounds sized by recent acceptance, then by the fitted costs.
+    let cases: Vec<_> = v["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["draft_length"] == "recent")
+        .collect();
     assert_eq!(cases.len(), 2);
+    assert_eq!(v["cases"].as_array().unwrap().len(), 4);
     // All right: every drafted token is accepted (the bench itself fails if any output
     // differs); the draft gate times a few plain rounds in between, so fewer than 24 forwards.
     assert_eq!(

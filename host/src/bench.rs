@@ -98,6 +98,7 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     let options = SpecOptions {
         num_draft_tokens: k,
         auto_off: !args.spec.no_auto_off,
+        fitted_draft_length: args.spec.fitted_draft_length,
     };
     let (mut plain_rates, mut spec_rates) = (Vec::new(), Vec::new());
     let mut totals = mlx_spec::spec::SpecStats::default();
@@ -173,7 +174,8 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
 }
 
 /// Plain greedy decoding against speculation with replayed drafts (`--replay-drafts`): for
-/// each draft length and hit rate, side by side in every round, the outputs checked equal.
+/// each draft length, hit rate and way of sizing rounds (recent acceptance, or fitted to the
+/// measured costs), side by side in every round, the outputs checked equal.
 fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
     use mlx_spec::spec::replay::{expected_acceptance_length, ReplayDrafter};
     if args.replay_draft_lengths.contains(&0) {
@@ -186,10 +188,14 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
         stop_ids: Vec::new(),
         ignore_eos: true,
     };
-    let cases: Vec<(usize, f64)> = args
+    let cases: Vec<(usize, f64, bool)> = args
         .replay_draft_lengths
         .iter()
-        .flat_map(|&k| args.replay_drafts.iter().map(move |&p| (k, p)))
+        .flat_map(|&k| {
+            args.replay_drafts
+                .iter()
+                .flat_map(move |&p| [false, true].map(|fitted| (k, p, fitted)))
+        })
         .collect();
     // Per case: spec rates, then the last round's counters.
     let mut spec_rates = vec![Vec::new(); cases.len()];
@@ -202,13 +208,14 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
         if round > 0 {
             plain_rates.push(plain_tokens.len() as f64 / plain_s);
         }
-        for (i, &(k, p)) in cases.iter().enumerate() {
+        for (i, &(k, p, fitted)) in cases.iter().enumerate() {
             let provider = ReplayDrafter::new(plain_tokens.clone(), p, 0x5eed)
                 .map_err(anyhow::Error::msg)?
                 .into_provider();
             let options = SpecOptions {
                 num_draft_tokens: k,
                 auto_off: true,
+                fitted_draft_length: fitted,
             };
             let start = Instant::now();
             let (spec_tokens, _, stats) =
@@ -224,20 +231,19 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
         }
     }
     let plain = median(plain_rates);
+    let sizing = |fitted: bool| if fitted { "fitted" } else { "recent" };
     let rows: Vec<_> = cases
         .iter()
         .zip(spec_rates)
         .zip(&last_stats)
-        .map(|((&(k, p), rates), stats)| {
-            let spec = median(rates);
-            (k, p, spec, stats)
-        })
+        .map(|((&(k, p, fitted), rates), stats)| (k, p, fitted, median(rates), stats))
         .collect();
     if args.json {
         let cases: Vec<_> = rows
             .iter()
-            .map(|(k, p, spec, s)| {
-                json!({"num_draft_tokens": k, "hit_rate": p, "spec_tokens_per_s": spec, "speedup": spec / plain,
+            .map(|(k, p, fitted, spec, s)| {
+                json!({"num_draft_tokens": k, "hit_rate": p, "draft_length": sizing(*fitted),
+                       "spec_tokens_per_s": spec, "speedup": spec / plain,
                        "mean_acceptance_length": s.mean_acceptance_length,
                        "expected_acceptance_length": expected_acceptance_length(*p, *k),
                        "num_drafts": s.num_drafts, "num_draft_tokens_total": s.num_draft_tokens,
@@ -250,11 +256,12 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
                    "gen_tokens": args.gen_tokens, "repeats": args.repeats, "plain_tokens_per_s": plain, "cases": cases})
         );
     } else {
-        println!("| drafts a round (k) | each right with | plain tok/s | spec tok/s | speedup | acceptance length (expected) | drafted rounds | forwards |");
-        println!("|---|---|---|---|---|---|---|---|");
-        for (k, p, spec, s) in &rows {
+        println!("| drafts a round (k) | each right with | rounds sized by | plain tok/s | spec tok/s | speedup | acceptance length (expected) | drafted rounds | forwards |");
+        println!("|---|---|---|---|---|---|---|---|---|");
+        for (k, p, fitted, spec, s) in &rows {
             println!(
-                "| {k} | {p} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} ({:.2}) | {} | {} |",
+                "| {k} | {p} | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} ({:.2}) | {} | {} |",
+                sizing(*fitted),
                 spec / plain,
                 s.mean_acceptance_length,
                 expected_acceptance_length(*p, *k),

@@ -14,6 +14,7 @@
 //! name = "ngram"
 //! num_draft_tokens = 8
 //! auto_off = true
+//! fitted_draft_length = false     # true: size rounds by measured window costs
 //! [drafter.config]                # overrides of the plugin manifest's [defaults]
 //! max_ngram = 4
 //!
@@ -90,6 +91,9 @@ pub struct DrafterSection {
     pub num_draft_tokens: Option<usize>,
     #[serde(default = "default_true")]
     pub auto_off: bool,
+    /// Size rounds by measured window costs (`--fitted-draft-length`).
+    #[serde(default)]
+    pub fitted_draft_length: bool,
     #[serde(default)]
     pub config: toml::Table,
 }

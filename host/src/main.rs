@@ -84,6 +84,12 @@ struct SpecArgs {
     /// Keep drafting even when acceptance stays near zero.
     #[arg(long, requires = "drafter")]
     no_auto_off: bool,
+    /// Size each round by what windows were measured to cost and how often a draft is
+    /// accepted at each position, once rounds of two lengths have been timed (instead of about
+    /// twice the recent accepted tokens, plus one). Not yet the default: it waits for a GPU
+    /// measurement.
+    #[arg(long)]
+    fitted_draft_length: bool,
 }
 
 #[derive(Args)]
@@ -439,7 +445,8 @@ struct BenchArgs {
     verify_window: Option<usize>,
     /// Instead of the decode measurements: speculative against plain greedy decoding with
     /// drafts replayed from the plain run's own output, each draft right with this probability
-    /// (a list, one measurement each: `1,0.8,0.5,0`). A measuring instrument for shapes no
+    /// (a list, one measurement each: `1,0.8,0.5,0`), each with rounds sized by recent
+    /// acceptance and by the measured costs (`--fitted-draft-length`). A measuring instrument for shapes no
     /// drafter can accept on (random weights): what the verify loop gives at a known
     /// acceptance. The outputs are checked equal, as with a drafter.
     #[arg(long, value_name = "P", value_delimiter = ',', conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times", "dump_kernel_sources", "verify_window"])]
@@ -582,6 +589,7 @@ struct DrafterChoice {
     num_draft_tokens: Option<usize>,
     overrides: toml::Table,
     auto_off: bool,
+    fitted_draft_length: bool,
 }
 
 /// Everything one generation needs, from flags or from a deploy config.
@@ -690,6 +698,7 @@ fn run_job(job: Job) -> Result<()> {
             let options = SpecOptions {
                 num_draft_tokens: *k,
                 auto_off: job.drafter.as_ref().is_some_and(|d| d.auto_off),
+                fitted_draft_length: job.drafter.as_ref().is_some_and(|d| d.fitted_draft_length),
             };
             let (t, s, spec) =
                 generate_speculative(&loaded.model, &request, Some(provider), options, &mut print)?;
@@ -770,6 +779,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             num_draft_tokens: args.spec.num_draft_tokens,
             overrides: parse_overrides(&args.spec.drafter_set)?,
             auto_off: !args.spec.no_auto_off,
+            fitted_draft_length: args.spec.fitted_draft_length,
         }),
         None => None,
     };
@@ -831,6 +841,7 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             num_draft_tokens: d.num_draft_tokens,
             overrides: d.config.clone(),
             auto_off: d.auto_off,
+            fitted_draft_length: d.fitted_draft_length,
         }),
         json: args.json,
     })

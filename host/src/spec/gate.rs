@@ -20,6 +20,15 @@
 //! streaks, and judging it by its last few rounds pauses it through the next streak. Once
 //! drafted rounds have been timed, the gate runs a few plain rounds to learn a plain token's
 //! cost, unless the drafter accepts so much that no measured cost would make it lose.
+//!
+//! With [`DraftGate::with_fitted_length`] (`--fitted-draft-length`), once rounds of two or more
+//! lengths have been timed, the draft length follows from the costs instead: a line fitted to a round's seconds against its window length, and the
+//! long-memory rate at which the draft at each position is accepted given that the ones before
+//! it were, give each length's expected tokens a second; the gate asks for the length with the
+//! most. Rates by position, not one rate: prompt lookup accepts in streaks, so a draft deep in
+//! a round is right more often than the first one. On an H200 a
+//! window of 8 costs about 3.7 plain tokens and one of 4 about 2.5, so a drafter right 70 % of
+//! the time loses with 7 drafts and breaks even with 3 (BENCHMARKS.md).
 
 /// Below this many accepted tokens per drafted round, a round costs more than it returns
 /// (the threshold while the rounds' costs are unknown, and its floor).
@@ -39,6 +48,8 @@ const CALIBRATE_BELOW: f64 = 5.0;
 /// Decay of the long-memory acceptance the rounds' cost is weighed against (about twenty
 /// rounds).
 const SLOW_DECAY: f64 = 0.95;
+/// Decayed rounds that must have reached a draft position before its acceptance rate counts.
+const MIN_REACHED: f64 = 1.0;
 /// Drafted rounds observed before the rounds' cost can pause a drafter.
 const COST_WARMUP_ROUNDS: u32 = 10;
 
@@ -53,12 +64,21 @@ pub struct DraftGate {
     /// Accepted tokens and drafted rounds with [`SLOW_DECAY`].
     slow_accepted: f64,
     slow_rounds: f64,
+    /// By draft position, with [`SLOW_DECAY`]: rounds that reached the position (every draft
+    /// before it accepted) and rounds that accepted it; their ratio estimates the chance that
+    /// the draft there is right given that the ones before it were.
+    reached: Vec<f64>,
+    accepted_at: Vec<f64>,
     /// Decayed mean seconds of a drafted round (drafting and verifying), when timed.
     round_seconds: Option<f64>,
+    /// A drafted round's seconds against its window length (drafts and the pending token).
+    round_cost: CostLine,
     /// Decayed mean seconds of a plainly decoded token, when timed.
     plain_seconds: Option<f64>,
     /// Rounds decoded plainly because the gate was closed.
     pub paused_rounds: u64,
+    /// Whether [`DraftGate::draft_len`] follows [`DraftGate::fastest_draft_len`].
+    fitted_length: bool,
 }
 
 impl DraftGate {
@@ -72,16 +92,28 @@ impl DraftGate {
             next_pause: FIRST_PAUSE,
             slow_accepted: 0.0,
             slow_rounds: 0.0,
+            reached: Vec::new(),
+            accepted_at: Vec::new(),
             round_seconds: None,
+            round_cost: CostLine::default(),
             plain_seconds: None,
             paused_rounds: 0,
+            fitted_length: false,
         }
     }
 
-    /// Records how long a drafted round took, drafting and verifying (before its
-    /// [`DraftGate::observe`]).
-    pub fn observe_round_time(&mut self, seconds: f64) {
+    /// This gate, sizing rounds by [`DraftGate::fastest_draft_len`] when `on` (off by default:
+    /// it waits for a GPU measurement, BENCHMARKS.md).
+    pub fn with_fitted_length(mut self, on: bool) -> Self {
+        self.fitted_length = on;
+        self
+    }
+
+    /// Records how long a drafted round of `drafted` tokens took, drafting and verifying
+    /// (before its [`DraftGate::observe`]).
+    pub fn observe_round_time(&mut self, seconds: f64, drafted: usize) {
         self.round_seconds = Some(decayed(self.round_seconds, seconds));
+        self.round_cost.add(drafted as f64 + 1.0, seconds);
     }
 
     /// Records `tokens > 0` tokens decoded plainly in `seconds`.
@@ -128,8 +160,46 @@ impl DraftGate {
         if !self.enabled || self.observed < WARMUP_ROUNDS || self.rounds <= 0.0 {
             return k_max;
         }
+        if let Some(best) = self
+            .fitted_length
+            .then(|| self.fastest_draft_len(k_max))
+            .flatten()
+        {
+            return best;
+        }
         let recent = self.accepted / self.rounds;
         ((2.0 * recent).ceil() as usize + 1).clamp(1, k_max)
+    }
+
+    /// The draft length, at most `k_max`, whose rounds emit the most tokens a second, from the
+    /// fitted round cost and the long-memory acceptance rates by position; `None` until rounds
+    /// of two lengths have been timed. A round of `n` drafts, the one at position `j` right with
+    /// chance `a_j` given the ones before, emits `1 + a_0 + a_0 a_1 + … + a_0 … a_(n-1)` tokens
+    /// on average. A position rarely reached takes the rate of the deepest one that is.
+    pub fn fastest_draft_len(&self, k_max: usize) -> Option<usize> {
+        let (fixed, per_token) = self.round_cost.line()?;
+        if self.reached.first().is_none_or(|&r| r < MIN_REACHED) {
+            return None;
+        }
+        let (mut expected, mut power, mut rate) = (1.0, 1.0, 0.0);
+        let mut rates = Vec::with_capacity(k_max.max(1));
+        for n in 1..=k_max.max(1) {
+            let j = n - 1;
+            if self.reached.get(j).is_some_and(|&r| r >= MIN_REACHED) {
+                rate = (self.accepted_at[j] / self.reached[j]).clamp(0.0, 0.999);
+            }
+            power *= rate;
+            expected += power;
+            let seconds = (fixed + per_token * (n as f64 + 1.0)).max(1e-12);
+            rates.push(expected / seconds);
+        }
+        // The shortest length within 1 % of the fastest: the line is an estimate, and a
+        // shorter round wastes less when a draft is rejected.
+        let fastest = rates.iter().copied().fold(f64::MIN, f64::max);
+        rates
+            .iter()
+            .position(|&r| r >= 0.99 * fastest)
+            .map(|i| i + 1)
     }
 
     /// Records a verified round that drafted `drafted > 0` tokens and accepted `accepted`.
@@ -141,6 +211,20 @@ impl DraftGate {
         self.rounds = self.rounds * DECAY + 1.0;
         self.slow_accepted = self.slow_accepted * SLOW_DECAY + accepted as f64;
         self.slow_rounds = self.slow_rounds * SLOW_DECAY + 1.0;
+        if self.reached.len() < drafted {
+            self.reached.resize(drafted, 0.0);
+            self.accepted_at.resize(drafted, 0.0);
+        }
+        for j in 0..self.reached.len() {
+            self.reached[j] *= SLOW_DECAY;
+            self.accepted_at[j] *= SLOW_DECAY;
+            if j < drafted && j <= accepted {
+                self.reached[j] += 1.0;
+                if j < accepted {
+                    self.accepted_at[j] += 1.0;
+                }
+            }
+        }
         self.observed += 1;
         if !self.enabled || self.observed < WARMUP_ROUNDS {
             return;
@@ -169,6 +253,48 @@ impl DraftGate {
                 self.paused_for = CALIBRATION_ROUNDS;
             }
         }
+    }
+}
+
+/// A line `seconds = fixed + per_token * window` fitted by least squares to decayed samples
+/// ([`SLOW_DECAY`]): a verify window's cost grows about linearly with its length on every
+/// device measured.
+#[derive(Debug, Clone, Default)]
+struct CostLine {
+    weight: f64,
+    w: f64,
+    ww: f64,
+    y: f64,
+    wy: f64,
+}
+
+impl CostLine {
+    fn add(&mut self, window: f64, seconds: f64) {
+        let d = SLOW_DECAY;
+        self.weight = self.weight * d + 1.0;
+        self.w = self.w * d + window;
+        self.ww = self.ww * d + window * window;
+        self.y = self.y * d + seconds;
+        self.wy = self.wy * d + window * seconds;
+    }
+
+    /// `(fixed, per_token)`, once the samples span lengths enough to tell them apart (their
+    /// weighted spread of lengths at least a quarter of a token squared). A per-token cost
+    /// that comes out negative (noise) is taken as zero: every length then costs the mean.
+    fn line(&self) -> Option<(f64, f64)> {
+        if self.weight <= 0.0 {
+            return None;
+        }
+        let mean_w = self.w / self.weight;
+        let spread = self.ww / self.weight - mean_w * mean_w;
+        if spread < 0.25 {
+            return None;
+        }
+        let per_token = (self.wy / self.weight - mean_w * self.y / self.weight) / spread;
+        if per_token < 0.0 {
+            return Some((self.y / self.weight, 0.0));
+        }
+        Some((self.y / self.weight - per_token * mean_w, per_token))
     }
 }
 
@@ -265,7 +391,7 @@ mod tests {
         for _ in 0..300 {
             if gate.should_draft() {
                 drafted += 1;
-                gate.observe_round_time(cost * 1e-3);
+                gate.observe_round_time(cost * 1e-3, 10);
                 gate.observe(10, accepted);
             } else {
                 gate.observe_plain_time(1e-3, 1);
@@ -299,7 +425,7 @@ mod tests {
         let mut gate = DraftGate::new(true);
         for _ in 0..WARMUP_ROUNDS {
             assert!(gate.should_draft());
-            gate.observe_round_time(2e-3);
+            gate.observe_round_time(2e-3, 10);
             gate.observe(10, 4);
         }
         assert_eq!(gate.paused_remaining(), CALIBRATION_ROUNDS);
@@ -307,14 +433,14 @@ mod tests {
         gate.observe_plain_time(8e-3, 8);
         for _ in 0..50 {
             assert!(gate.should_draft());
-            gate.observe_round_time(2e-3);
+            gate.observe_round_time(2e-3, 10);
             gate.observe(10, 4);
         }
         // A drafter that accepts nearly everything is never interrupted to time plain rounds.
         let mut oracle = DraftGate::new(true);
         for _ in 0..50 {
             assert!(oracle.should_draft());
-            oracle.observe_round_time(2e-3);
+            oracle.observe_round_time(2e-3, 10);
             oracle.observe(10, 10);
         }
         // Without timings the threshold is the fixed one, and no calibration is asked for.
@@ -335,13 +461,89 @@ mod tests {
         let mut paused = 0;
         for i in 0..400 {
             if gate.should_draft() {
-                gate.observe_round_time(2e-3);
+                gate.observe_round_time(2e-3, 10);
                 gate.observe(10, if i % 5 < 2 { 9 } else { 0 });
             } else {
                 paused += 1;
             }
         }
         assert_eq!(paused, 0, "paused {paused} rounds of 400");
+    }
+
+    /// A gate that has timed rounds of 7 and 9 drafts on a device where a window of `w` tokens
+    /// costs `fixed + per_token * w` milliseconds, then learnt that a draft at any position is
+    /// right 80 % of the time given the ones before it.
+    fn gate_after_two_lengths(fixed: f64, per_token: f64) -> DraftGate {
+        let mut gate = DraftGate::new(true);
+        gate.observe_plain_time(4.3e-3, 1);
+        for i in 0..20 {
+            let drafted = if i % 2 == 0 { 7 } else { 9 };
+            gate.observe_round_time((fixed + per_token * (drafted + 1) as f64) * 1e-3, drafted);
+            gate.observe(drafted, 4);
+        }
+        gate.reached = vec![100.0; 9];
+        gate.accepted_at = vec![80.0; 9];
+        gate
+    }
+
+    #[test]
+    fn acceptance_is_counted_by_draft_position() {
+        let mut gate = DraftGate::new(true);
+        // Five drafts, two accepted: positions 0-2 reached (the third rejected), 0-1 accepted.
+        gate.observe(5, 2);
+        assert_eq!(gate.reached, [1.0, 1.0, 1.0, 0.0, 0.0]);
+        assert_eq!(gate.accepted_at, [1.0, 1.0, 0.0, 0.0, 0.0]);
+        // Then three of three: the earlier counts decay, positions 0-2 reached and accepted.
+        gate.observe(3, 3);
+        let d = SLOW_DECAY;
+        assert_eq!(gate.reached, [d + 1.0, d + 1.0, d + 1.0, 0.0, 0.0]);
+        assert_eq!(gate.accepted_at, [d + 1.0, d + 1.0, 1.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn a_streaky_drafter_keeps_long_drafts() {
+        // Prompt lookup: the first draft is right half the time, but once one is, the rest
+        // nearly always are. On H200-like costs the long drafts pay, where one rate of 0.5 for
+        // every position would keep to one draft.
+        let mut gate = gate_after_two_lengths(5.5, 1.3);
+        gate.accepted_at = vec![50.0, 99.0, 99.0, 99.0, 99.0, 99.0, 99.0, 99.0, 99.0];
+        assert_eq!(gate.fastest_draft_len(9), Some(9));
+        gate.accepted_at = vec![50.0; 9];
+        assert_eq!(gate.fastest_draft_len(9), Some(1));
+    }
+
+    #[test]
+    fn the_draft_length_is_the_fastest_for_the_measured_costs() {
+        // H200-like windows (5.5 ms + 1.3 ms a token: 8.1 ms for 2 tokens, 15.9 for 8) and
+        // drafts right 80 % of the time: 4 drafts emit the most tokens a second.
+        let gpu = gate_after_two_lengths(5.5, 1.3);
+        assert_eq!(gpu.fastest_draft_len(10), Some(4));
+        assert_eq!(
+            gpu.draft_len(10),
+            9,
+            "recent acceptance decides unless asked otherwise"
+        );
+        let gpu = gpu.with_fitted_length(true);
+        assert_eq!(gpu.draft_len(10), 4);
+        assert_eq!(gpu.draft_len(3), 3, "never more than asked for");
+        // Where a window's length costs little (a CPU-like 10 ms + 0.5 ms a token), the
+        // longest.
+        let cpu = gate_after_two_lengths(10.0, 0.5);
+        assert_eq!(cpu.fastest_draft_len(7), Some(7));
+    }
+
+    #[test]
+    fn the_draft_length_waits_for_rounds_of_two_lengths() {
+        // Every round of the same length: the cost line cannot be told, the recent acceptance
+        // decides as before (2 x 4 + 1 = 9 drafts).
+        let mut gate = DraftGate::new(true);
+        gate.observe_plain_time(4.3e-3, 1);
+        for _ in 0..20 {
+            gate.observe_round_time(15.9e-3, 10);
+            gate.observe(10, 4);
+        }
+        assert_eq!(gate.fastest_draft_len(10), None);
+        assert_eq!(gate.with_fitted_length(true).draft_len(10), 9);
     }
 
     #[test]

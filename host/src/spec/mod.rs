@@ -45,6 +45,10 @@ pub struct SpecOptions {
     pub num_draft_tokens: usize,
     /// Pause drafting while acceptance stays near zero.
     pub auto_off: bool,
+    /// Size each round from the measured cost of its window and the acceptance rate by draft
+    /// position ([`gate::DraftGate::fastest_draft_len`]), once rounds of two lengths have been
+    /// timed, instead of from recent acceptance alone.
+    pub fitted_draft_length: bool,
 }
 
 /// Speculation counters, named as vLLM names them.
@@ -310,7 +314,7 @@ pub fn generate_speculative(
         }
     };
     let provider = provider.filter(|_| stats.drafting_skipped.is_none());
-    let mut gate = DraftGate::new(options.auto_off);
+    let mut gate = DraftGate::new(options.auto_off).with_fitted_length(options.fitted_draft_length);
     let mut cache =
         ModelCache::with_reserve(&model.config, DEFAULT_ROLLBACK_RESERVE.max(k_max + 1));
 
@@ -499,7 +503,7 @@ pub fn generate_speculative(
                     stats.accepted_per_position[i] += 1;
                 }
             }
-            gate.observe_round_time(round_began.elapsed().as_secs_f64());
+            gate.observe_round_time(round_began.elapsed().as_secs_f64(), d);
             gate.observe(d, accepted);
         } else if !sampling.is_greedy() {
             // Sampled plain rounds run one by one like this; greedy ones as bursts, timed
