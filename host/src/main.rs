@@ -88,7 +88,7 @@ struct SpecArgs {
     /// accepted at each position, once rounds of two lengths have been timed (instead of about
     /// twice the recent accepted tokens, plus one). Not yet the default: it waits for a GPU
     /// measurement.
-    #[arg(long)]
+    #[arg(long, requires = "drafter")]
     fitted_draft_length: bool,
 }
 

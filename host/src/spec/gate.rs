@@ -22,13 +22,14 @@
 //! cost, unless the drafter accepts so much that no measured cost would make it lose.
 //!
 //! With [`DraftGate::with_fitted_length`] (`--fitted-draft-length`), once rounds of two or more
-//! lengths have been timed, the draft length follows from the costs instead: a line fitted to a round's seconds against its window length, and the
-//! long-memory rate at which the draft at each position is accepted given that the ones before
-//! it were, give each length's expected tokens a second; the gate asks for the length with the
-//! most. Rates by position, not one rate: prompt lookup accepts in streaks, so a draft deep in
-//! a round is right more often than the first one. On an H200 a
-//! window of 8 costs about 3.7 plain tokens and one of 4 about 2.5, so a drafter right 70 % of
-//! the time loses with 7 drafts and breaks even with 3 (BENCHMARKS.md).
+//! lengths have been timed, the draft length follows from the costs instead: a line fitted to
+//! a round's seconds against its window length, and the long-memory rate at which the draft at
+//! each position is accepted given that the ones before it were, give each length's expected
+//! tokens a second; the gate asks for the length with the most. Rates by position, not one
+//! rate: prompt lookup accepts in streaks, so a draft deep in a round is right more often than
+//! the first one. On an H200 a window of 8 costs about 3.7 plain tokens and one of 4 about 2.5,
+//! so a drafter right 70 % of the time loses with 7 drafts and breaks even with 3
+//! (BENCHMARKS.md).
 
 /// Below this many accepted tokens per drafted round, a round costs more than it returns
 /// (the threshold while the rounds' costs are unknown, and its floor).

@@ -303,17 +303,16 @@ pub fn generate_speculative(
     let sampling: SamplingParams = req.sampling;
     let vocab = model.config.vocab_size;
     let mut stats = SpecStats::default();
-    let window_limit = model.verify_window_limit();
-    let k_max = match most_drafts(options.num_draft_tokens, window_limit) {
-        Some(k) => k,
+    let (k_max, provider) = match most_drafts(options.num_draft_tokens, model.verify_window_limit())
+    {
+        Some(k) => (k, provider),
         None => {
-            let why = "this target's verify windows run a token at a time on this device (no window kernels for its weights), so a drafted round costs as many steps as it could emit: decoding plainly";
+            let why = "this target's verify windows run a token at a time on this device (its weights have no window kernels, or no grid-wide barrier is safe here), so a drafted round costs as many steps as it could emit: decoding plainly";
             tracing::info!("{why}");
             stats.drafting_skipped = Some(why.to_owned());
-            1
+            (1, None)
         }
     };
-    let provider = provider.filter(|_| stats.drafting_skipped.is_none());
     let mut gate = DraftGate::new(options.auto_off).with_fitted_length(options.fitted_draft_length);
     let mut cache =
         ModelCache::with_reserve(&model.config, DEFAULT_ROLLBACK_RESERVE.max(k_max + 1));

@@ -272,7 +272,7 @@ impl Gemma4Model {
         // longer than they take for this model runs as windows they take, one after the other,
         // so that every window computes what decode steps compute. A prompt (the last logits
         // only) runs whole: plain and speculative decoding fill their caches alike.
-        let largest_window = self.verify_window_limit().unwrap_or(usize::MAX);
+        let largest_window = self.window_limit_for(fused).unwrap_or(usize::MAX);
         if logits_for == LogitsFor::All
             && t as usize > largest_window
             && t as usize <= MAX_MASKED_WINDOW
@@ -432,7 +432,12 @@ impl Gemma4Model {
     /// through MPS): such a window verifies a token at a time, as decode steps. `None` where a
     /// window of any length runs whole (MLX's operations: the CPU, or the window kernels off).
     pub fn verify_window_limit(&self) -> Option<usize> {
-        if !crate::kernels::Fused::for_next_forward().window {
+        self.window_limit_for(crate::kernels::Fused::for_next_forward())
+    }
+
+    /// [`Gemma4Model::verify_window_limit`] with the kernels `fused` allows.
+    fn window_limit_for(&self, fused: crate::kernels::Fused) -> Option<usize> {
+        if !fused.window {
             return None;
         }
         Some(if crate::kernels::post_attention::grid_blocks().is_some() {
