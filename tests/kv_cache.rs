@@ -193,10 +193,10 @@ fn a_window_run_in_parts_equals_one_forward() {
     let whole = model
         .forward_ids(&ids, &mut whole_cache, LogitsFor::All, true)
         .unwrap();
-    for largest in [1, 4, 8] {
+    for (largest, group) in [(1, 0), (4, 0), (8, 0), (4, 1), (8, 2)] {
         let mut cache = model.new_cache();
         let parts = model
-            .forward_in_windows(&ids, &mut cache, LogitsFor::All, true, largest)
+            .forward_in_windows(&ids, &mut cache, LogitsFor::All, true, largest, group)
             .unwrap();
         assert_eq!(cache.offset(), whole_cache.offset(), "largest {largest}");
         assert_eq!(parts.logits.shape(), whole.logits.shape());
@@ -204,24 +204,66 @@ fn a_window_run_in_parts_equals_one_forward() {
             parts.logits.as_slice::<f32>(),
             whole.logits.as_slice::<f32>(),
         );
-        assert!(max_abs_diff(a, b) < 1e-4, "largest {largest}: logits");
+        assert!(
+            max_abs_diff(a, b) < 1e-4,
+            "largest {largest}, group {group}: logits"
+        );
         assert_eq!(parts.hidden.len(), whole.hidden.len());
         for (i, (p, w)) in parts.hidden.iter().zip(&whole.hidden).enumerate() {
             assert_eq!(p.shape(), w.shape(), "hidden state {i}");
             let (p, w) = (p.as_slice::<f32>(), w.as_slice::<f32>());
             assert!(
                 max_abs_diff(p, w) < 1e-4,
-                "largest {largest}: hidden state {i}"
+                "largest {largest}, group {group}: hidden state {i}"
             );
         }
         // Only the last logits: those of the last part's last token.
         let mut cache = model.new_cache();
         let last = model
-            .forward_in_windows(&ids, &mut cache, LogitsFor::Last, false, largest)
+            .forward_in_windows(&ids, &mut cache, LogitsFor::Last, false, largest, group)
             .unwrap();
         let vocab = model.config.vocab_size;
         assert_eq!(last.logits.shape(), [1, vocab as i32]);
         assert!(max_abs_diff(last.logits.as_slice::<f32>(), &b[10 * vocab..]) < 1e-4);
+    }
+}
+
+/// A verify window handed to the device a few layers at a time (`forward_to_read`) computes
+/// exactly what the same window handed over whole computes, and leaves the same cache: only
+/// when the work is submitted changes.
+#[test]
+fn a_window_handed_over_in_groups_of_layers_equals_one_handed_over_whole() {
+    use mlx_spec::model::gemma4::handoff::set_handoff_layers;
+    let model = Gemma4Model::random(tiny_config(false), 5, Dtype::Float32, None).unwrap();
+    let (prompt, window) = (&PROMPT[..9], &PROMPT[9..]);
+    let run = |group: Option<usize>| {
+        let mut cache = model.new_cache();
+        model
+            .forward(prompt, &mut cache, LogitsFor::Last, false)
+            .unwrap();
+        set_handoff_layers(group);
+        let out = model
+            .forward_to_read(window, &mut cache, LogitsFor::All, false)
+            .unwrap();
+        set_handoff_layers(None);
+        // The next token after the window reads the window's cache rows.
+        let next = model
+            .forward(&[7], &mut cache, LogitsFor::Last, false)
+            .unwrap();
+        (
+            out.logits.as_slice::<f32>().to_vec(),
+            next.logits.as_slice::<f32>().to_vec(),
+            cache.offset(),
+        )
+    };
+    let whole = run(Some(0));
+    assert_eq!(whole.2, PROMPT.len() + 1);
+    for group in [1, 2, 3] {
+        assert_eq!(
+            run(Some(group)),
+            whole,
+            "layers handed over {group} at a time"
+        );
     }
 }
 

@@ -60,7 +60,13 @@
 #   replay     speculation with replayed drafts (`bench --replay-drafts`: the plain output's own
 #              tokens, each right with a set probability) vs plain greedy decoding, E4B bf16
 #              and 4-bit (REPLAY_MODELS), drafts of 3 and 7: what the verify loop gives at a
-#              known acceptance on a shape no drafter accepts on with random weights
+#              known acceptance on a shape no drafter accepts on with random weights;
+#              REPLAY_ARGS: more bench options (e.g. --replay-sizings fitted
+#              --replay-handoffs 0,3,6: verify windows handed to the device whole or in groups
+#              of layers, side by side)
+#   verify-curve  the E4B bf16 verify cost curve alone (k = 1 ... 32), each window handed to
+#              the device whole and in groups of --handoff-layers (VERIFY_CURVE_ARGS: more
+#              mlx-spec options, e.g. --handoff-layers 3)
 #   stage-times the post-attention kernel's stages (attention output, gate/up, down, the
 #              per-layer input's gate and projection) timed on the device during pipelined
 #              decode, E4B bf16 and 4-bit, 12B bf16 (`bench --stage-times`)
@@ -230,7 +236,8 @@ bench() {
         echo "$json" >>"$RES/bench.jsonl"
         row "$label | $(python3 -c 'import json, sys
 j, bw = json.loads(sys.argv[1]), sys.argv[2]
-curve = " ".join("k=%d %.1fms (host %.1f)" % (c["k"], c["ms"], c.get("build_ms", float("nan"))) for c in j.get("verify_curve", []))
+curve = " ".join("k=%d %.1fms (host %.1f; handed over %.1fms)" % (c["k"], c["ms"], c.get("build_ms", float("nan")), c.get("handed_over_ms", float("nan"))) for c in j.get("verify_curve", []))
+curve = ("verify cost, whole (handed over %s layers at a time): %s" % (j.get("handoff_layers", "?"), curve)) if curve else curve
 read = j["weight_bytes_read_per_token"]
 floor = "floor %.0f tok/s (%.2f GB read per token), decode at %.1f %% of it" % (
     float(bw) * 1e12 / read, read / 1e9, 100 * j["decode_tokens_per_s"] * read / (float(bw) * 1e12)) if bw else "no bandwidth measured"
@@ -249,6 +256,12 @@ if want mlx; then
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+fi
+
+if want verify-curve; then
+    # shellcheck disable=SC2086 # VERIFY_CURVE_ARGS is a list of options
+    bench "mlx-spec E4B bf16 ${VERIFY_CURVE_ARGS:-}" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 \
+        --gen-tokens 32 --repeats 3 --verify-curve ${VERIFY_CURVE_ARGS:-}
 fi
 
 if want q4check; then
@@ -396,7 +409,7 @@ if want replay; then
         echo "## replayed drafts, $model, prompt 512, 128 tokens" | tee -a "$RES/replay.md"
         timeout 280 "$BIN" bench --device gpu --random-weights "${quant[@]}" --model "$ROOT/configs/gemma-4-e4b.json" \
             --dtype bf16 --prompt-tokens 512 --gen-tokens 128 --repeats "${REPLAY_REPEATS:-2}" \
-            --replay-drafts "${REPLAY_RATES:-1,0.8,0.6,0.4,0}" --replay-draft-lengths "${REPLAY_KS:-3,7}" \
+            --replay-drafts "${REPLAY_RATES:-1,0.8,0.6,0.4,0}" --replay-draft-lengths "${REPLAY_KS:-3,7}" ${REPLAY_ARGS:-} \
             2>>"$RES/replay.err" | tee -a "$RES/replay.md" || tail -n 3 "$RES/replay.err"
     done
     row "speculation with replayed drafts vs plain, E4B | printed above, kept in replay.md"

@@ -98,7 +98,7 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     let options = SpecOptions {
         num_draft_tokens: k,
         auto_off: !args.spec.no_auto_off,
-        fitted_draft_length: args.spec.fitted_draft_length,
+        fitted_draft_length: !args.spec.recent_draft_length,
     };
     let (mut plain_rates, mut spec_rates) = (Vec::new(), Vec::new());
     let mut totals = mlx_spec::spec::SpecStats::default();
@@ -173,10 +173,39 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     Ok(())
 }
 
+/// One replayed case: drafts a round, the chance each is right, how rounds are sized and how
+/// many layers a group the verify window goes to the device in (0: whole).
+#[derive(Clone, Copy)]
+struct ReplayCase {
+    k: usize,
+    p: f64,
+    fitted: bool,
+    handoff: usize,
+}
+
+impl ReplayCase {
+    fn sizing(&self) -> &'static str {
+        if self.fitted {
+            "fitted"
+        } else {
+            "recent"
+        }
+    }
+
+    fn handoff(&self) -> String {
+        match self.handoff {
+            0 => "whole".to_owned(),
+            n => format!("{n} layers"),
+        }
+    }
+}
+
 /// Plain greedy decoding against speculation with replayed drafts (`--replay-drafts`): for
-/// each draft length, hit rate and way of sizing rounds (recent acceptance, or fitted to the
-/// measured costs), side by side in every round, the outputs checked equal.
+/// each draft length, hit rate, way of sizing rounds (recent acceptance, or fitted to the
+/// measured costs) and hand-off of the verify window, side by side in every round, the
+/// outputs checked equal.
 fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
+    use mlx_spec::model::gemma4::handoff::{handoff_layers, set_handoff_layers};
     use mlx_spec::spec::replay::{expected_acceptance_length, ReplayDrafter};
     if args.replay_draft_lengths.contains(&0) {
         bail!("--replay-draft-lengths: every length must be at least 1");
@@ -188,41 +217,63 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
         stop_ids: Vec::new(),
         ignore_eos: true,
     };
-    let cases: Vec<(usize, f64, bool)> = args
-        .replay_draft_lengths
-        .iter()
-        .flat_map(|&k| {
-            args.replay_drafts
-                .iter()
-                .flat_map(move |&p| [false, true].map(|fitted| (k, p, fitted)))
-        })
-        .collect();
+    let configured = handoff_layers();
+    let handoffs = if args.replay_handoffs.is_empty() {
+        vec![configured]
+    } else {
+        args.replay_handoffs.clone()
+    };
+    let mut cases = Vec::new();
+    for &k in &args.replay_draft_lengths {
+        for &p in &args.replay_drafts {
+            for sizing in &args.replay_sizings {
+                for &handoff in &handoffs {
+                    let fitted = sizing == "fitted";
+                    cases.push(ReplayCase {
+                        k,
+                        p,
+                        fitted,
+                        handoff,
+                    });
+                }
+            }
+        }
+    }
     // Per case: spec rates, then the last round's counters.
     let mut spec_rates = vec![Vec::new(); cases.len()];
     let mut last_stats = vec![mlx_spec::spec::SpecStats::default(); cases.len()];
     let mut plain_rates = Vec::new();
     for round in 0..=args.repeats {
+        set_handoff_layers(Some(configured));
         let start = Instant::now();
         let (plain_tokens, _) = generate(model, &request, |_| Ok(()))?;
         let plain_s = start.elapsed().as_secs_f64();
         if round > 0 {
             plain_rates.push(plain_tokens.len() as f64 / plain_s);
         }
-        for (i, &(k, p, fitted)) in cases.iter().enumerate() {
-            let provider = ReplayDrafter::new(plain_tokens.clone(), p, 0x5eed)
+        for (i, case) in cases.iter().enumerate() {
+            let provider = ReplayDrafter::new(plain_tokens.clone(), case.p, 0x5eed)
                 .map_err(anyhow::Error::msg)?
                 .into_provider();
             let options = SpecOptions {
-                num_draft_tokens: k,
+                num_draft_tokens: case.k,
                 auto_off: true,
-                fitted_draft_length: fitted,
+                fitted_draft_length: case.fitted,
             };
+            set_handoff_layers(Some(case.handoff));
             let start = Instant::now();
-            let (spec_tokens, _, stats) =
-                generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
+            let spec = generate_speculative(model, &request, Some(&provider), options, |_| Ok(()));
             let spec_s = start.elapsed().as_secs_f64();
+            set_handoff_layers(Some(configured));
+            let (spec_tokens, _, stats) = spec?;
             if spec_tokens != plain_tokens {
-                bail!("speculative output differs from plain output ({k} replayed drafts right with probability {p}, round {round}): this is a bug, please report it");
+                bail!(
+                    "speculative output differs from plain output ({} replayed drafts right with probability {}, rounds sized by {}, handed over {}, round {round}): this is a bug, please report it",
+                    case.k,
+                    case.p,
+                    case.sizing(),
+                    case.handoff()
+                );
             }
             if round > 0 {
                 spec_rates[i].push(spec_tokens.len() as f64 / spec_s);
@@ -231,21 +282,21 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
         }
     }
     let plain = median(plain_rates);
-    let sizing = |fitted: bool| if fitted { "fitted" } else { "recent" };
     let rows: Vec<_> = cases
         .iter()
         .zip(spec_rates)
         .zip(&last_stats)
-        .map(|((&(k, p, fitted), rates), stats)| (k, p, fitted, median(rates), stats))
+        .map(|((case, rates), stats)| (case, median(rates), stats))
         .collect();
     if args.json {
         let cases: Vec<_> = rows
             .iter()
-            .map(|(k, p, fitted, spec, s)| {
-                json!({"num_draft_tokens": k, "hit_rate": p, "draft_length": sizing(*fitted),
+            .map(|(c, spec, s)| {
+                json!({"num_draft_tokens": c.k, "hit_rate": c.p, "draft_length": c.sizing(),
+                       "handoff_layers": c.handoff,
                        "spec_tokens_per_s": spec, "speedup": spec / plain,
                        "mean_acceptance_length": s.mean_acceptance_length,
-                       "expected_acceptance_length": expected_acceptance_length(*p, *k),
+                       "expected_acceptance_length": expected_acceptance_length(c.p, c.k),
                        "num_drafts": s.num_drafts, "num_draft_tokens_total": s.num_draft_tokens,
                        "num_accepted_tokens": s.num_accepted_tokens, "target_forwards": s.target_forwards})
             })
@@ -256,15 +307,18 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
                    "gen_tokens": args.gen_tokens, "repeats": args.repeats, "plain_tokens_per_s": plain, "cases": cases})
         );
     } else {
-        println!("| drafts a round (k) | each right with | rounds sized by | plain tok/s | spec tok/s | speedup | acceptance length (expected) | drafted rounds | forwards |");
-        println!("|---|---|---|---|---|---|---|---|---|");
-        for (k, p, fitted, spec, s) in &rows {
+        println!("| drafts a round (k) | each right with | rounds sized by | window handed over | plain tok/s | spec tok/s | speedup | acceptance length (expected) | drafted rounds | forwards |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        for (c, spec, s) in &rows {
             println!(
-                "| {k} | {p} | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} ({:.2}) | {} | {} |",
-                sizing(*fitted),
+                "| {} | {} | {} | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} ({:.2}) | {} | {} |",
+                c.k,
+                c.p,
+                c.sizing(),
+                c.handoff(),
                 spec / plain,
                 s.mean_acceptance_length,
-                expected_acceptance_length(*p, *k),
+                expected_acceptance_length(c.p, c.k),
                 s.num_drafts,
                 s.target_forwards
             );
@@ -457,14 +511,22 @@ struct WindowTime {
 }
 
 /// One forward over `window` after the cache's tokens, evaluated to its greedy picks and
-/// timed, then rolled back so the next call sees the same cache.
+/// timed, then rolled back so the next call sees the same cache. `handed_over`: as a verify
+/// round runs it, its layers handed to the device in groups as they are built
+/// (`--handoff-layers`); otherwise handed over whole when the picks are read.
 fn time_window(
     model: &Gemma4Model,
     cache: &mut mlx_spec::model::gemma4::ModelCache,
     window: &[u32],
+    handed_over: bool,
 ) -> Result<WindowTime> {
     let start = Instant::now();
-    let logits = model.forward(window, cache, LogitsFor::All, false)?.logits;
+    let logits = if handed_over {
+        model.forward_to_read(window, cache, LogitsFor::All, false)?
+    } else {
+        model.forward(window, cache, LogitsFor::All, false)?
+    }
+    .logits;
     let picks = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?;
     let built = start.elapsed();
     picks.eval()?;
@@ -484,32 +546,43 @@ fn window_of(model: &Gemma4Model, k: usize) -> Vec<u32> {
         .collect()
 }
 
+/// One point of the verify cost curve: a window of `k` tokens handed to the device whole,
+/// and handed over in groups of layers as a verify round hands it (`--handoff-layers`).
+struct CurvePoint {
+    k: usize,
+    whole: WindowTime,
+    handed_over: WindowTime,
+}
+
 /// Milliseconds of one forward over `k` new tokens after `prompt`, for k = 1, 2, 4, … 32
-/// (median over `repeats`, the cache rolled back after each), with the host's share.
-fn verify_curve(
-    model: &Gemma4Model,
-    prompt: &[u32],
-    repeats: usize,
-) -> Result<Vec<(usize, WindowTime)>> {
+/// (median over `repeats`, the cache rolled back after each), with the host's share; each
+/// window both ways, alternated.
+fn verify_curve(model: &Gemma4Model, prompt: &[u32], repeats: usize) -> Result<Vec<CurvePoint>> {
     let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, 64);
     prefill(model, &mut cache, prompt)?;
+    let medians = |times: &[WindowTime]| WindowTime {
+        total_ms: median(times.iter().map(|t| t.total_ms).collect()),
+        build_ms: median(times.iter().map(|t| t.build_ms).collect()),
+    };
     let mut curve = Vec::new();
     for k in [1usize, 2, 4, 8, 16, 32] {
         let window = window_of(model, k);
-        let mut times = Vec::new();
+        let (mut whole, mut handed_over) = (Vec::new(), Vec::new());
         for round in 0..=repeats {
-            let time = time_window(model, &mut cache, &window)?;
+            let times = (
+                time_window(model, &mut cache, &window, false)?,
+                time_window(model, &mut cache, &window, true)?,
+            );
             if round > 0 {
-                times.push(time);
+                whole.push(times.0);
+                handed_over.push(times.1);
             }
         }
-        curve.push((
+        curve.push(CurvePoint {
             k,
-            WindowTime {
-                total_ms: median(times.iter().map(|t| t.total_ms).collect()),
-                build_ms: median(times.iter().map(|t| t.build_ms).collect()),
-            },
-        ));
+            whole: medians(&whole),
+            handed_over: medians(&handed_over),
+        });
     }
     Ok(curve)
 }
@@ -530,11 +603,11 @@ fn report_verify_window(
     let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, k.max(64));
     prefill(model, &mut cache, prompt)?;
     let window = window_of(model, k);
-    time_window(model, &mut cache, &window)?;
+    time_window(model, &mut cache, &window, true)?;
     mlx_spec::device::start_profiler_capture_if_asked();
     let mut times = Vec::new();
     for _ in 0..args.repeats {
-        times.push(time_window(model, &mut cache, &window)?);
+        times.push(time_window(model, &mut cache, &window, true)?);
     }
     let total = median(times.iter().map(|t| t.total_ms).collect());
     let build = median(times.iter().map(|t| t.build_ms).collect());
@@ -1590,7 +1663,9 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
                 "stepwise_graph_build_ms": build_ms,
                 "pipelined_host_ms": json!({"build": host.build_ms, "submit": host.submit_ms, "wait": host.wait_ms}),
                 "fused_comparison": fused_comparison.iter().map(|f| json!({"kernels": f.name, "decode_tokens_per_s": f.tokens_per_s, "slowest_round_tokens_per_s": f.slowest_tokens_per_s, "fastest_round_tokens_per_s": f.fastest_tokens_per_s, "same_tokens_as_none": f.same_as_none, "first_step_logit_gap": f.logit_gap, "host_ms": {"build": f.host.build_ms, "submit": f.host.submit_ms, "wait": f.host.wait_ms}})).collect::<Vec<_>>(),
-                "verify_curve": curve.iter().map(|(k, t)| json!({"k": k, "ms": t.total_ms, "build_ms": t.build_ms})).collect::<Vec<_>>(),
+                "handoff_layers": mlx_spec::model::gemma4::handoff::handoff_layers(),
+                "verify_curve": curve.iter().map(|c| json!({"k": c.k, "ms": c.whole.total_ms, "build_ms": c.whole.build_ms,
+                    "handed_over_ms": c.handed_over.total_ms, "handed_over_build_ms": c.handed_over.build_ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
                     "same_tokens": c.device_tokens == c.cpu_tokens && c.device_tokens_other_shares == c.cpu_tokens,
@@ -1648,16 +1723,21 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
             println!();
             println!("| verify window k | 1 | 2 | 4 | 8 | 16 | 32 |");
             println!("|---|---|---|---|---|---|---|");
-            let cells: Vec<String> = curve
-                .iter()
-                .map(|(_, t)| format!("{:.2} ms", t.total_ms))
-                .collect();
-            println!("| one forward | {} |", cells.join(" | "));
-            let cells: Vec<String> = curve
-                .iter()
-                .map(|(_, t)| format!("{:.2} ms", t.build_ms))
-                .collect();
-            println!("| of it, building the graph | {} |", cells.join(" | "));
+            let row = |label: &str, cell: &dyn Fn(&CurvePoint) -> f64| {
+                let cells: Vec<String> =
+                    curve.iter().map(|c| format!("{:.2} ms", cell(c))).collect();
+                println!("| {label} | {} |", cells.join(" | "));
+            };
+            row("one forward, handed over whole", &|c| c.whole.total_ms);
+            row("of it, building the graph", &|c| c.whole.build_ms);
+            let group = mlx_spec::model::gemma4::handoff::handoff_layers();
+            row(
+                &format!("one forward, handed over {group} layers at a time"),
+                &|c| c.handed_over.total_ms,
+            );
+            row("of it, building and handing over", &|c| {
+                c.handed_over.build_ms
+            });
         }
         if let Some(ops) = &step_ops {
             let mut by_count: Vec<_> = ops.iter().collect();

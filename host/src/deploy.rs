@@ -14,7 +14,7 @@
 //! name = "ngram"
 //! num_draft_tokens = 8
 //! auto_off = true
-//! fitted_draft_length = false     # true: size rounds by measured window costs
+//! fitted_draft_length = true      # false: size rounds by recent acceptance alone
 //! [drafter.config]                # overrides of the plugin manifest's [defaults]
 //! max_ngram = 4
 //!
@@ -91,8 +91,9 @@ pub struct DrafterSection {
     pub num_draft_tokens: Option<usize>,
     #[serde(default = "default_true")]
     pub auto_off: bool,
-    /// Size rounds by measured window costs (`--fitted-draft-length`).
-    #[serde(default)]
+    /// Size rounds by measured window costs and acceptance by draft position (the default;
+    /// `false` is `--recent-draft-length`).
+    #[serde(default = "default_true")]
     pub fitted_draft_length: bool,
     #[serde(default)]
     pub config: toml::Table,
@@ -190,6 +191,8 @@ mod tests {
         let drafter = cfg.drafter.unwrap();
         assert_eq!(drafter.config["max_ngram"].as_integer(), Some(4));
         assert!(drafter.auto_off);
+        // Rounds are sized by measured costs unless the file says otherwise.
+        assert!(drafter.fitted_draft_length);
         assert_eq!(cfg.sampling.max_tokens, 9);
         assert_eq!(cfg.sampling.top_p, 1.0);
     }

@@ -189,8 +189,9 @@ pub fn generate(
             break;
         }
         if !greedy {
+            // Read at once by the sampler: handed to the device as it is built.
             logits = model
-                .forward(&[token], &mut cache, LogitsFor::Last, false)?
+                .forward_to_read(&[token], &mut cache, LogitsFor::Last, false)?
                 .logits;
         }
     }

@@ -84,11 +84,19 @@ struct SpecArgs {
     /// Keep drafting even when acceptance stays near zero.
     #[arg(long, requires = "drafter")]
     no_auto_off: bool,
-    /// Size each round by what windows were measured to cost and how often a draft is
-    /// accepted at each position, once rounds of two lengths have been timed (instead of about
-    /// twice the recent accepted tokens, plus one). Not yet the default: it waits for a GPU
-    /// measurement.
+    /// Size each round by about twice the recent accepted tokens, plus one, as before the
+    /// default became fitted rounds: by what windows were measured to cost and how often a
+    /// draft is accepted at each position, once rounds of two lengths have been timed (ahead or
+    /// even in every case measured on an H200; BENCHMARKS.md).
     #[arg(long, requires = "drafter")]
+    recent_draft_length: bool,
+    /// Fitted rounds, the default now; accepted so that older command lines still run.
+    #[arg(
+        long,
+        requires = "drafter",
+        hide = true,
+        conflicts_with = "recent_draft_length"
+    )]
     fitted_draft_length: bool,
 }
 
@@ -196,6 +204,12 @@ struct ModelArgs {
     /// window made the cache grow; moves roundings).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
+    /// A forward whose result the host reads at once (a verify window, a sampled step) goes
+    /// to the device every N layers as the host builds it, so that the device starts on the
+    /// first layers while the host builds the rest; 0 hands it over whole. Default: 6 on a
+    /// GPU, 0 on the CPU. The values computed are the same either way.
+    #[arg(long, value_name = "N")]
+    handoff_layers: Option<usize>,
 }
 
 /// `--fused-kernels`' default, also that of config-driven runs (`mlx-spec run`).
@@ -264,10 +278,11 @@ impl ModelArgs {
         }
     }
 
-    /// Puts `--fused-kernels` in force for the rest of the process.
-    /// Puts `--fused-kernels` and `--kernel-variants` in force for the process.
+    /// Puts `--fused-kernels`, `--kernel-variants` and `--handoff-layers` in force for the
+    /// process.
     fn allow_fused_kernels(&self) {
         mlx_spec::kernels::set_allowed(self.fused());
+        mlx_spec::model::gemma4::handoff::set_handoff_layers(self.handoff_layers);
         let variants = &self.kernel_variants;
         let tuning = mlx_spec::kernels::Tuning {
             attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
@@ -445,15 +460,25 @@ struct BenchArgs {
     verify_window: Option<usize>,
     /// Instead of the decode measurements: speculative against plain greedy decoding with
     /// drafts replayed from the plain run's own output, each draft right with this probability
-    /// (a list, one measurement each: `1,0.8,0.5,0`), each with rounds sized by recent
-    /// acceptance and by the measured costs (`--fitted-draft-length`). A measuring instrument for shapes no
-    /// drafter can accept on (random weights): what the verify loop gives at a known
-    /// acceptance. The outputs are checked equal, as with a drafter.
+    /// (a list, one measurement each: `1,0.8,0.5,0`), for each draft length, way of sizing
+    /// rounds and hand-off (`--replay-draft-lengths`, `--replay-sizings`, `--replay-handoffs`).
+    /// A measuring instrument for shapes no drafter can accept on (random weights): what the
+    /// verify loop gives at a known acceptance. The outputs are checked equal, as with a
+    /// drafter.
     #[arg(long, value_name = "P", value_delimiter = ',', conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times", "dump_kernel_sources", "verify_window"])]
     replay_drafts: Vec<f64>,
     /// With --replay-drafts: the most drafts a round, a list (one measurement each).
     #[arg(long, value_name = "K", value_delimiter = ',', default_value = "3,7")]
     replay_draft_lengths: Vec<usize>,
+    /// With --replay-drafts: how rounds are sized, a list (one measurement each): `recent`
+    /// (about twice the recent accepted tokens, plus one) and/or `fitted` (by the measured
+    /// window costs and the acceptance at each draft position).
+    #[arg(long, value_name = "WAY", value_delimiter = ',', default_value = "recent,fitted", value_parser = ["recent", "fitted"])]
+    replay_sizings: Vec<String>,
+    /// With --replay-drafts: layers a group when a verify window goes to the device, a list
+    /// (one measurement each; 0: whole). Default: the process's `--handoff-layers`.
+    #[arg(long, value_name = "N", value_delimiter = ',')]
+    replay_handoffs: Vec<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -779,7 +804,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             num_draft_tokens: args.spec.num_draft_tokens,
             overrides: parse_overrides(&args.spec.drafter_set)?,
             auto_off: !args.spec.no_auto_off,
-            fitted_draft_length: args.spec.fitted_draft_length,
+            fitted_draft_length: !args.spec.recent_draft_length,
         }),
         None => None,
     };
@@ -824,6 +849,7 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             random_group_size: 64,
             fused_kernels: default_fused_kernels(),
             kernel_variants: Vec::new(),
+            handoff_layers: None,
         },
         input: &args.input,
         max_tokens: s.max_tokens,

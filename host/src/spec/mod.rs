@@ -448,8 +448,10 @@ pub fn generate_speculative(
         let mut window = Vec::with_capacity(d + 1);
         window.push(pending);
         window.extend_from_slice(drafts);
+        // The round reads the picks at once: the window goes to the device a few layers at a
+        // time as they are built, so the device does not wait for the whole graph.
         let logits = model
-            .forward(&window, &mut cache, LogitsFor::All, false)?
+            .forward_to_read(&window, &mut cache, LogitsFor::All, false)?
             .logits;
         stats.target_forwards += 1;
 

@@ -3,12 +3,13 @@
 //! One file per block: [`config`] (both config.json forms and the derived per-layer plan),
 //! [`linear`] (dense and quantized matrices, the checkpoint loader), [`rope`], [`attention`],
 //! [`mlp`], [`moe`], [`ple`] (per-layer embeddings), [`layer`] and [`cache`] (per-request KV
-//! state). Weights are immutable; all per-request state lives in [`cache::ModelCache`].
+//! state); [`handoff`] says when a forward read at once goes to the device. Weights are immutable; all per-request state lives in [`cache::ModelCache`].
 
 pub mod activation;
 pub mod attention;
 pub mod cache;
 pub mod config;
+pub mod handoff;
 pub mod layer;
 pub mod linear;
 pub mod mlp;
@@ -250,6 +251,23 @@ impl Gemma4Model {
         self.forward_ids(&ids, cache, logits_for, capture_hidden)
     }
 
+    /// [`Gemma4Model::forward`] for a caller that reads the result at once, as a verify round
+    /// does: on a GPU the hidden state goes to the device every few layers as the host builds
+    /// them ([`handoff`]), so the device starts on the first layers while the host builds the
+    /// rest. The same values as [`Gemma4Model::forward`].
+    pub fn forward_to_read(
+        &self,
+        ids: &[u32],
+        cache: &mut ModelCache,
+        logits_for: LogitsFor,
+        capture_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        self.check_ids(ids)?;
+        let ids = Array::from_slice(ids, &[1, ids.len() as i32]);
+        let group = handoff::handoff_layers();
+        self.forward_grouped(&ids, cache, logits_for, capture_hidden, group)
+    }
+
     /// [`Gemma4Model::forward`] on token ids already in an array (`[1, T]`, integer), which
     /// may still be unevaluated: decode feeds the argmax of one step into the next without
     /// waiting for it. The ids are not checked against the vocabulary here.
@@ -259,6 +277,19 @@ impl Gemma4Model {
         cache: &mut ModelCache,
         logits_for: LogitsFor,
         capture_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        self.forward_grouped(ids, cache, logits_for, capture_hidden, 0)
+    }
+
+    /// [`Gemma4Model::forward_ids`], the output of every `group` layers handed to the device
+    /// as soon as it is built (0: none before the caller evaluates the result).
+    fn forward_grouped(
+        &self,
+        ids: &Array,
+        cache: &mut ModelCache,
+        logits_for: LogitsFor,
+        capture_hidden: bool,
+        group: usize,
     ) -> Result<ForwardOutput> {
         if ids.ndim() != 2 || ids.shape()[0] != 1 || ids.shape()[1] == 0 {
             bail!(
@@ -277,7 +308,14 @@ impl Gemma4Model {
             && t as usize > largest_window
             && t as usize <= MAX_MASKED_WINDOW
         {
-            return self.forward_in_windows(ids, cache, logits_for, capture_hidden, largest_window);
+            return self.forward_in_windows(
+                ids,
+                cache,
+                logits_for,
+                capture_hidden,
+                largest_window,
+                group,
+            );
         }
         let offset = cache.offset();
         // Activations are `[T, hidden]` matrices throughout: MLX wraps a product of a 3-D
@@ -317,6 +355,9 @@ impl Gemma4Model {
             x = out;
             if capture_hidden && i + 1 < self.layers.len() {
                 hidden.push(x.clone());
+            }
+            if handoff::hands_off_after(i, self.layers.len(), group) {
+                mlx_rs::transforms::async_eval([&x])?;
             }
         }
         cache.advance(t as usize);
@@ -448,7 +489,8 @@ impl Gemma4Model {
     }
 
     /// [`Gemma4Model::forward_ids`] over `ids` (`[1, T]`) as consecutive windows of at most
-    /// `largest` tokens: the logits (and hidden states) of every window, joined.
+    /// `largest` tokens: the logits (and hidden states) of every window, joined. Each window
+    /// hands its layers over in groups of `group` ([`handoff`]; 0: whole).
     ///
     /// Each window but the last is handed to the device (`async_eval`) before the next is
     /// built, so the windows run one after the other on the stream. Without that, MLX sees no
@@ -464,6 +506,7 @@ impl Gemma4Model {
         logits_for: LogitsFor,
         capture_hidden: bool,
         largest: usize,
+        group: usize,
     ) -> Result<ForwardOutput> {
         let t = ids.shape()[1] as usize;
         let mut logits = Vec::new();
@@ -477,7 +520,7 @@ impl Gemma4Model {
             } else {
                 logits_for
             };
-            let out = self.forward_ids(&part, cache, wanted, capture_hidden)?;
+            let out = self.forward_grouped(&part, cache, wanted, capture_hidden, group)?;
             if end < t {
                 let mut queued = vec![&out.logits];
                 queued.extend(&out.hidden);

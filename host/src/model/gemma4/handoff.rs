@@ -1,0 +1,61 @@
+//! How a forward whose result is read at once (a verify window) reaches the device: whole at
+//! the end, or a group of layers at a time as the host builds them.
+//!
+//! MLX evaluates lazily: until the host asks for a result, the device has nothing to do. In
+//! pipelined decoding that costs nothing, since the host builds step n + 1 while the device runs
+//! step n. A verify round cannot be pipelined that way (the host reads the target's picks
+//! before it can draft again), so the device idles while the host builds the window's graph
+//! and MLX encodes it, about 3 ms of a dense E4B round on an H200. Handing the hidden state to
+//! the device (`async_eval`) after every few layers lets the device start on the first layers
+//! while the host builds the rest. The values are the same either way: only when the work is
+//! submitted changes.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Layers a group on a GPU unless `--handoff-layers` says otherwise: a dense E4B step (42
+/// layers) goes out in 7 groups, each one more commit of a CUDA graph for MLX.
+pub const DEFAULT_GPU_HANDOFF_LAYERS: usize = 6;
+
+/// No setting made: [`DEFAULT_GPU_HANDOFF_LAYERS`] on a GPU, the whole forward at once
+/// elsewhere.
+const UNSET: usize = usize::MAX;
+
+static HANDOFF_LAYERS: AtomicUsize = AtomicUsize::new(UNSET);
+
+/// Sets the layers a group for the rest of the process; `Some(0)` hands each forward over
+/// whole, `None` restores the default of the device.
+pub fn set_handoff_layers(layers: Option<usize>) {
+    HANDOFF_LAYERS.store(layers.unwrap_or(UNSET), Ordering::Relaxed);
+}
+
+/// The layers a group for a forward read at once on the current default device (0: whole).
+pub fn handoff_layers() -> usize {
+    match HANDOFF_LAYERS.load(Ordering::Relaxed) {
+        UNSET if crate::device::default_is(mlx_rs::DeviceType::Gpu) => DEFAULT_GPU_HANDOFF_LAYERS,
+        UNSET => 0,
+        set => set,
+    }
+}
+
+/// Whether the output of layer `index` (0-based, of `num_layers`) ends a group of `group`
+/// layers and goes to the device before the next layer is built. The last layer never does:
+/// the caller evaluates the forward's result itself.
+pub fn hands_off_after(index: usize, num_layers: usize, group: usize) -> bool {
+    group > 0 && (index + 1) % group == 0 && index + 1 < num_layers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hands_off_after;
+
+    #[test]
+    fn groups_end_every_few_layers_but_never_at_the_last() {
+        let ends: Vec<usize> = (0..42).filter(|&i| hands_off_after(i, 42, 6)).collect();
+        assert_eq!(ends, vec![5, 11, 17, 23, 29, 35]);
+        // 42 is a multiple of 6 and 7: the last layer's output is the caller's to evaluate.
+        assert!(!hands_off_after(41, 42, 7));
+        assert!(hands_off_after(40, 42, 1));
+        assert!((0..42).all(|i| !hands_off_after(i, 42, 0)));
+        assert!((0..4).all(|i| !hands_off_after(i, 4, 8)));
+    }
+}
