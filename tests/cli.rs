@@ -304,6 +304,37 @@ fn repeatability_finds_the_cpu_decode_bitwise_repeatable() {
 }
 
 #[test]
+fn compare_sampling_measures_every_setting_drawn_on_the_device_and_on_the_host() {
+    let out = mlx_spec(&[
+        "bench",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--compare-sampling",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = json_of(&out);
+    let rows = v["sampling"].as_array().expect("a list of settings");
+    // Greedy once, then four sampling settings both ways.
+    assert_eq!(rows.len(), 9, "{v}");
+    assert_eq!(rows[0]["sampling"], "greedy");
+    assert_eq!(rows[0]["of_greedy"], 1.0);
+    let on = |place: &str| rows.iter().filter(|r| r["drawn_on"] == place).count();
+    assert_eq!((on("device"), on("host")), (5, 4));
+    for r in rows {
+        assert!(r["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}
+
+#[test]
 fn compare_fused_off_cuda_runs_the_same_operations_for_every_set() {
     // Off a CUDA GPU every fused kernel and variant is refused, so each set decodes with MLX's
     // operations: the same tokens and a logit gap of exactly 0 (a set whose kernels leaked

@@ -140,3 +140,46 @@ fn the_bench_measures_replayed_drafts_against_plain_decoding() {
     assert_eq!(cases[1]["num_accepted_tokens"], 0);
     assert_eq!(cases[1]["target_forwards"], 23);
 }
+
+/// Each case runs once for every hand-off asked for; a verify window handed to the device in
+/// groups of layers computes what it computes whole, so the counters agree case for case.
+#[test]
+fn the_bench_compares_hand_offs_side_by_side() {
+    let out = common::mlx_spec(&[
+        "bench",
+        "--model",
+        common::fixture("tiny-ple-kvshare").to_str().unwrap(),
+        "--replay-drafts",
+        "0.7",
+        "--replay-draft-lengths",
+        "3",
+        "--replay-sizings",
+        "fitted",
+        "--replay-handoffs",
+        "0,2",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "24",
+        "--repeats",
+        "1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = common::json_of(&out);
+    let cases = v["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2, "{v}");
+    assert_eq!(cases[0]["handoff_layers"], 0);
+    assert_eq!(cases[1]["handoff_layers"], 2);
+    for c in cases {
+        assert_eq!(c["draft_length"], "fitted");
+    }
+    assert_eq!(
+        cases[0]["num_accepted_tokens"],
+        cases[1]["num_accepted_tokens"]
+    );
+}

@@ -1,6 +1,7 @@
 //! Sampling through the verify loop is lossless in distribution: the first two emitted tokens
 //! follow the target's own joint distribution p(t1)·p(t2 | t1), for token-match verification
-//! (drafter without probabilities) and for rejection sampling (drafter returning q), at
+//! (drafter without probabilities: the target's tokens drawn on the device, as the loop draws
+//! them) and for rejection sampling (drafter returning q), at
 //! T = 0.8 and at T = 1.0 with top-p 0.9. Each case draws 20 000 generations through the
 //! real accept walk, over a synthetic 8-token target and over the tiny-vocabulary fixture
 //! model (its logits computed by the real model for every prefix the draws reach), and a
@@ -15,7 +16,7 @@ use std::collections::HashMap;
 use mlx_rs::Dtype;
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
 
-use mlx_spec::sampler::SamplingParams;
+use mlx_spec::sampler::{sample_on_device, SamplingParams};
 use mlx_spec::spec::{accept_walk, Verified, Walk, WalkLimits};
 
 const DRAWS: u64 = 20_000;
@@ -150,9 +151,19 @@ fn generate_two(
             prefix.push(t);
             rows.extend(target.logits(&prefix));
         }
+        // Token match: the target's own tokens, drawn on the device from those rows as the
+        // verify loop draws them; rejection sampling reads the rows.
+        let picks = if kind == DrafterKind::TokenMatch {
+            let window = mlx_rs::Array::from_slice(&rows, &[drafts.len() as i32 + 1, vocab as i32]);
+            let picks = sample_on_device(&window, sampling, emitted.len() as u64).unwrap();
+            picks.eval().unwrap();
+            picks.as_slice::<u32>().to_vec()
+        } else {
+            Vec::new()
+        };
         let result = walk(
             &Verified {
-                greedy_picks: &[],
+                picks: &picks,
                 rows: &rows,
                 vocab,
             },

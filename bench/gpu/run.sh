@@ -64,6 +64,9 @@
 #              REPLAY_ARGS: more bench options (e.g. --replay-sizings fitted
 #              --replay-handoffs 0,3,6: verify windows handed to the device whole or in groups
 #              of layers, side by side)
+#   sampling   E4B bf16 plain decoding greedy and with four sampling settings, each drawn on
+#              the device and on the host (`bench --compare-sampling`), alternated in one
+#              process
 #   verify-curve  the E4B bf16 verify cost curve alone (k = 1 ... 32), each window handed to
 #              the device whole and in groups of --handoff-layers (VERIFY_CURVE_ARGS: more
 #              mlx-spec options, e.g. --handoff-layers 3)
@@ -256,6 +259,14 @@ if want mlx; then
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+fi
+
+if want sampling; then
+    echo "## sampled decoding, E4B bf16, prompt 512, 128 tokens" | tee -a "$RES/sampling.md"
+    timeout 300 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+        --prompt-tokens 512 --gen-tokens 128 --repeats 3 --compare-sampling 2>>"$RES/sampling.err" \
+        | tee -a "$RES/sampling.md" || tail -n 3 "$RES/sampling.err"
+    row "sampled decoding, drawn on the device and on the host, E4B | printed above, kept in sampling.md"
 fi
 
 if want verify-curve; then

@@ -9,7 +9,7 @@ use mlx_rs::Array;
 use serde::Serialize;
 
 use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
-use crate::sampler::SamplingParams;
+use crate::sampler::{draw_tokens, SamplingParams};
 
 /// Prompts longer than this are prefilled in chunks, bounding activation memory.
 pub const PREFILL_CHUNK: usize = 512;
@@ -115,13 +115,35 @@ pub fn queue_greedy_step(
     Ok(next)
 }
 
-/// Picks the token at emitted index `index` from `[1, vocab]` logits.
+/// [`queue_greedy_step`] for any sampling: the successor of `token` is the token at emitted
+/// index `index`, drawn on the device ([`draw_tokens`]), so sampled decoding queues its
+/// steps as greedy decoding does.
+pub fn queue_step(
+    model: &Gemma4Model,
+    cache: &mut ModelCache,
+    token: &Array,
+    sampling: &SamplingParams,
+    index: u64,
+) -> Result<Array> {
+    if sampling.is_greedy() {
+        return queue_greedy_step(model, cache, token);
+    }
+    let ids = token.reshape(&[1, 1])?;
+    let logits = model
+        .forward_ids(&ids, cache, LogitsFor::Last, false)?
+        .logits;
+    let next = draw_tokens(&logits, sampling, index)?;
+    async_eval([&next])?;
+    Ok(next)
+}
+
+/// Picks the token at emitted index `index` from `[1, vocab]` logits: the argmax, or a draw on
+/// the device ([`draw_tokens`]), as every sampled step draws.
 pub fn pick_token(logits: &Array, sampling: &SamplingParams, index: u64) -> Result<u32> {
     if sampling.is_greedy() {
         return greedy_token(logits);
     }
-    logits.eval()?;
-    Ok(sampling.sample(logits.as_slice::<f32>(), index))
+    read_token(&draw_tokens(logits, sampling, index)?)
 }
 
 /// Runs `ids` through the model in chunks; returns the last position's logits.
@@ -150,31 +172,25 @@ pub fn generate(
     let mut stop_token = None;
 
     let start = Instant::now();
-    let mut logits = prefill(model, &mut cache, &req.prompt_ids)?;
+    let logits = prefill(model, &mut cache, &req.prompt_ids)?;
     crate::device::start_profiler_capture_if_asked();
     let mut prefill_seconds = 0.0;
     let mut decode_start = start;
-    // Greedy decoding keeps the next token on the device and queues the forward that
-    // consumes it before reading it back, so the host builds step n+1 while the device still
-    // runs step n. Sampling reads the logits on the host, so it goes one step at a time.
-    let greedy = req.sampling.is_greedy();
-    let mut pending = if greedy {
-        Some(argmax_axis(&logits, -1, false)?)
+    // The next token stays on the device (the argmax, or a draw keyed by its index), and the
+    // forward that consumes it is queued before it is read, so the host builds step n+1 while
+    // the device still runs step n.
+    let mut pending = if req.max_tokens > 0 {
+        Some(draw_tokens(&logits, &req.sampling, 0)?)
     } else {
         None
     };
 
-    while tokens.len() < req.max_tokens {
-        let token = match pending.take() {
-            Some(next) => {
-                if tokens.len() + 1 < req.max_tokens {
-                    let following = queue_greedy_step(model, &mut cache, &next)?;
-                    pending = Some(following);
-                }
-                read_token(&next)?
-            }
-            None => pick_token(&logits, &req.sampling, tokens.len() as u64)?,
-        };
+    while let Some(next) = pending.take() {
+        if tokens.len() + 1 < req.max_tokens {
+            let index = tokens.len() as u64 + 1;
+            pending = Some(queue_step(model, &mut cache, &next, &req.sampling, index)?);
+        }
+        let token = read_token(&next)?;
         if tokens.is_empty() {
             prefill_seconds = start.elapsed().as_secs_f64();
             decode_start = Instant::now();
@@ -187,12 +203,6 @@ pub fn generate(
         on_token(token)?;
         if tokens.len() == req.max_tokens {
             break;
-        }
-        if !greedy {
-            // Read at once by the sampler: handed to the device as it is built.
-            logits = model
-                .forward_to_read(&[token], &mut cache, LogitsFor::Last, false)?
-                .logits;
         }
     }
 

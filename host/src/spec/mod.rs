@@ -26,15 +26,14 @@ use std::time::Instant;
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RString};
 use anyhow::{bail, Result};
-use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::Dtype;
 use mlx_spec_plugin_api::abi::{DraftProviderBox, DraftSourceBox, SamplingInfo, TargetPort_TO};
 use serde::Serialize;
 
-use crate::generate::{pick_token, prefill, queue_greedy_step, GenerateRequest, GenerateStats};
+use crate::generate::{pick_token, prefill, queue_step, GenerateRequest, GenerateStats};
 use crate::model::gemma4::cache::DEFAULT_ROLLBACK_RESERVE;
 use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
-use crate::sampler::{draw, uniform, SamplingParams, Stream};
+use crate::sampler::{draw, draw_tokens, uniform, SamplingParams, Stream};
 use gate::DraftGate;
 use target_port::{target_info, HostTarget};
 
@@ -189,11 +188,15 @@ fn rejection_step(
     )
 }
 
-/// The target's verdicts over one verify window: argmax picks (greedy) or logits rows.
+/// The target's verdicts over one verify window: its own token at each position, or its
+/// logits rows (rejection sampling).
 pub struct Verified<'a> {
-    /// Greedy: the target's argmax at each window position.
-    pub greedy_picks: &'a [u32],
-    /// Sampling: `[window, vocab]` float32 logits, row-major.
+    /// Greedy, and sampling for a drafter without distributions: the target's own token at
+    /// each window position, the argmax or its draw keyed by `(seed, emitted index)`
+    /// ([`crate::sampler::draw_tokens`], as plain decoding draws).
+    pub picks: &'a [u32],
+    /// Sampling for a drafter with distributions: `[window, vocab]` float32 logits,
+    /// row-major.
     pub rows: &'a [f32],
     pub vocab: usize,
 }
@@ -235,13 +238,10 @@ pub fn accept_walk(
     };
     for i in 0..=d {
         let index = limits.first_index + walk.emitted.len() as u64;
-        let (token, is_accepted_draft) = if sampling.is_greedy() {
-            let pick = target.greedy_picks[i];
-            (pick, i < d && pick == drafts[i])
-        } else {
-            let row = &target.rows[i * vocab..(i + 1) * vocab];
-            match probs {
-                Some(q) if i < d => {
+        let (token, is_accepted_draft) = match probs {
+            Some(q) if !sampling.is_greedy() => {
+                let row = &target.rows[i * vocab..(i + 1) * vocab];
+                if i < d {
                     let p = sampling.distribution(row);
                     rejection_step(
                         &p,
@@ -250,11 +250,13 @@ pub fn accept_walk(
                         sampling.seed,
                         index,
                     )
+                } else {
+                    (sampling.sample(row, index), false)
                 }
-                _ => {
-                    let t = sampling.sample(row, index);
-                    (t, i < d && t == drafts[i])
-                }
+            }
+            _ => {
+                let pick = target.picks[i];
+                (pick, i < d && pick == drafts[i])
             }
         };
         if limits.stop_ids.contains(&token) {
@@ -385,11 +387,17 @@ pub fn generate_speculative(
             None => remaining,
             Some(_) => (gate.paused_remaining() as usize).min(remaining),
         };
-        if sampling.is_greedy() && plain_rounds >= 2 {
+        if plain_rounds >= 2 {
             gate.spend_pause(plain_rounds);
             let stop_ids: &[u32] = if req.ignore_eos { &[] } else { &req.stop_ids };
             let began = Instant::now();
-            let burst = plain_burst(model, &mut cache, pending, plain_rounds, stop_ids)?;
+            let steps = PlainSteps {
+                rounds: plain_rounds,
+                stop_ids,
+                sampling: &sampling,
+                first_index: tokens.len() as u64,
+            };
+            let burst = plain_burst(model, &mut cache, pending, steps)?;
             gate.observe_plain_time(began.elapsed().as_secs_f64(), burst.emitted.len());
             stats.target_forwards += burst.forwards;
             for &t in &burst.emitted {
@@ -455,23 +463,26 @@ pub fn generate_speculative(
             .logits;
         stats.target_forwards += 1;
 
-        // The target's own choices at every window position.
-        let greedy_picks: Vec<u32> = if sampling.is_greedy() {
-            let picks = argmax_axis(&logits, -1, false)?.as_dtype(Dtype::Uint32)?;
-            picks.eval()?;
-            picks.as_slice::<u32>().to_vec()
-        } else {
+        // The target's own token at every window position, drawn on the device as plain
+        // decoding draws it, so the round reads a few ids, not rows of logits; rejection
+        // sampling needs the rows themselves.
+        let rejection = !sampling.is_greedy() && proposal.probs.is_some();
+        let picks: Vec<u32> = if rejection {
             logits.eval()?;
             Vec::new()
-        };
-        let rows: &[f32] = if sampling.is_greedy() {
-            &[]
         } else {
+            let picks = draw_tokens(&logits, &sampling, tokens.len() as u64)?;
+            picks.eval()?;
+            picks.as_slice::<u32>().to_vec()
+        };
+        let rows: &[f32] = if rejection {
             logits.as_slice::<f32>()
+        } else {
+            &[]
         };
         let walk = accept_walk(
             &Verified {
-                greedy_picks: &greedy_picks,
+                picks: &picks,
                 rows,
                 vocab,
             },
@@ -577,27 +588,46 @@ struct PlainBurst {
     forwards: u64,
 }
 
-/// Up to `rounds` plain greedy rounds from `pending` (not yet in the cache), each forward
-/// queued before the previous token is read. On return the cache holds `pending` and every
-/// emitted token but the last, which is the next pending one (or the stop token).
+/// What a run of plain rounds may do.
+struct PlainSteps<'a> {
+    /// Rounds at most.
+    rounds: usize,
+    /// Tokens that end generation (not emitted).
+    stop_ids: &'a [u32],
+    sampling: &'a SamplingParams,
+    /// Emitted index of the burst's first token (the sampler's key).
+    first_index: u64,
+}
+
+/// Up to `steps.rounds` plain rounds from `pending` (not yet in the cache), each forward
+/// queued before the previous token is read, each token drawn on the device as plain
+/// decoding draws it. On return the cache holds `pending` and every emitted token but the
+/// last, which is the next pending one (or the stop token).
 fn plain_burst(
     model: &Gemma4Model,
     cache: &mut ModelCache,
     pending: u32,
-    rounds: usize,
-    stop_ids: &[u32],
+    steps: PlainSteps,
 ) -> Result<PlainBurst> {
+    let PlainSteps {
+        rounds,
+        stop_ids,
+        sampling,
+        first_index,
+    } = steps;
     let mut burst = PlainBurst {
         emitted: Vec::with_capacity(rounds),
         stop_token: None,
         forwards: 1,
     };
-    let mut next = queue_greedy_step(model, cache, &mlx_rs::Array::from_slice(&[pending], &[1]))?;
+    let pending = mlx_rs::Array::from_slice(&[pending], &[1]);
+    let mut next = queue_step(model, cache, &pending, sampling, first_index)?;
     for i in 0..rounds {
         // The successor's forward goes in before this token is read, except after the last.
         let queued = if i + 1 < rounds {
             burst.forwards += 1;
-            Some(queue_greedy_step(model, cache, &next)?)
+            let index = first_index + i as u64 + 1;
+            Some(queue_step(model, cache, &next, sampling, index)?)
         } else {
             None
         };
