@@ -174,16 +174,16 @@ fn ngram_is_lossless_greedy_on_every_fixture() {
 fn seeded_sampling_with_a_drafter_emits_exactly_the_plain_samples() {
     let plugins = plugins_dir();
     let dir = plugins.path().to_str().unwrap();
-    // Tokens drawn on the device (the default, with and without top-k's partial sort) and on
-    // the host (`--host-sampler`): either way the loop draws as plain decoding draws.
+    // Tokens drawn on the device (with and without top-k's partial sort), on the host, and
+    // where `auto` puts them (`--sampler`): each way the loop draws as plain decoding draws.
     for name in ["tiny-ple-kvshare", "tiny-wrapped-bf16"] {
         for (t, p, k) in [
             ("0.8", "1.0", "0"),
             ("1.0", "0.9", "0"),
             ("1.0", "0.95", "16"),
         ] {
-            for host in [false, true] {
-                let mut flags = vec![
+            for place in ["auto", "device", "host"] {
+                let flags = [
                     "--temperature",
                     t,
                     "--top-p",
@@ -192,19 +192,18 @@ fn seeded_sampling_with_a_drafter_emits_exactly_the_plain_samples() {
                     k,
                     "--seed",
                     "42",
+                    "--sampler",
+                    place,
                 ];
-                if host {
-                    flags.push("--host-sampler");
-                }
                 let ids = &prompts(name)[1];
                 let plain = run(&fixture(name), ids, 40, &flags);
-                let mut with = flags.clone();
+                let mut with = flags.to_vec();
                 with.extend(["--drafter", "ngram", "--plugins-dir", dir]);
                 let spec = run(&fixture(name), ids, 40, &with);
                 assert_eq!(
                     tokens_of(&spec),
                     tokens_of(&plain),
-                    "{name} T={t} top-p={p} top-k={k} host sampler {host}"
+                    "{name} T={t} top-p={p} top-k={k} drawn by {place}"
                 );
             }
         }

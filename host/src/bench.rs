@@ -331,7 +331,7 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
 /// drawn on the device and on the host, alternated in one process: decode tokens a second,
 /// median over `--repeats` rounds after one warm-up round.
 fn report_sampling(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
-    use mlx_spec::sampler::{draws_on_host, set_draw_on_host};
+    use mlx_spec::sampler::{draw_place, set_draw_place, DrawPlace};
     let sampled = |temperature, top_k, top_p, min_p| SamplingParams {
         temperature,
         top_k,
@@ -359,7 +359,7 @@ fn report_sampling(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Res
             ways.iter().map(move |&host| (i, host))
         })
         .collect();
-    let configured = draws_on_host();
+    let configured = draw_place();
     let mut rates = vec![Vec::new(); cases.len()];
     for round in 0..=args.repeats {
         for (c, &(i, host)) in cases.iter().enumerate() {
@@ -370,9 +370,13 @@ fn report_sampling(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Res
                 stop_ids: Vec::new(),
                 ignore_eos: true,
             };
-            set_draw_on_host(host);
+            set_draw_place(if host {
+                DrawPlace::Host
+            } else {
+                DrawPlace::Device
+            });
             let result = generate(model, &request, |_| Ok(()));
-            set_draw_on_host(configured);
+            set_draw_place(configured);
             let (_, stats) = result?;
             if round > 0 {
                 rates[c].push(stats.decode_tokens_per_s);

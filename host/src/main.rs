@@ -210,11 +210,20 @@ struct ModelArgs {
     /// GPU, 0 on the CPU. The values computed are the same either way.
     #[arg(long, value_name = "N")]
     handoff_layers: Option<usize>,
-    /// Draw sampled tokens on the host in float64, waiting for each step's logits, as the
-    /// first versions did (the same distribution; other tokens for a seed). By default they are
-    /// drawn on the device, so that sampled decoding queues its steps as greedy decoding does.
-    #[arg(long)]
-    host_sampler: bool,
+    /// Where sampled tokens are drawn: `device` (MLX's operations, so that sampled decoding
+    /// queues its steps as greedy decoding does), `host` (float64 on the host, waiting for each
+    /// step's logits, as the first versions did: the same distribution, other tokens for a
+    /// seed), or `auto`: the device, except top-p without top-k on the CPU, where sorting the
+    /// whole vocabulary on the device costs more than waiting (BENCHMARKS.md).
+    #[arg(long, value_enum, default_value = "auto")]
+    sampler: SamplerArg,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SamplerArg {
+    Auto,
+    Device,
+    Host,
 }
 
 /// `--fused-kernels`' default, also that of config-driven runs (`mlx-spec run`).
@@ -283,12 +292,17 @@ impl ModelArgs {
         }
     }
 
-    /// Puts `--fused-kernels`, `--kernel-variants`, `--handoff-layers` and `--host-sampler` in
-    /// force for the process.
+    /// Puts `--fused-kernels`, `--kernel-variants`, `--handoff-layers` and `--sampler` in force
+    /// for the process.
     fn allow_fused_kernels(&self) {
         mlx_spec::kernels::set_allowed(self.fused());
         mlx_spec::model::gemma4::handoff::set_handoff_layers(self.handoff_layers);
-        mlx_spec::sampler::set_draw_on_host(self.host_sampler);
+        use mlx_spec::sampler::{set_draw_place, DrawPlace};
+        set_draw_place(match self.sampler {
+            SamplerArg::Auto => DrawPlace::Auto,
+            SamplerArg::Device => DrawPlace::Device,
+            SamplerArg::Host => DrawPlace::Host,
+        });
         let variants = &self.kernel_variants;
         let tuning = mlx_spec::kernels::Tuning {
             attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
@@ -475,7 +489,7 @@ struct BenchArgs {
     replay_drafts: Vec<f64>,
     /// Instead of the decode measurements: plain decoding greedy and with four sampling
     /// settings (temperature 0.8; with top-p 0.95; with top-k 64, top-p 0.95 and min-p 0.05;
-    /// temperature 1.0), each drawn on the device and on the host (`--host-sampler`),
+    /// temperature 1.0), each drawn on the device and on the host (`--sampler`),
     /// alternated in one process, `--repeats` rounds each: what drawing tokens costs a step.
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times", "dump_kernel_sources", "verify_window", "replay_drafts"])]
     compare_sampling: bool,
@@ -862,7 +876,7 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             fused_kernels: default_fused_kernels(),
             kernel_variants: Vec::new(),
             handoff_layers: None,
-            host_sampler: false,
+            sampler: SamplerArg::Auto,
         },
         input: &args.input,
         max_tokens: s.max_tokens,

@@ -14,9 +14,10 @@
 //! does not wait for its logits to reach the host. [`SamplingParams::sample`] and
 //! [`SamplingParams::distribution`] compute on the host in float64: the exact distribution the
 //! tests measure the device against, the rejection sampling of drafters that return their own
-//! distributions, and, with `--host-sampler`, every draw, as the first version drew.
+//! distributions, and, where [`draw_place`] says so (`--sampler host`, or top-p alone on the
+//! CPU), the draws themselves, as the first versions drew.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
@@ -232,25 +233,54 @@ pub fn sample_on_device(
     Ok(tokens.reshape(&[rows])?.as_dtype(Dtype::Uint32)?)
 }
 
-/// Whether sampled tokens are drawn on the host (`--host-sampler`) instead of the device.
-static DRAW_ON_HOST: AtomicBool = AtomicBool::new(false);
-
-/// Draws sampled tokens on the host in float64 ([`SamplingParams::sample`], the first way,
-/// which waits for the logits) for the rest of the process, or on the device (the default).
-pub fn set_draw_on_host(on: bool) {
-    DRAW_ON_HOST.store(on, Ordering::Relaxed);
+/// Where sampled tokens are drawn (`--sampler`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrawPlace {
+    /// The device, except for top-p without top-k on the CPU: there the device is the host's
+    /// own cores, and sorting the whole vocabulary every step costs more than waiting for the
+    /// logits and sorting on the host only the head the nucleus needs (BENCHMARKS.md).
+    Auto,
+    /// Always [`sample_on_device`].
+    Device,
+    /// Always the host, in float64 ([`SamplingParams::sample`]), after waiting for the
+    /// logits: the way of the first versions.
+    Host,
 }
 
-/// Whether sampled tokens are drawn on the host ([`set_draw_on_host`]).
-pub fn draws_on_host() -> bool {
-    DRAW_ON_HOST.load(Ordering::Relaxed)
+static DRAW_PLACE: AtomicU8 = AtomicU8::new(DrawPlace::Auto as u8);
+
+/// Sets where sampled tokens are drawn for the rest of the process.
+pub fn set_draw_place(place: DrawPlace) {
+    DRAW_PLACE.store(place as u8, Ordering::Relaxed);
+}
+
+/// Where sampled tokens are drawn ([`set_draw_place`]).
+pub fn draw_place() -> DrawPlace {
+    match DRAW_PLACE.load(Ordering::Relaxed) {
+        x if x == DrawPlace::Device as u8 => DrawPlace::Device,
+        x if x == DrawPlace::Host as u8 => DrawPlace::Host,
+        _ => DrawPlace::Auto,
+    }
+}
+
+/// Whether a draw with `params` happens on the host under [`draw_place`].
+fn draws_on_host(params: &SamplingParams) -> bool {
+    match draw_place() {
+        DrawPlace::Device => false,
+        DrawPlace::Host => true,
+        DrawPlace::Auto => {
+            params.top_p < 1.0
+                && params.top_k == 0
+                && crate::device::default_is(mlx_rs::DeviceType::Cpu)
+        }
+    }
 }
 
 /// The tokens at emitted indices `first_index ..` of `[T, vocab]` logits (`[T]`, uint32), as
-/// every sampled path of the host draws them: [`sample_on_device`], or with draws on the host
-/// ([`set_draw_on_host`]) each row's [`SamplingParams::sample`], after waiting for the logits.
+/// every sampled path of the host draws them: [`sample_on_device`], or where [`draw_place`]
+/// says the host, each row's [`SamplingParams::sample`], after waiting for the logits.
 pub fn draw_tokens(logits: &Array, params: &SamplingParams, first_index: u64) -> Result<Array> {
-    if params.is_greedy() || !draws_on_host() {
+    if params.is_greedy() || !draws_on_host(params) {
         return sample_on_device(logits, params, first_index);
     }
     let logits = logits.as_dtype(Dtype::Float32)?;
@@ -510,6 +540,27 @@ mod tests {
             let row = &logits[t * 30..(t + 1) * 30];
             assert_eq!(greedy.as_slice::<u32>()[t], argmax(row));
         }
+    }
+
+    #[test]
+    fn auto_draws_top_p_alone_on_the_cpu_host_and_the_rest_on_the_device() {
+        // Unit tests run on the CPU. Only this test changes the place, and the other tests call
+        // `sample_on_device` itself.
+        set_draw_place(DrawPlace::Auto);
+        assert!(draws_on_host(&params(0.8, 0, 0.95, 0.0)));
+        assert!(!draws_on_host(&params(0.8, 64, 0.95, 0.0)));
+        assert!(!draws_on_host(&params(0.8, 0, 1.0, 0.1)));
+        assert!(!draws_on_host(&params(1.0, 0, 1.0, 0.0)));
+        set_draw_place(DrawPlace::Device);
+        assert!(!draws_on_host(&params(0.8, 0, 0.95, 0.0)));
+        set_draw_place(DrawPlace::Host);
+        assert!(draws_on_host(&params(1.0, 0, 1.0, 0.0)));
+        // Drawn on the host, a row is the float64 sampler's own draw at its index.
+        let logits: Vec<f32> = (0..30).map(|i| (i as f32 * 0.7).sin()).collect();
+        let p = params(0.9, 0, 1.0, 0.0);
+        let drawn = draw_tokens(&Array::from_slice(&logits, &[1, 30]), &p, 4).unwrap();
+        assert_eq!(drawn.as_slice::<u32>(), [p.sample(&logits, 4)]);
+        set_draw_place(DrawPlace::Auto);
     }
 
     #[test]
