@@ -6,6 +6,7 @@
 //! path = "models/my-gemma"        # relative to this file; default: the repo's default model
 //! device = "cpu"                  # cpu | gpu
 //! dtype = "auto"                  # auto | f32 | bf16 | f16
+//! handoff_layers = 6              # optional: --handoff-layers (default: the device's)
 //!
 //! [plugins]
 //! dirs = ["plugins"]
@@ -25,6 +26,7 @@
 //! min_p = 0.0
 //! seed = 0
 //! max_tokens = 256
+//! drawn_on = "auto"               # auto | device | host (--sampler)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -57,6 +59,10 @@ pub struct ModelSection {
     pub device: DeviceKind,
     #[serde(default = "default_dtype")]
     pub dtype: String,
+    /// Layers a group when a forward read at once goes to the device (`--handoff-layers`);
+    /// default: the device's.
+    #[serde(default)]
+    pub handoff_layers: Option<usize>,
 }
 
 impl Default for ModelSection {
@@ -65,6 +71,7 @@ impl Default for ModelSection {
             path: None,
             device: default_device(),
             dtype: default_dtype(),
+            handoff_layers: None,
         }
     }
 }
@@ -118,6 +125,19 @@ pub struct SamplingSection {
     pub seed: u64,
     #[serde(default = "default_max_tokens")]
     pub max_tokens: usize,
+    /// Where sampled tokens are drawn (`--sampler`).
+    #[serde(default)]
+    pub drawn_on: DrawnOn,
+}
+
+/// `[sampling] drawn_on`: `auto`, `device` or `host`, as `--sampler` takes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DrawnOn {
+    #[default]
+    Auto,
+    Device,
+    Host,
 }
 
 impl Default for SamplingSection {
@@ -129,6 +149,7 @@ impl Default for SamplingSection {
             min_p: 0.0,
             seed: 0,
             max_tokens: 128,
+            drawn_on: DrawnOn::Auto,
         }
     }
 }
@@ -195,6 +216,25 @@ mod tests {
         assert!(drafter.fitted_draft_length);
         assert_eq!(cfg.sampling.max_tokens, 9);
         assert_eq!(cfg.sampling.top_p, 1.0);
+        assert_eq!(cfg.sampling.drawn_on, DrawnOn::Auto);
+        assert_eq!(cfg.model.handoff_layers, None);
+    }
+
+    #[test]
+    fn the_sampler_place_and_the_hand_off_are_read_and_checked() {
+        let (_dir, path) = write(
+            "[model]\nhandoff_layers = 3\n[sampling]\ntemperature = 0.8\ndrawn_on = \"host\"\n",
+        );
+        let cfg = DeployConfig::load(&path).unwrap();
+        assert_eq!(cfg.model.handoff_layers, Some(3));
+        assert_eq!(cfg.sampling.drawn_on, DrawnOn::Host);
+        let (_dir, path) = write("[sampling]\ndrawn_on = \"gpu\"\n");
+        let err = format!("{:#}", DeployConfig::load(&path).unwrap_err());
+        assert!(
+            err.contains("drawn_on") || err.contains("unknown variant"),
+            "{err}"
+        );
+        assert!(err.contains("device"), "the error lists the places: {err}");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mlx_rs::Dtype;
 use serde_json::json;
 
-use mlx_spec::deploy::DeployConfig;
+use mlx_spec::deploy::{DeployConfig, DrawnOn};
 use mlx_spec::device::{self, DeviceKind};
 use mlx_spec::generate::{generate, GenerateRequest};
 use mlx_spec::model::gemma4::config::{Gemma4Config, QuantSpec};
@@ -875,8 +875,12 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             random_group_size: 64,
             fused_kernels: default_fused_kernels(),
             kernel_variants: Vec::new(),
-            handoff_layers: None,
-            sampler: SamplerArg::Auto,
+            handoff_layers: cfg.model.handoff_layers,
+            sampler: match s.drawn_on {
+                DrawnOn::Auto => SamplerArg::Auto,
+                DrawnOn::Device => SamplerArg::Device,
+                DrawnOn::Host => SamplerArg::Host,
+            },
         },
         input: &args.input,
         max_tokens: s.max_tokens,
