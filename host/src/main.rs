@@ -204,7 +204,7 @@ struct ModelArgs {
     /// window made the cache grow; moves roundings).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
-    /// A forward whose result the host reads at once (a verify window, a sampled step) goes
+    /// A forward whose result the host reads at once (a verify window) goes
     /// to the device every N layers as the host builds it, so that the device starts on the
     /// first layers while the host builds the rest; 0 hands it over whole. Default: 6 on a
     /// GPU, 0 on the CPU. The values computed are the same either way.
