@@ -71,21 +71,26 @@ fn replayed_drafts_are_accepted_exactly_when_right() {
     assert!(some.target_forwards > 8 && some.target_forwards < 39);
 }
 
-#[test]
-fn the_bench_refuses_a_hit_rate_outside_zero_to_one() {
-    let out = common::mlx_spec(&[
+/// `mlx-spec bench --replay-drafts ...` on the fixture, prompt 8, one measured round, with
+/// `args` after.
+fn replay_bench(args: &[&str]) -> std::process::Output {
+    let model = common::fixture("tiny-ple-kvshare");
+    let mut all = vec![
         "bench",
         "--model",
-        common::fixture("tiny-ple-kvshare").to_str().unwrap(),
-        "--replay-drafts",
-        "1.5",
+        model.to_str().unwrap(),
         "--prompt-tokens",
-        "8",
-        "--gen-tokens",
         "8",
         "--repeats",
         "1",
-    ]);
+    ];
+    all.extend_from_slice(args);
+    common::mlx_spec(&all)
+}
+
+#[test]
+fn the_bench_refuses_a_hit_rate_outside_zero_to_one() {
+    let out = replay_bench(&["--replay-drafts", "1.5", "--gen-tokens", "8"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
@@ -96,20 +101,13 @@ fn the_bench_refuses_a_hit_rate_outside_zero_to_one() {
 
 #[test]
 fn the_bench_measures_replayed_drafts_against_plain_decoding() {
-    let out = common::mlx_spec(&[
-        "bench",
-        "--model",
-        common::fixture("tiny-ple-kvshare").to_str().unwrap(),
+    let out = replay_bench(&[
         "--replay-drafts",
         "1,0",
         "--replay-draft-lengths",
         "3",
-        "--prompt-tokens",
-        "8",
         "--gen-tokens",
         "24",
-        "--repeats",
-        "1",
         "--json",
     ]);
     assert!(
@@ -145,10 +143,7 @@ fn the_bench_measures_replayed_drafts_against_plain_decoding() {
 /// groups of layers computes what it computes whole, so the counters agree case for case.
 #[test]
 fn the_bench_compares_hand_offs_side_by_side() {
-    let out = common::mlx_spec(&[
-        "bench",
-        "--model",
-        common::fixture("tiny-ple-kvshare").to_str().unwrap(),
+    let out = replay_bench(&[
         "--replay-drafts",
         "0.7",
         "--replay-draft-lengths",
@@ -157,12 +152,8 @@ fn the_bench_compares_hand_offs_side_by_side() {
         "fitted",
         "--replay-handoffs",
         "0,2",
-        "--prompt-tokens",
-        "8",
         "--gen-tokens",
         "24",
-        "--repeats",
-        "1",
         "--json",
     ]);
     assert!(

@@ -244,7 +244,6 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
     let mut last_stats = vec![mlx_spec::spec::SpecStats::default(); cases.len()];
     let mut plain_rates = Vec::new();
     for round in 0..=args.repeats {
-        set_handoff_layers(Some(configured));
         let start = Instant::now();
         let (plain_tokens, _) = generate(model, &request, |_| Ok(()))?;
         let plain_s = start.elapsed().as_secs_f64();

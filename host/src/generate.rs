@@ -97,11 +97,15 @@ pub fn read_token(token: &Array) -> Result<u32> {
 /// Builds the forward of `token` (a `[1]` id still on the device, possibly not yet computed)
 /// and returns its greedy successor, not yet evaluated.
 pub fn greedy_step(model: &Gemma4Model, cache: &mut ModelCache, token: &Array) -> Result<Array> {
+    Ok(argmax_axis(&step_logits(model, cache, token)?, -1, false)?)
+}
+
+/// The logits of the forward of `token` (a `[1]` id on the device), not yet evaluated.
+fn step_logits(model: &Gemma4Model, cache: &mut ModelCache, token: &Array) -> Result<Array> {
     let ids = token.reshape(&[1, 1])?;
-    let logits = model
+    Ok(model
         .forward_ids(&ids, cache, LogitsFor::Last, false)?
-        .logits;
-    Ok(argmax_axis(&logits, -1, false)?)
+        .logits)
 }
 
 /// [`greedy_step`], then starts evaluating the successor without waiting for it.
@@ -128,11 +132,7 @@ pub fn queue_step(
     if sampling.is_greedy() {
         return queue_greedy_step(model, cache, token);
     }
-    let ids = token.reshape(&[1, 1])?;
-    let logits = model
-        .forward_ids(&ids, cache, LogitsFor::Last, false)?
-        .logits;
-    let next = draw_tokens(&logits, sampling, index)?;
+    let next = draw_tokens(&step_logits(model, cache, token)?, sampling, index)?;
     async_eval([&next])?;
     Ok(next)
 }

@@ -501,6 +501,9 @@ pub fn generate_speculative(
         stop_token = walk.stop_token;
         let (emitted, accepted) = (walk.emitted, walk.accepted);
 
+        // Only drafted rounds are timed here: an undrafted one waited for its token, and plain
+        // rounds are timed in bursts, where they queue as plain decoding does, greedy or
+        // sampled.
         if d > 0 {
             stats.num_drafts += 1;
             stats.num_draft_tokens += d as u64;
@@ -517,10 +520,6 @@ pub fn generate_speculative(
             }
             gate.observe_round_time(round_began.elapsed().as_secs_f64(), d);
             gate.observe(d, accepted);
-        } else if !sampling.is_greedy() {
-            // Sampled plain rounds run one by one like this; greedy ones as bursts, timed
-            // there.
-            gate.observe_plain_time(round_began.elapsed().as_secs_f64(), emitted.len());
         }
         tokens.extend_from_slice(&emitted);
         history.extend_from_slice(&emitted);

@@ -3,7 +3,8 @@
 //! One file per block: [`config`] (both config.json forms and the derived per-layer plan),
 //! [`linear`] (dense and quantized matrices, the checkpoint loader), [`rope`], [`attention`],
 //! [`mlp`], [`moe`], [`ple`] (per-layer embeddings), [`layer`] and [`cache`] (per-request KV
-//! state); [`handoff`] says when a forward read at once goes to the device. Weights are immutable; all per-request state lives in [`cache::ModelCache`].
+//! state); [`handoff`] says when a forward read at once goes to the device. Weights are
+//! immutable; all per-request state lives in [`cache::ModelCache`].
 
 pub mod activation;
 pub mod attention;
@@ -246,9 +247,7 @@ impl Gemma4Model {
         logits_for: LogitsFor,
         capture_hidden: bool,
     ) -> Result<ForwardOutput> {
-        self.check_ids(ids)?;
-        let ids = Array::from_slice(ids, &[1, ids.len() as i32]);
-        self.forward_ids(&ids, cache, logits_for, capture_hidden)
+        self.forward_slice(ids, cache, logits_for, capture_hidden, 0)
     }
 
     /// [`Gemma4Model::forward`] for a caller that reads the result at once, as a verify round
@@ -262,9 +261,21 @@ impl Gemma4Model {
         logits_for: LogitsFor,
         capture_hidden: bool,
     ) -> Result<ForwardOutput> {
+        let group = handoff::handoff_layers();
+        self.forward_slice(ids, cache, logits_for, capture_hidden, group)
+    }
+
+    /// [`Gemma4Model::forward_grouped`] on host token ids, checked against the vocabulary.
+    fn forward_slice(
+        &self,
+        ids: &[u32],
+        cache: &mut ModelCache,
+        logits_for: LogitsFor,
+        capture_hidden: bool,
+        group: usize,
+    ) -> Result<ForwardOutput> {
         self.check_ids(ids)?;
         let ids = Array::from_slice(ids, &[1, ids.len() as i32]);
-        let group = handoff::handoff_layers();
         self.forward_grouped(&ids, cache, logits_for, capture_hidden, group)
     }
 
