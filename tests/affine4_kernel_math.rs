@@ -667,3 +667,149 @@ fn integer_dots_scale_inputs_of_any_magnitude() {
     }
     assert_eq!(checked, scales.len() * case.rows as usize, "{printed}");
 }
+
+/// The window kernels' 4-bit row dots (`kernels::affine4::WINDOW_HEADER`): what the verify
+/// window's heads, post-attention and output head kernels compute for each of its tokens
+/// must be the single-token helper's sum for that token alone, bit for bit, both ways of
+/// unpacking (floats, integer dots), or a verify window would score a drafted token otherwise
+/// than the decode step it stands for.
+const WINDOW_DRIVER: &str = r#"
+// The window row dots' dense branch, declared so that weight_dot_window parses; 4-bit rows
+// never call it.
+template <typename T, int K, int R, int TOKENS, int STRIDE>
+void rows_dot_window(const T* const*, const T*, float*) {}
+"#;
+
+const WINDOW_RUN: &str = r#"
+// Token t's input: the case's input turned by 37 t places and scaled by 1 + t / 8, as T.
+template <typename T, int K>
+std::vector<float> token_input(const std::vector<float>& x, int t) {
+  std::vector<float> v(K);
+  for (int i = 0; i < K; i++) v[i] = float(from_float<T>(x[(i + 37 * t) % K] * (1.f + t / 8.f)));
+  return v;
+}
+
+// Every row of a case, R at a time, for TOKENS inputs: the single-token dot of each token
+// and the window dot of all, float and integer ways, lane by lane; prints
+// "case way token row single window" with the sums' bits.
+template <typename T, int K, int G, int R, int TOKENS>
+void run_window(int index, const char* path) {
+  const Loaded<T, K, G> m(path);
+  if (!m.ok) return;
+  std::vector<std::unique_ptr<Staged<T, K>>> staged;
+  std::vector<std::unique_ptr<Integers<T, K>>> ints;
+  auto xs = std::make_unique<T[]>(TOKENS * K);
+  auto xi = std::make_unique<T[]>(TOKENS * K);
+  std::vector<float> sums(TOKENS * K / 32), xscale(TOKENS * K / 32);
+  for (int t = 0; t < TOKENS; t++) {
+    staged.push_back(std::make_unique<Staged<T, K>>(token_input<T, K>(m.x, t)));
+    ints.push_back(std::make_unique<Integers<T, K>>(staged[t]->xs));
+    std::memcpy(xs.get() + t * K, staged[t]->xs, sizeof(T) * K);
+    std::memcpy(xi.get() + t * K, ints[t]->xi, sizeof(T) * K);
+    std::memcpy(sums.data() + t * K / 32, staged[t]->sums, sizeof(float) * K / 32);
+    std::memcpy(xscale.data() + t * K / 32, ints[t]->xscale, sizeof(float) * K / 32);
+  }
+  auto bits = [](float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; };
+  for (uint32_t r0 = 0; r0 < m.rows; r0 += R) {
+    const void* row_ptr[R];
+    const T* scale_ptr[R];
+    const T* bias_ptr[R];
+    for (int i = 0; i < R; i++) {
+      row_ptr[i] = m.row(r0 + i);
+      scale_ptr[i] = m.scales(r0 + i);
+      bias_ptr[i] = m.biases(r0 + i);
+    }
+    for (int way = 0; way < 2; way++) {
+      float single[TOKENS][R] = {};
+      float window[R * TOKENS] = {};
+      for (int lane = 0; lane < 32; lane++) {
+        threadIdx.x = lane;
+        for (int t = 0; t < TOKENS; t++) {
+          float out[R];
+          if (way == 0) {
+            rows_dot_affine4<T, K, R, G, false>(row_ptr, scale_ptr, bias_ptr, staged[t]->xs, staged[t]->sums, out);
+          } else {
+            rows_dot_affine4_int<T, K, R, G>(row_ptr, scale_ptr, bias_ptr, ints[t]->xi, ints[t]->xscale, staged[t]->sums, out);
+          }
+          for (int i = 0; i < R; i++) single[t][i] += out[i];
+        }
+        float out[R * TOKENS];
+        if (way == 0) {
+          rows_dot_affine4_window<T, K, R, G, TOKENS, K>(row_ptr, scale_ptr, bias_ptr, xs.get(), sums.data(), out);
+        } else {
+          rows_dot_affine4_int_window<T, K, R, G, TOKENS, K>(row_ptr, scale_ptr, bias_ptr, xi.get(), xscale.data(), sums.data(), out);
+        }
+        for (int i = 0; i < R * TOKENS; i++) window[i] += out[i];
+      }
+      for (int t = 0; t < TOKENS; t++) {
+        for (int i = 0; i < R; i++) {
+          std::printf("%d %d %d %u %08x %08x\n", index, way, t, r0 + i, bits(single[t][i]), bits(window[i * TOKENS + t]));
+        }
+      }
+    }
+  }
+}
+"#;
+
+#[test]
+fn window_dots_of_4bit_rows_give_each_token_its_single_token_sum_bit_for_bit() {
+    use mlx_spec::kernels::affine4::WINDOW_HEADER;
+    let dir = tempfile::tempdir().unwrap();
+    // E4B's hidden width (three and two chunks a lane), one and two rows a call; its
+    // feed-forward width (batches of eight and two); the window sizes of a verify round.
+    let cases = [
+        (2560, 64, 1, 3, 4),
+        (2560, 64, 2, 8, 4),
+        (10240, 128, 2, 5, 2),
+        (256, 32, 1, 2, 2),
+    ];
+    let mut source = format!(
+        "{CUDA_HOST_SHIM}{HOST_SHIM}{HEADER}{WEIGHT_ROWS_HEADER}{DRIVER}{WINDOW_DRIVER}{WINDOW_HEADER}{WINDOW_RUN}\nint main() {{\n"
+    );
+    let mut expected_lines = 0;
+    for (i, &(k, group, rows_per_call, tokens, rows)) in cases.iter().enumerate() {
+        let case = Case {
+            bf16: true,
+            k,
+            group,
+            rows_per_call,
+            in_place: false,
+            rows,
+        };
+        let path = dir.path().join(format!("window-{i}.bin"));
+        write_case(&case, 60 + i as u64, 90 + i as u64, &path);
+        writeln!(
+            source,
+            "  run_window<bf16, {k}, {group}, {rows_per_call}, {tokens}>({i}, \"{}\");",
+            path.display()
+        )
+        .unwrap();
+        expected_lines += 2 * tokens * rows;
+    }
+    source.push_str("  return 0;\n}\n");
+    let printed = compile_and_run(dir.path(), &source);
+    let mut lines = 0;
+    let mut tokens_differ = false;
+    let mut first_of_row = std::collections::HashMap::new();
+    for line in printed.lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(parts.len(), 6, "unexpected driver output: {line}");
+        let (case, way, token, row) = (parts[0], parts[1], parts[2], parts[3]);
+        assert_eq!(
+            parts[4], parts[5],
+            "case {case}, way {way} (0 floats, 1 integers), token {token}, row {row}: the window's sum differs from the token's own"
+        );
+        // The tokens' inputs differ, so their sums must too (a window reading one token's
+        // input for all would pass the equality above only if the single sums agreed).
+        match first_of_row.get(&(case, way, row)) {
+            None => {
+                first_of_row.insert((case, way, row), parts[4]);
+            }
+            Some(first) if *first != parts[4] => tokens_differ = true,
+            Some(_) => {}
+        }
+        lines += 1;
+    }
+    assert_eq!(lines, expected_lines as usize, "{printed}");
+    assert!(tokens_differ, "the tokens' sums should differ: {printed}");
+}

@@ -268,10 +268,10 @@ fn a_window_handed_over_in_groups_of_layers_equals_one_handed_over_whole() {
 }
 
 /// How long a window the GPU's window kernels take whole, by model: up to eight tokens for
-/// dense weights, none (1) for 4-bit weights or an MoE branch, whose windows then run a token
-/// at a time on a GPU.
+/// dense or 4-bit weights, none (1) for an MoE branch, whose windows then run a token at a
+/// time on a GPU.
 #[test]
-fn the_window_kernels_take_dense_models_only() {
+fn the_window_kernels_take_dense_and_4bit_models_but_not_moe() {
     // The fixture's heads of 32 are narrower than the heads kernels take: none.
     let narrow = Gemma4Model::random(tiny_config(false), 0, Dtype::Float32, None).unwrap();
     assert_eq!(narrow.largest_exact_window(), 1);
@@ -290,7 +290,14 @@ fn the_window_kernels_take_dense_models_only() {
         bits: 4,
     });
     let packed = Gemma4Model::random(wide_heads(), 0, Dtype::Float32, quantized).unwrap();
-    assert_eq!(packed.largest_exact_window(), 1);
+    assert_eq!(packed.largest_exact_window(), 8);
+    // Other bit widths have no kernel.
+    let eight_bits = Some(QuantSpec {
+        group_size: 32,
+        bits: 8,
+    });
+    let packed8 = Gemma4Model::random(wide_heads(), 0, Dtype::Float32, eight_bits).unwrap();
+    assert_eq!(packed8.largest_exact_window(), 1);
     let moe = Gemma4Model::random(wide_heads_of(true), 0, Dtype::Float32, None).unwrap();
     assert_eq!(moe.largest_exact_window(), 1);
 }

@@ -70,6 +70,9 @@
 #   verify-curve  the E4B bf16 verify cost curve alone (k = 1 ... 32), each window handed to
 #              the device whole and in groups of --handoff-layers (VERIFY_CURVE_ARGS: more
 #              mlx-spec options, e.g. --handoff-layers 3)
+#   window-q4  verify windows of 4-bit E4B through the 4-bit window kernels: forwards over
+#              k = VERIFY_KS tokens (default 2 4 8), each window's logits compared with k
+#              single-token steps (they must be identical), then the 4-bit verify cost curve
 #   stage-times the post-attention kernel's stages (attention output, gate/up, down, the
 #              per-layer input's gate and projection) timed on the device during pipelined
 #              decode, E4B bf16 and 4-bit, 12B bf16 (`bench --stage-times`)
@@ -273,6 +276,21 @@ if want verify-curve; then
     # shellcheck disable=SC2086 # VERIFY_CURVE_ARGS is a list of options
     bench "mlx-spec E4B bf16 ${VERIFY_CURVE_ARGS:-}" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 \
         --gen-tokens 32 --repeats 3 --verify-curve ${VERIFY_CURVE_ARGS:-}
+fi
+
+if want window-q4; then
+    # The 4-bit window kernels: each window's logits against k decode steps' (the bench prints
+    # "identical" or how many differ), then what a window costs against a step.
+    for k in ${VERIFY_KS:-2 4 8}; do
+        echo "## 4-bit verify window k=$k" | tee -a "$RES/window-q4.md"
+        timeout 200 "$BIN" bench --device gpu --random-weights --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
+            --dtype bf16 --prompt-tokens 512 --repeats 5 --verify-window "$k" \
+            2>>"$RES/window-q4.err" | tee -a "$RES/window-q4.md" || tail -n 3 "$RES/window-q4.err"
+    done
+    row "4-bit verify windows against single-token steps | printed above, kept in window-q4.md"
+    # shellcheck disable=SC2086 # VERIFY_CURVE_ARGS is a list of options
+    bench "mlx-spec E4B 4-bit g64 ${VERIFY_CURVE_ARGS:-}" --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
+        --dtype bf16 --prompt-tokens 512 --gen-tokens 32 --repeats 3 --verify-curve ${VERIFY_CURVE_ARGS:-}
 fi
 
 if want q4check; then

@@ -74,8 +74,8 @@ struct SpecArgs {
     plugins_dirs: Vec<PathBuf>,
     /// Most tokens drafted per round (default: the drafter's `num_draft_tokens`, else 10). On a
     /// GPU a round keeps to one window of the window kernels (7 drafts); where they take no
-    /// window of the model (4-bit weights, MoE), the drafter is not asked: such windows would
-    /// verify a token at a time.
+    /// window of the model (MoE, weights of other bit widths than 4), the drafter is not asked:
+    /// such windows would verify a token at a time.
     #[arg(long, requires = "drafter")]
     num_draft_tokens: Option<usize>,
     /// Override a drafter setting of the manifest's [defaults] (KEY=VALUE, TOML value; repeatable).

@@ -111,6 +111,13 @@ __device__ inline void chunk_sums(const T* xs, float* sums) {
   }
 }
 
+// acc + scale (q . x) + bias (sum of x) for one chunk, as explicit fused operations: the
+// compiler may not contract it otherwise, so a row's sum is the same whatever the call
+// around it (rows a call, tokens a call: the window kernels rely on it).
+__device__ inline float chunk_step(float acc, float scale, float qx, float bias, float xsum) {
+  return fmaf(scale, qx, fmaf(bias, xsum, acc));
+}
+
 // One batch of a lane's loads over R rows of 4-bit weights, all in flight together: the
 // 16-byte chunks lane + 32 (base + b), b < BATCH, of each row with their scales and biases
 // (zeros past the row, which is not read there).
@@ -196,7 +203,7 @@ __device__ inline void rows_dot_affine4(const void* const* rows, const T* const*
         }
         const float xsum = sums[c];
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[r] += sc[b][r] * qx[r] + bi[b][r] * xsum;
+        for (int r = 0; r < R; r++) acc[r] = chunk_step(acc[r], sc[b][r], qx[r], bi[b][r], xsum);
       }
     }
   }
@@ -311,13 +318,12 @@ __device__ inline void rows_dot_affine4_int(const void* const* rows, const T* co
         }
         const float xsum = sums[c];
         const float down = xscale[c];
-        // Written as explicit fused operations (the product by a power of two is exact), so
-        // that no variant's compiler contracts the sum otherwise: a row's result must not
-        // depend on how many rows a call takes.
+        // The product by a power of two is exact; chunk_step's fused operations keep a
+        // row's result the same however many rows (or tokens) a call takes.
 #pragma unroll
         for (int r = 0; r < R; r++) {
           const float qx = __fmul_rn(static_cast<float>(dots[r]), down);
-          acc[r] = fmaf(sc[b][r], qx, fmaf(bi[b][r], xsum, acc[r]));
+          acc[r] = chunk_step(acc[r], sc[b][r], qx, bi[b][r], xsum);
         }
       }
     }
@@ -378,6 +384,178 @@ __device__ inline void weight_dot(const void* const* w, const T* const* s, const
       rows_dot_affine4_int<T, K, R, G>(rows, sr, br, xs, xscale, sums, out);
     } else {
       rows_dot_affine4<T, K, R, G, IN_PLACE>(rows, sr, br, xs, sums, out);
+    }
+  }
+}
+"#;
+
+/// Device helpers of the window kernels for 4-bit rows (after [`HEADER`] and the window row
+/// dots, `rows_dot_window`): each row's chunks loaded once for all the window's tokens, and
+/// each (row, token) sum made of the same operations in the same order as the single-token
+/// helper makes it for that token alone (`rows_dot_affine4`, `rows_dot_affine4_int`), so a
+/// verify window scores each token as a decode step does, bit for bit.
+pub const WINDOW_HEADER: &str = r#"
+// rows_dot_affine4 (values unpacked as floats, not in place) for TOKENS inputs: token t's
+// staged input at xs + t * STRIDE, its chunk sums at sums + t * (STRIDE / 32);
+// out[r * TOKENS + t].
+template <typename T, int K, int R, int G, int TOKENS, int STRIDE>
+__device__ inline void rows_dot_affine4_window(const void* const* rows, const T* const* scales,
+                                               const T* const* biases, const T* xs,
+                                               const float* sums, float* out) {
+  constexpr int CHUNKS = K / 32;
+  constexpr int PER_LANE = (CHUNKS + 31) / 32;
+  constexpr int WANT = 8 / R > 0 ? 8 / R : 1;
+  constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
+  constexpr int SUMS = STRIDE / 32;
+  const int lane = threadIdx.x & 31;
+  float acc[R][TOKENS];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) acc[r][t] = 0.f;
+  }
+  for (int base = 0; base < PER_LANE; base += BATCH) {
+    uint4 wc[BATCH][R];
+    float sc[BATCH][R], bi[BATCH][R];
+    load_affine4_batch<T, K, R, G, BATCH>(rows, scales, biases, base, wc, sc, bi);
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const int c = lane + 32 * (base + b);
+      if (c < CHUNKS) {
+#pragma unroll
+        for (int t = 0; t < TOKENS; t++) {
+          float qx[R];
+#pragma unroll
+          for (int r = 0; r < R; r++) qx[r] = 0.f;
+#pragma unroll
+          for (int j = 0; j < 4; j++) {
+            const int p = piece_at(j, lane);
+            float x[8];
+            load_piece<T>(xs + t * STRIDE, c, p, x);
+#pragma unroll
+            for (int r = 0; r < R; r++) qx[r] = nibbles_dot(word_at(wc[b][r], p), x, qx[r]);
+          }
+          const float xsum = sums[t * SUMS + c];
+#pragma unroll
+          for (int r = 0; r < R; r++) acc[r][t] = chunk_step(acc[r][t], sc[b][r], qx[r], bi[b][r], xsum);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) out[r * TOKENS + t] = warp_sum(acc[r][t]);
+  }
+}
+
+// rows_dot_affine4_int for TOKENS inputs: token t's integers (chunk_integers of its staged
+// input) at xs + t * STRIDE, its scales at xscale + t * (STRIDE / 32) and its chunk sums at
+// sums + t * (STRIDE / 32); out[r * TOKENS + t].
+template <typename T, int K, int R, int G, int TOKENS, int STRIDE>
+__device__ inline void rows_dot_affine4_int_window(const void* const* rows,
+                                                   const T* const* scales,
+                                                   const T* const* biases, const T* xs,
+                                                   const float* xscale, const float* sums,
+                                                   float* out) {
+  constexpr int CHUNKS = K / 32;
+  constexpr int PER_LANE = (CHUNKS + 31) / 32;
+  constexpr int WANT = 8 / R > 0 ? 8 / R : 1;
+  constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
+  constexpr int SUMS = STRIDE / 32;
+  const int lane = threadIdx.x & 31;
+  float acc[R][TOKENS];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) acc[r][t] = 0.f;
+  }
+  for (int base = 0; base < PER_LANE; base += BATCH) {
+    uint4 wc[BATCH][R];
+    float sc[BATCH][R], bi[BATCH][R];
+    load_affine4_batch<T, K, R, G, BATCH>(rows, scales, biases, base, wc, sc, bi);
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const int c = lane + 32 * (base + b);
+      if (c < CHUNKS) {
+#pragma unroll
+        for (int t = 0; t < TOKENS; t++) {
+          const uint4* slots = reinterpret_cast<const uint4*>(xs + t * STRIDE);
+          int dots[R];
+#pragma unroll
+          for (int r = 0; r < R; r++) dots[r] = 0;
+#pragma unroll
+          for (int p = 0; p < 4; p++) {
+            const uint4 x = slots[p * CHUNKS + c];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+              const unsigned int word = p == 0 ? wc[b][r].x : p == 1 ? wc[b][r].y : p == 2 ? wc[b][r].z : wc[b][r].w;
+              const int low = static_cast<int>(word & 0x0F0F0F0Fu);
+              const int high = static_cast<int>((word >> 4) & 0x0F0F0F0Fu);
+              dots[r] = __dp2a_lo(static_cast<int>(x.x), low, dots[r]);
+              dots[r] = __dp2a_hi(static_cast<int>(x.y), low, dots[r]);
+              dots[r] = __dp2a_lo(static_cast<int>(x.z), high, dots[r]);
+              dots[r] = __dp2a_hi(static_cast<int>(x.w), high, dots[r]);
+            }
+          }
+          const float xsum = sums[t * SUMS + c];
+          const float down = xscale[t * SUMS + c];
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            const float qx = __fmul_rn(static_cast<float>(dots[r]), down);
+            acc[r][t] = chunk_step(acc[r][t], sc[b][r], qx, bi[b][r], xsum);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) out[r * TOKENS + t] = warp_sum(acc[r][t]);
+  }
+}
+
+// Each token's chunk sums of its staged input (token t at xs + t * STRIDE, its sums at
+// sums + t * (STRIDE / 32)) for 4-bit rows, as chunk_sums makes one token's; nothing for dense
+// rows (BITS 0).
+template <typename T, int K, int BITS, int TOKENS, int STRIDE>
+__device__ inline void window_chunk_sums(const T* xs, float* sums) {
+  if constexpr (BITS != 0) {
+    for (int t = 0; t < TOKENS; t++) chunk_sums<T, K, BITS>(xs + t * STRIDE, sums + t * (STRIDE / 32));
+  }
+}
+
+// Rows r[0], r[1], ... (R of them) of weights w[0..R) with each of the window's TOKENS staged
+// inputs (token t at xs + t * STRIDE), summed over the warp: out[i * TOKENS + t]. Dense rows
+// (BITS 0) through rows_dot_window; 4-bit ones through the helpers above, with each token's
+// chunk sums (and, INT, integers and scales) at t * (STRIDE / 32). Each (row, token) sum is
+// weight_dot's for that token alone.
+template <typename T, int K, int R, int BITS, int G, int TOKENS, int STRIDE, bool INT = false>
+__device__ inline void weight_dot_window(const void* const* w, const T* const* s,
+                                         const T* const* b, const int* r, const T* xs,
+                                         const float* sums, float* out,
+                                         const float* xscale = nullptr) {
+  if constexpr (BITS == 0) {
+    const T* rows[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) rows[i] = static_cast<const T*>(w[i]) + (size_t)r[i] * K;
+    rows_dot_window<T, K, R, TOKENS, STRIDE>(rows, xs, out);
+  } else {
+    constexpr int GROUPS = K / (G > 0 ? G : 1);
+    const void* rows[R];
+    const T* sr[R];
+    const T* br[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+      rows[i] = static_cast<const char*>(w[i]) + (size_t)r[i] * row_bytes<T, K, BITS>();
+      sr[i] = s[i] + (size_t)r[i] * GROUPS;
+      br[i] = b[i] + (size_t)r[i] * GROUPS;
+    }
+    if constexpr (INT) {
+      rows_dot_affine4_int_window<T, K, R, G, TOKENS, STRIDE>(rows, sr, br, xs, xscale, sums, out);
+    } else {
+      rows_dot_affine4_window<T, K, R, G, TOKENS, STRIDE>(rows, sr, br, xs, sums, out);
     }
   }
 }

@@ -19,7 +19,8 @@
 //!   and layer scalar) as one kernel with one grid-wide barrier (`per-layer-input`);
 //! * [`window_post_attention`]: the same for a window of 2-8 tokens (a verify window, a short
 //!   prompt), each weight row read once for all of them, each token's result equal to the
-//!   single-token kernel's (`window`);
+//!   single-token kernel's (`window`; dense or 4-bit weights, as are the window kernels of
+//!   the heads and the output head);
 //! * [`post_attention`]: everything of a layer after its attention heads (the output product,
 //!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers, over
 //!   dense weights (`post-attention`) or 4-bit ones (`affine4`); the default for both, as it
@@ -93,8 +94,9 @@ pub struct Fused {
     /// [`per_layer_input`] for single-token steps: a layer's per-layer-input block (gate and
     /// projection, dense or 4-bit) as one kernel, in place of two [`products`] kernels.
     pub per_layer_input: bool,
-    /// [`window_post_attention`] for windows of 2-8 tokens over dense weights, in place of
-    /// MLX's operations after the attention heads.
+    /// The window kernels ([`window_attention_heads`], [`window_post_attention`],
+    /// [`window_output_head`]) for windows of 2-8 tokens over dense or 4-bit weights, in place
+    /// of MLX's operations.
     pub window: bool,
 }
 

@@ -1,11 +1,13 @@
-//! The attention heads of a window of 2 to 8 tokens as one kernel, over dense weights: what
+//! The attention heads of a window of 2 to 8 tokens as one kernel, over dense or 4-bit weights: what
 //! [`super::attention_heads`] does for one token (the input RMSNorm, the q/k/v products, the
 //! head norms and RoPE, the write of the keys and values into the cache), each weight row read
 //! once for all the window's tokens.
 //!
 //! Each token's queries, keys and values are the single-token kernel's bit for bit: the same
 //! staging and norm of the input, each row's dot over the same pieces in the same order
-//! (`rows_dot_window`), the same head code at the token's position. The keys and values go
+//! (`weight_dot_window`: for 4-bit rows the single-token kernel's float or integer dots, each
+//! token's chunk sums and integers made as that kernel makes them), the same head code at the
+//! token's position. The keys and values go
 //! to the `T` consecutive slots from the given one (the cache keeps keys in temporal order).
 //! As in the single-token kernel, the buffers are inputs written in place, and the queries,
 //! which every later reader of the buffers depends on, order the write before them.
@@ -17,14 +19,17 @@ use mlx_rs::{Array, Dtype};
 
 use super::attention_heads::{is_row_contiguous, CacheSlot, HeadShape, HeadWeights};
 use super::post_attention::Weight;
-use super::products::{element_bytes, THREADS, WARPS};
+use super::products::{element_bytes, integer_dots_for, THREADS, WARPS};
 use super::{step_ints, PerSharedMemory, TemplateArg};
 
 const SOURCE: &str = r#"
   constexpr int WARPS = 8;
-  // Token t's normed input at xs + t * K (TOKENS * K elements, set by the host).
+  // Token t's normed input at xs + t * K (TOKENS * K elements), then, for 4-bit rows, each
+  // token's chunk sums and (INT_DOTS) integer scales at t * (K / 32) (sizes set by the host).
   extern __shared__ __align__(16) unsigned char heads_shared[];
   T* const xs = reinterpret_cast<T*>(heads_shared);
+  float* const sums = reinterpret_cast<float*>(xs + TOKENS * K);
+  float* const xscale = sums + TOKENS * (K / 32);
   __shared__ float red[32];
   __shared__ bool is_last;
   constexpr int NQ = NH * D;
@@ -35,12 +40,18 @@ const SOURCE: &str = r#"
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * WARPS + warp;
   for (int t = 0; t < TOKENS; t++) stage_input<T, K, true>(x + t * K, nw, xs + t * K, red);
+  window_chunk_sums<T, K, BITS, TOKENS, K>(xs, sums);
+  if constexpr (INT_DOTS) {
+    for (int t = 0; t < TOKENS; t++) chunk_integers<T, K>(xs + t * K, xscale + t * (K / 32));
+  }
   if (row < ROWS) {
-    const T* w = row < NQ ? wq + (size_t)row * K
-        : row < NQ + NK ? wk + (size_t)(row - NQ) * K
-        : wv + (size_t)(row - NQ - NK) * K;
+    // Row `row` of the q, k and v rows stacked: its weight and its index there.
+    const int i = row < NQ ? row : row < NQ + NK ? row - NQ : row - NQ - NK;
+    const void* w = row < NQ ? (const void*)wq : row < NQ + NK ? (const void*)wk : (const void*)wv;
+    const T* s = row < NQ ? wq_s : row < NQ + NK ? wk_s : wv_s;
+    const T* b = row < NQ ? wq_b : row < NQ + NK ? wk_b : wv_b;
     float d[TOKENS];
-    rows_dot_window<T, K, 1, TOKENS, K>(&w, xs, d);
+    weight_dot_window<T, K, 1, BITS, G, TOKENS, K, INT_DOTS>(&w, &s, &b, &i, xs, sums, d, xscale);
     if (lane == 0) {
 #pragma unroll
       for (int t = 0; t < TOKENS; t++) raw[t * ROWS + row] = static_cast<T>(d[t]);
@@ -81,7 +92,7 @@ const SOURCE: &str = r#"
   if (threadIdx.x == 0) done[0] = 0u;
 "#;
 
-const INPUTS: [&str; 13] = [
+const INPUTS: [&str; 19] = [
     "x",
     "nw",
     "wq",
@@ -95,6 +106,12 @@ const INPUTS: [&str; 13] = [
     "counter",
     "k_cache",
     "v_cache",
+    "wq_s",
+    "wq_b",
+    "wk_s",
+    "wk_b",
+    "wv_s",
+    "wv_b",
 ];
 
 /// Tokens a call takes at most.
@@ -119,13 +136,21 @@ pub fn serves(tokens: usize, hidden: usize, head_dim: usize, dtype: Dtype) -> bo
     (2..=MAX_TOKENS).contains(&tokens)
         && super::attention_heads::serves(head_dim, dtype)
         && super::products::serves(hidden, dtype)
-        && tokens * hidden * e <= 200 * 1024
+        && shared_bytes(tokens, hidden, e, 4) <= 200 * 1024
+}
+
+/// Bytes of dynamic shared memory for `tokens` staged inputs of `hidden` values, and over
+/// 4-bit rows (`bits` 4) each token's chunk sums and integer scales, a float each per 32
+/// values.
+fn shared_bytes(tokens: usize, hidden: usize, element: usize, bits: i32) -> usize {
+    let per_chunk = if bits == 0 { 0 } else { 2 * 4 };
+    tokens * (hidden * element + hidden / 32 * per_chunk)
 }
 
 /// The query heads `[T, heads, D]` of the window `x` (`[T, hidden]`, positions `position..`),
 /// its keys and values written into `cache` (slots `cache.slot..`) on a KV-owning layer, with
-/// dense weights. `counter`: the call site's ([`super::products::new_counter`]). Check
-/// [`serves`].
+/// dense weights or 4-bit ones in one group size. `counter`: the call site's
+/// ([`super::products::new_counter`]). Check [`serves`].
 #[allow(clippy::too_many_arguments)]
 pub fn window_attention_heads(
     x: &Array,
@@ -153,34 +178,25 @@ pub fn window_attention_heads(
             bail!("window_attention_heads: a KV-owning layer needs both its weights and its cache")
         }
     };
-    let dense = |w: &Weight, rows: i32, what: &str| -> Result<()> {
-        match w.layout(rows, k, dtype, what) {
-            Ok((0, _)) => Ok(()),
-            Ok(_) => bail!("window_attention_heads: {what} is not dense"),
-            Err(e) => Err(anyhow!("window_attention_heads: {e}")),
-        }
+    let layout = |w: &Weight, rows: i32, what: &str| -> Result<(i32, i32)> {
+        w.layout(rows, k, dtype, what)
+            .map_err(|e| anyhow!("window_attention_heads: {e}"))
     };
-    dense(&weights.q, shape.heads * d, "the q weight")?;
+    let (bits, group) = layout(&weights.q, shape.heads * d, "the q weight")?;
     let unread = super::post_attention::unread_input(dtype);
     let (wk, wv, k_norm, k_eq_v) = match weights.kv {
         Some((wk, wv, k_norm)) => {
-            dense(&wk, nkv * d, "the k weight")?;
+            let mut layouts = vec![layout(&wk, nkv * d, "the k weight")?];
             if let Some(wv) = &wv {
-                dense(wv, nkv * d, "the v weight")?;
+                layouts.push(layout(wv, nkv * d, "the v weight")?);
             }
-            let [wk, _, _] = wk.inputs();
-            let wv = match wv {
-                Some(v) => v.inputs()[0],
-                None => wk,
-            };
-            (
-                wk,
-                wv,
-                k_norm,
-                weights.kv.is_some_and(|(_, v, _)| v.is_none()),
-            )
+            if layouts.iter().any(|l| *l != (bits, group)) {
+                bail!("window_attention_heads: the q, k and v weights mix layouts (dense, or 4-bit in groups)");
+            }
+            (wk.inputs(), wv.unwrap_or(wk).inputs(), k_norm, wv.is_none())
         }
-        None => (unread, unread, weights.q_norm, false),
+        // A sharing layer makes no key or value rows: one-element stand-ins.
+        None => ([unread; 3], [unread; 3], weights.q_norm, false),
     };
     let (k_cache, v_cache, slot_values) = match &cache {
         Some(c) => {
@@ -211,7 +227,9 @@ pub fn window_attention_heads(
     let slot = step_ints(&slot_values)?;
     let position = step_ints(&[position as i32])?;
     let rows = shape.heads * d + nkv * d * if k_eq_v { 1 } else { 2 };
-    let [wq, _, _] = weights.q.inputs();
+    let [wq, wq_s, wq_b] = weights.q.inputs();
+    let [wk, wk_s, wk_b] = wk;
+    let [wv, wv_s, wv_b] = wv;
     let inputs = [
         x,
         input_norm,
@@ -226,8 +244,15 @@ pub fn window_attention_heads(
         counter,
         k_cache,
         v_cache,
+        wq_s,
+        wq_b,
+        wk_s,
+        wk_b,
+        wv_s,
+        wv_b,
     ];
-    let shared = tokens as usize * k as usize * element_bytes(dtype).unwrap_or(2);
+    let element = element_bytes(dtype).unwrap_or(2);
+    let shared = shared_bytes(tokens as usize, k as usize, element, bits);
     let (q_shape, raw_shape) = ([tokens, shape.heads, d], [tokens * rows]);
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
@@ -244,6 +269,12 @@ pub fn window_attention_heads(
                 (c"NH", TemplateArg::Int(shape.heads)),
                 (c"NKV", TemplateArg::Int(nkv)),
                 (c"K_EQ_V", TemplateArg::Bool(k_eq_v)),
+                (c"BITS", TemplateArg::Int(bits)),
+                (c"G", TemplateArg::Int(group)),
+                (
+                    c"INT_DOTS",
+                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
+                ),
                 (c"TOKENS", TemplateArg::Int(tokens)),
             ],
         )?;

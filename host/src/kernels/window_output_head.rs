@@ -1,8 +1,10 @@
-//! The output head of a window of 2 to 8 tokens as one kernel, over a dense head: what
+//! The output head of a window of 2 to 8 tokens as one kernel, over a dense or 4-bit head: what
 //! [`super::output_head`] does for one token (the final RMSNorm, the product with the head,
 //! the soft-cap), each row of the head (the largest matrix of a step) read once for all the
 //! window's tokens. Each token's logits are the single-token kernel's bit for bit: the same
-//! staging and norm, each row's dot over the same pieces in the same order.
+//! staging and norm, each row's dot over the same pieces in the same order (for a 4-bit head
+//! the single-token kernel's float or integer dots, over each token's own chunk sums and
+//! integers).
 
 use std::cell::RefCell;
 
@@ -10,24 +12,34 @@ use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::post_attention::Weight;
-use super::products::{element_bytes, serves as row_width_served, THREADS};
+use super::products::{element_bytes, integer_dots_for, serves as row_width_served, THREADS};
 use super::{PerSharedMemory, TemplateArg};
 
 const SOURCE: &str = r#"
   constexpr int WARPS = 8;
-  // Token t's normed input at xs + t * K (TOKENS * K elements, set by the host).
+  // Token t's normed input at xs + t * K (TOKENS * K elements), then, for a 4-bit head, each
+  // token's chunk sums and (INT_DOTS) integer scales at t * (K / 32) (sizes set by the host).
   extern __shared__ __align__(16) unsigned char head_shared[];
   T* const xs = reinterpret_cast<T*>(head_shared);
+  float* const sums = reinterpret_cast<float*>(xs + TOKENS * K);
+  float* const xscale = sums + TOKENS * (K / 32);
   __shared__ float red[32];
   for (int t = 0; t < TOKENS; t++) stage_input<T, K, true>(x + t * K, nw, xs + t * K, red);
+  window_chunk_sums<T, K, BITS, TOKENS, K>(xs, sums);
+  if constexpr (INT_DOTS) {
+    for (int t = 0; t < TOKENS; t++) chunk_integers<T, K>(xs + t * K, xscale + t * (K / 32));
+  }
+  const void* const ws[2] = {w, w};
+  const T* const ss[2] = {w_s, w_s};
+  const T* const bs[2] = {w_b, w_b};
   // The soft-cap, its float32 bits passed as an integer (0: none).
   const float cap = __int_as_float(CAP_BITS);
   const int stride = gridDim.x * WARPS * 2;
   for (int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * 2; first < N; first += stride) {
     // Two rows a warp (the last row again past N).
-    const T* rows[2] = {w + (size_t)first * K, w + (size_t)min(first + 1, N - 1) * K};
+    const int rows[2] = {first, min(first + 1, N - 1)};
     float d[2 * TOKENS];
-    rows_dot_window<T, K, 2, TOKENS, K>(rows, xs, d);
+    weight_dot_window<T, K, 2, BITS, G, TOKENS, K, INT_DOTS>(ws, ss, bs, rows, xs, sums, d, xscale);
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
       for (int i = 0; i < 2; i++) {
@@ -50,7 +62,7 @@ const MAX_BLOCKS: i32 = 1056;
 thread_local! {
     static KERNELS: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
         "window_output_head",
-        &["x", "nw", "w"],
+        &["x", "nw", "w", "w_s", "w_b"],
         &["logits"],
         SOURCE,
         super::window_post_attention::rows_window_header(""),
@@ -58,21 +70,28 @@ thread_local! {
 }
 
 /// Whether [`window_output_head`] takes the window `x` (`[T, K]`) with this head: 2 to 8
-/// tokens of a width the product kernels serve, and a dense head of that width.
+/// tokens of a width the product kernels serve, and a head of that width, dense or 4-bit in
+/// a group size the kernels take.
 pub fn serves_head(x: &Array, head: &Weight) -> bool {
     let tokens = x.shape().first().copied().unwrap_or(0) as usize;
     x.ndim() == 2
         && (2..=super::window_post_attention::MAX_TOKENS).contains(&tokens)
         && row_width_served(x.shape()[1] as usize, x.dtype())
-        && head.is_dense()
         && head
             .layout(head.rows(), x.shape()[1], x.dtype(), "")
             .is_ok()
 }
 
+/// Bytes of dynamic shared memory for `tokens` staged inputs of `k` values, and for a 4-bit
+/// head (`bits` 4) each token's chunk sums and integer scales, a float each per 32 values.
+fn shared_bytes(tokens: usize, k: usize, element: usize, bits: i32) -> usize {
+    let per_chunk = if bits == 0 { 0 } else { 2 * 4 };
+    tokens * (k * element + k / 32 * per_chunk)
+}
+
 /// Float32 logits `[T, N]` of the window `x` (`[T, K]`): for each token what
 /// [`super::output_head::output_head`] gives for it alone, `W` `[N, K]` dense in `x`'s
-/// dtype. Check [`serves_head`] first.
+/// dtype or 4-bit affine. Check [`serves_head`] first.
 pub fn window_output_head(
     x: &Array,
     norm: &Array,
@@ -98,15 +117,17 @@ pub fn window_output_head(
     }
     let cap_bits = super::output_head::softcap_bits(softcap, "window_output_head")?;
     let n = head.rows();
+    let (bits, group) = head.layout(n, k, dtype, "window_output_head: the head weight")?;
     let warps_needed = (n + 1) / 2;
     let blocks = ((warps_needed + 7) / 8).clamp(1, MAX_BLOCKS);
-    let shared = tokens as usize * k as usize * element_bytes(dtype).unwrap_or(2);
-    let [w, _, _] = head.inputs();
+    let element = element_bytes(dtype).unwrap_or(2);
+    let shared = shared_bytes(tokens as usize, k as usize, element, bits);
+    let [w, w_s, w_b] = head.inputs();
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(shared, eps)?;
         let mut out = kernel.apply(
-            &[x, norm, w],
+            &[x, norm, w, w_s, w_b],
             &[(&[tokens, n], Dtype::Float32)],
             (blocks * THREADS, 1, 1),
             (THREADS, 1, 1),
@@ -115,6 +136,12 @@ pub fn window_output_head(
                 (c"K", TemplateArg::Int(k)),
                 (c"N", TemplateArg::Int(n)),
                 (c"TOKENS", TemplateArg::Int(tokens)),
+                (c"BITS", TemplateArg::Int(bits)),
+                (c"G", TemplateArg::Int(group)),
+                (
+                    c"INT_DOTS",
+                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
+                ),
                 (c"CAP_BITS", TemplateArg::Int(cap_bits as i32)),
             ],
         )?;

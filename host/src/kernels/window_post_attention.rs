@@ -11,23 +11,27 @@
 //!
 //! Each token's result equals what [`super::post_attention`] computes for that token alone,
 //! bit for bit: the same stages with the same roundings, every row's dot summed over the same
-//! pieces in the same order (`rows_dot_window`), every norm by the same threads in the same
-//! order. So, with the other window kernels ([`super::window_attention_heads`], decode
-//! attention over a window, [`super::window_output_head`]), a verify window scores each
-//! drafted token exactly as the plain decode step would.
+//! pieces in the same order (`weight_dot_window`: `rows_dot_window` for dense rows, the 4-bit
+//! window helpers of [`super::affine4`] over each token's own chunk sums for 4-bit ones),
+//! every norm by the same threads in the same order. So, with the other window kernels
+//! ([`super::window_attention_heads`], decode attention over a window,
+//! [`super::window_output_head`]), a verify window scores each drafted token exactly as the
+//! plain decode step would.
 //!
 //! The tokens' staged inputs live in dynamic shared memory (`TOKENS` vectors of the widest
-//! stage, 20 KB each for E4B in bf16), which decides how many blocks fit a multiprocessor:
-//! two up to [`TWO_BLOCKS_SHARED_BYTES`], one up to [`ONE_BLOCK_SHARED_BYTES`]; longer
-//! windows run in parts (`Gemma4Model::forward_in_windows`). The hidden state after the attention block (`x1`) is kept
-//! in a device output, each block writing its share, instead of in every block's shared
-//! memory as the single-token kernel keeps it.
+//! stage, 20 KB each for E4B in bf16, with 1.25 KB of chunk sums over 4-bit weights), which
+//! decides how many blocks fit a multiprocessor: two up to [`TWO_BLOCKS_SHARED_BYTES`] (dense
+//! weights; over 4-bit ones the registers allow one), one up to [`ONE_BLOCK_SHARED_BYTES`];
+//! longer windows run in parts (`Gemma4Model::forward_in_windows`). The hidden state after
+//! the attention block (`x1`) is kept in a device output, each block writing its share,
+//! instead of in every block's shared memory as the single-token kernel keeps it.
 
 use std::cell::RefCell;
 
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
 
+use super::affine4::{HEADER as AFFINE4_HEADER, WINDOW_HEADER as AFFINE4_WINDOW_HEADER};
 use super::post_attention::{header, PerLayerInput, PostAttention, Weight};
 use super::products::{element_bytes, HEADER as PRODUCTS_HEADER, THREADS};
 use super::{PerSharedMemory, TemplateArg};
@@ -71,20 +75,26 @@ __device__ inline void rows_dot_window(const T* const* rows, const T* xs, float*
 }
 "#;
 
-/// Device helpers added to the post-attention kernel's ones, after [`ROWS_DOT_WINDOW`].
+/// Device helpers added to the post-attention kernel's ones, after [`ROWS_DOT_WINDOW`] and the
+/// 4-bit window helpers ([`super::affine4::WINDOW_HEADER`]).
 const WINDOW_HEADER: &str = r#"
 // o[t * rows + r] = W[r] . (input t), rounded to T as MLX's product rounds it and kept in
-// float32, two of the warp's rows at a time (every `warps`-th from `first`); W is [rows, K].
-template <typename T, int K, int TOKENS, int STRIDE>
-__device__ inline void window_product_rows(const T* w, const T* xs, float* o, int rows,
-                                           int first, int warps) {
+// float32, two of the warp's rows at a time (every `warps`-th from `first`); W is [rows, K],
+// dense (BITS 0) or 4-bit with scales s and biases b, each token's chunk sums in `sums`.
+template <typename T, int K, int BITS, int G, int TOKENS, int STRIDE>
+__device__ inline void window_product_rows(const void* w, const T* s, const T* b, const T* xs,
+                                           const float* sums, float* o, int rows, int first,
+                                           int warps) {
   const bool lane0 = (threadIdx.x & 31) == 0;
+  const void* ws[2] = {w, w};
+  const T* ss[2] = {s, s};
+  const T* bs[2] = {b, b};
   for (int r = first; r < rows; r += 2 * warps) {
     // A last row without a partner is paired with itself and written once.
     const int r2 = r + warps < rows ? r + warps : r;
-    const T* rs[2] = {w + (size_t)r * K, w + (size_t)r2 * K};
+    const int rs[2] = {r, r2};
     float d[2 * TOKENS];
-    rows_dot_window<T, K, 2, TOKENS, STRIDE>(rs, xs, d);
+    weight_dot_window<T, K, 2, BITS, G, TOKENS, STRIDE>(ws, ss, bs, rs, xs, sums, d);
     if (lane0) {
 #pragma unroll
       for (int t = 0; t < TOKENS; t++) {
@@ -101,9 +111,11 @@ const SOURCE: &str = r#"
   constexpr int NH = N > H ? N : H;
   constexpr int PZ = P > Z ? P : Z;
   constexpr int STAGED = NH > PZ ? NH : PZ;
-  // Token t's staged input at buf + t * STAGED (TOKENS * STAGED elements, set by the host).
+  // Token t's staged input at buf + t * STAGED (TOKENS * STAGED elements), then, for 4-bit
+  // weights, its chunk sums at sums + t * (STAGED / 32) (sizes set by the host).
   extern __shared__ __align__(16) unsigned char window_shared[];
   T* const buf = reinterpret_cast<T*>(window_shared);
+  float* const sums = BITS != 0 ? reinterpret_cast<float*>(buf + TOKENS * STAGED) : nullptr;
   __shared__ float red[32];
   unsigned int* bar = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(barrier));
   const int lane = threadIdx.x & 31;
@@ -117,7 +129,8 @@ const SOURCE: &str = r#"
 
   // 0. o0 = W_o z, every token.
   for (int t = 0; t < TOKENS; t++) stage_input<T, Z, false>(z + t * Z, z, buf + t * STAGED, red);
-  window_product_rows<T, Z, TOKENS, STAGED>(wo, buf, o0, H, first, warps);
+  window_chunk_sums<T, Z, BITS, TOKENS, STAGED>(buf, sums);
+  window_product_rows<T, Z, BITS, G, TOKENS, STAGED>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
   __threadfence();
   grid_barrier(bar);
 
@@ -136,18 +149,24 @@ const SOURCE: &str = r#"
   for (int t = 0; t < TOKENS; t++) {
     stage_input<T, H, true>(buf + t * STAGED, pre_norm, buf + t * STAGED, red);
   }
+  window_chunk_sums<T, H, BITS, TOKENS, STAGED>(buf, sums);
 
   // 1. a = gelu_tanh(W_gate x') * (W_up x').
-  for (int r = first; r < N; r += warps) {
-    const T* rs[2] = {wg + (size_t)r * H, wu + (size_t)r * H};
-    float d[2 * TOKENS];
-    rows_dot_window<T, H, 2, TOKENS, STAGED>(rs, buf, d);
-    if (lane == 0) {
+  {
+    const void* ws[2] = {wg, wu};
+    const T* ss[2] = {wg_s, wu_s};
+    const T* bs[2] = {wg_b, wu_b};
+    for (int r = first; r < N; r += warps) {
+      const int rs[2] = {r, r};
+      float d[2 * TOKENS];
+      weight_dot_window<T, H, 2, BITS, G, TOKENS, STAGED>(ws, ss, bs, rs, buf, sums, d);
+      if (lane == 0) {
 #pragma unroll
-      for (int t = 0; t < TOKENS; t++) {
-        const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[t]))));
-        a[t * N + r] = static_cast<T>(static_cast<float>(act) *
-                                      static_cast<float>(static_cast<T>(d[TOKENS + t])));
+        for (int t = 0; t < TOKENS; t++) {
+          const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[t]))));
+          a[t * N + r] = static_cast<T>(static_cast<float>(act) *
+                                        static_cast<float>(static_cast<T>(d[TOKENS + t])));
+        }
       }
     }
   }
@@ -156,7 +175,8 @@ const SOURCE: &str = r#"
 
   // 2. o = W_down a.
   for (int t = 0; t < TOKENS; t++) stage_written<T, N>(a + t * N, buf + t * STAGED);
-  window_product_rows<T, N, TOKENS, STAGED>(wd, buf, o, H, first, warps);
+  window_chunk_sums<T, N, BITS, TOKENS, STAGED>(buf, sums);
+  window_product_rows<T, N, BITS, G, TOKENS, STAGED>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
   __threadfence();
   grid_barrier(bar);
 
@@ -179,19 +199,24 @@ const SOURCE: &str = r#"
       }
     }
     __syncthreads();
+    window_chunk_sums<T, H, BITS, TOKENS, STAGED>(buf, sums);
 
     // 4. g = gelu_tanh(W_in h) * v, v token t's P values of this layer.
     const int v0 = ple_offset[0];
-    for (int r = first; r < P; r += warps) {
-      const T* rs[1] = {pg + (size_t)r * H};
-      float d[TOKENS];
-      rows_dot_window<T, H, 1, TOKENS, STAGED>(rs, buf, d);
-      if (lane == 0) {
+    {
+      const void* ws[1] = {pg};
+      const T* ss[1] = {pg_s};
+      const T* bs[1] = {pg_b};
+      for (int r = first; r < P; r += warps) {
+        float d[TOKENS];
+        weight_dot_window<T, H, 1, BITS, G, TOKENS, STAGED>(ws, ss, bs, &r, buf, sums, d);
+        if (lane == 0) {
 #pragma unroll
-        for (int t = 0; t < TOKENS; t++) {
-          const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[t]))));
-          g[t * P + r] = static_cast<T>(static_cast<float>(act) *
-                                        static_cast<float>(per_layer[t * VSTRIDE + v0 + r]));
+          for (int t = 0; t < TOKENS; t++) {
+            const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[t]))));
+            g[t * P + r] = static_cast<T>(static_cast<float>(act) *
+                                          static_cast<float>(per_layer[t * VSTRIDE + v0 + r]));
+          }
         }
       }
     }
@@ -200,7 +225,8 @@ const SOURCE: &str = r#"
 
     // 5. o2 = W_proj g.
     for (int t = 0; t < TOKENS; t++) stage_written<T, P>(g + t * P, buf + t * STAGED);
-    window_product_rows<T, P, TOKENS, STAGED>(pp, buf, o2, H, first, warps);
+    window_chunk_sums<T, P, BITS, TOKENS, STAGED>(buf, sums);
+    window_product_rows<T, P, BITS, G, TOKENS, STAGED>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
     __threadfence();
     grid_barrier(bar);
 
@@ -234,6 +260,18 @@ const INPUTS: &[&str] = &[
     "post_norm_2",
     "scale",
     "barrier",
+    "wo_s",
+    "wo_b",
+    "wg_s",
+    "wg_b",
+    "wu_s",
+    "wu_b",
+    "wd_s",
+    "wd_b",
+    "pg_s",
+    "pg_b",
+    "pp_s",
+    "pp_b",
 ];
 
 const OUTPUTS: &[&str] = &["out", "o0", "a", "o", "x1", "g", "o2"];
@@ -249,14 +287,29 @@ const TWO_BLOCKS_SHARED_BYTES: usize = 108 * 1024;
 const ONE_BLOCK_SHARED_BYTES: usize = 216 * 1024;
 
 /// Bytes of dynamic shared memory a call over `tokens` tokens needs: each token's input to
-/// the widest stage.
-fn shared_bytes(h: usize, z: usize, n: usize, p: usize, tokens: usize, element: usize) -> usize {
-    tokens * h.max(z).max(n).max(p) * element
+/// the widest stage, and over 4-bit weights (`bits` 4) its chunk sums, a float per 32 values.
+fn shared_bytes(
+    h: usize,
+    z: usize,
+    n: usize,
+    p: usize,
+    tokens: usize,
+    element: usize,
+    bits: i32,
+) -> usize {
+    let staged = h.max(z).max(n).max(p);
+    let sums = if bits == 0 { 0 } else { staged / 32 * 4 };
+    tokens * (staged * element + sums)
 }
 
-/// Blocks a multiprocessor holds for a call needing `shared` bytes, `None` if none fits.
-fn blocks_per_multiprocessor(shared: usize) -> Option<i32> {
-    if shared <= TWO_BLOCKS_SHARED_BYTES {
+/// Blocks a multiprocessor holds for a call needing `shared` bytes over weights of `bits`
+/// (0 dense, 4), `None` if none fits. Over 4-bit weights one: each (row, token) sum of the
+/// window holds a batch of packed chunks with their scales and biases, and NVRTC for sm_90a
+/// gives the kernel 138-168 registers a thread for E4B's shapes (`compile_check.sh`), more
+/// than two blocks of 256 threads may hold (128); a grid-wide barrier needs every block
+/// resident.
+fn blocks_per_multiprocessor(shared: usize, bits: i32) -> Option<i32> {
+    if shared <= TWO_BLOCKS_SHARED_BYTES && bits == 0 {
         Some(2)
     } else if shared <= ONE_BLOCK_SHARED_BYTES {
         Some(1)
@@ -266,19 +319,29 @@ fn blocks_per_multiprocessor(shared: usize) -> Option<i32> {
 }
 
 /// Whether the kernel serves `tokens` tokens of hidden size `h`, attention width `z`,
-/// feed-forward width `n` and per-layer width `p` (0: none) in `dtype`: 2 to [`MAX_TOKENS`]
-/// tokens, whole 16-byte loads, and the staged inputs fit a block's shared memory.
-pub fn serves(h: usize, z: usize, n: usize, p: usize, tokens: usize, dtype: Dtype) -> bool {
+/// feed-forward width `n` and per-layer width `p` (0: none) in `dtype`, over dense weights
+/// (`bits` 0) or 4-bit ones (4): 2 to [`MAX_TOKENS`] tokens, whole 16-byte loads (4-bit rows:
+/// whole 32-value chunks), and the staged inputs fit a block's shared memory.
+pub fn serves(
+    h: usize,
+    z: usize,
+    n: usize,
+    p: usize,
+    tokens: usize,
+    dtype: Dtype,
+    bits: i32,
+) -> bool {
     let Some(e) = element_bytes(dtype) else {
         return false;
     };
-    let whole = |k: usize| (k * e) % 16 == 0;
+    let whole = |k: usize| (k * e) % 16 == 0 && (bits == 0 || k % 32 == 0);
     (2..=MAX_TOKENS).contains(&tokens)
+        && (bits == 0 || bits == 4)
         && h > 0
         && z > 0
         && n > 0
         && [h, z, n, p].into_iter().all(whole)
-        && blocks_per_multiprocessor(shared_bytes(h, z, n, p, tokens, e)).is_some()
+        && blocks_per_multiprocessor(shared_bytes(h, z, n, p, tokens, e, bits), bits).is_some()
 }
 
 thread_local! {
@@ -287,16 +350,24 @@ thread_local! {
         INPUTS,
         OUTPUTS,
         SOURCE,
-        Box::leak(format!("{}{ROWS_DOT_WINDOW}{WINDOW_HEADER}", header(false)).into_boxed_str()),
+        Box::leak(
+            format!(
+                "{}{ROWS_DOT_WINDOW}{AFFINE4_WINDOW_HEADER}{WINDOW_HEADER}",
+                header(false)
+            )
+            .into_boxed_str()
+        ),
     ));
 }
 
 /// The layer's output for the window's tokens `x` (`[T, H]`, the layer's input) and their
-/// attention heads' output `z` (`[T, Z]`), with dense weights: the attention's output product
-/// and residual, the feed-forward block, then the per-layer-input block when given (`values`
-/// `[T, layers, P]`), the result times `scale` (the layer scalar, first element of a device
-/// array). Each token's row equals [`super::post_attention`]'s for that token. `barrier` is
-/// the call site's ([`super::post_attention::new_barrier`]). Check [`serves`].
+/// attention heads' output `z` (`[T, Z]`), with dense weights or 4-bit ones of one group size
+/// (values unpacked as floats: not with [`super::post_attention::set_affine4_in_place`]):
+/// the attention's output product and residual, the feed-forward block, then the
+/// per-layer-input block when given (`values` `[T, layers, P]`), the result times `scale`
+/// (the layer scalar, first element of a device array). Each token's row equals
+/// [`super::post_attention`]'s for that token. `barrier` is the call site's
+/// ([`super::post_attention::new_barrier`]). Check [`serves`].
 pub fn window_post_attention(
     x: &Array,
     z: &Array,
@@ -321,22 +392,21 @@ pub fn window_post_attention(
             );
         }
     }
-    let dense = |w: &Weight<'_>, rows: i32, k: i32, what: &str| -> Result<()> {
-        match w.layout(rows, k, dtype, what) {
-            Ok((0, _)) => Ok(()),
-            Ok(_) => bail!("window_post_attention: {what} is not dense"),
-            Err(e) => Err(anyhow!("window_post_attention: {e}")),
-        }
+    let layout = |w: &Weight<'_>, rows: i32, k: i32, what: &str| -> Result<(i32, i32)> {
+        w.layout(rows, k, dtype, what)
+            .map_err(|e| anyhow!("window_post_attention: {e}"))
     };
-    dense(&w.output, h, zw, "the attention output weight")?;
-    dense(&w.gate, n, h, "the gate weight")?;
-    dense(&w.up, n, h, "the up weight")?;
-    dense(&w.down, h, n, "the down weight")?;
+    let mut layouts = vec![
+        layout(&w.output, h, zw, "the attention output weight")?,
+        layout(&w.gate, n, h, "the gate weight")?,
+        layout(&w.up, n, h, "the up weight")?,
+        layout(&w.down, h, n, "the down weight")?,
+    ];
     let p = match ple {
         Some(v) => {
             let p = v.gate.rows();
-            dense(&v.gate, p, h, "the per-layer input gate")?;
-            dense(&v.projection, h, p, "the per-layer projection")?;
+            layouts.push(layout(&v.gate, p, h, "the per-layer input gate")?);
+            layouts.push(layout(&v.projection, h, p, "the per-layer projection")?);
             if v.offset.dtype() != Dtype::Int32 {
                 bail!("window_post_attention: the per-layer input offset must be int32");
             }
@@ -351,6 +421,17 @@ pub fn window_post_attention(
         }
         None => 0,
     };
+    let (bits, group) = layouts[0];
+    if layouts.iter().any(|l| *l != (bits, group)) {
+        bail!(
+            "window_post_attention: the weights mix layouts (dense, or 4-bit in groups): {layouts:?}"
+        );
+    }
+    if bits != 0 && super::post_attention::affine4_in_place() {
+        bail!(
+            "window_post_attention: 4-bit values unpacked in place have no window kernel (a window would not score its tokens as decode steps do)"
+        );
+    }
     let (tk, hu, zu, nu, pu) = (
         tokens as usize,
         h as usize,
@@ -358,35 +439,43 @@ pub fn window_post_attention(
         n as usize,
         p as usize,
     );
-    if !serves(hu, zu, nu, pu, tk, dtype) {
+    if !serves(hu, zu, nu, pu, tk, dtype, bits) {
         bail!(
-            "window_post_attention does not serve {tokens} tokens of hidden {h}, attention {zw}, width {n}, per-layer {p} in {dtype:?}"
+            "window_post_attention does not serve {tokens} tokens of hidden {h}, attention {zw}, width {n}, per-layer {p} in {dtype:?} ({bits}-bit weights)"
         );
     }
     let element = element_bytes(dtype).unwrap_or(2);
-    let shared = shared_bytes(hu, zu, nu, pu, tk, element);
-    let per_multiprocessor = blocks_per_multiprocessor(shared).unwrap_or(1);
+    let shared = shared_bytes(hu, zu, nu, pu, tk, element, bits);
+    let per_multiprocessor = blocks_per_multiprocessor(shared, bits).unwrap_or(1);
     let Some(multiprocessors) = super::post_attention::grid_blocks()
         .map(|blocks| blocks / super::post_attention::BLOCKS_PER_MULTIPROCESSOR)
     else {
         bail!("window_post_attention needs the CUDA device's multiprocessor count");
     };
     let blocks = multiprocessors * per_multiprocessor;
-    // Without a per-layer input its inputs are never read: the hidden state stands in.
+    // Without a per-layer input its inputs are never read: one-element stand-ins (the kernel
+    // takes a weight's values as untyped rows, its scales and biases as the dtype's).
     let unread = super::post_attention::unread_input(dtype);
     let (pg, values, offset, pp, post_norm_2, vstride) = match ple {
         Some(v) => {
-            let [pg, _, _] = v.gate.inputs();
-            let [pp, _, _] = v.projection.inputs();
             let vstride = (v.values.size() / tk) as i32;
-            (pg, v.values, v.offset, pp, v.post_norm, vstride)
+            (
+                v.gate.inputs(),
+                v.values,
+                v.offset,
+                v.projection.inputs(),
+                v.post_norm,
+                vstride,
+            )
         }
-        None => (unread, unread, barrier, unread, unread, 0),
+        None => ([unread; 3], unread, barrier, [unread; 3], unread, 0),
     };
-    let [wo, _, _] = w.output.inputs();
-    let [wg, _, _] = w.gate.inputs();
-    let [wu, _, _] = w.up.inputs();
-    let [wd, _, _] = w.down.inputs();
+    let [wo, wo_s, wo_b] = w.output.inputs();
+    let [wg, wg_s, wg_b] = w.gate.inputs();
+    let [wu, wu_s, wu_b] = w.up.inputs();
+    let [wd, wd_s, wd_b] = w.down.inputs();
+    let [pg, pg_s, pg_b] = pg;
+    let [pp, pp_s, pp_b] = pp;
     let (rows, width, per_layer_width) = ([tokens, h], [tokens, n], [tokens, p.max(1)]);
     let outputs = [
         (&rows[..], dtype),
@@ -418,6 +507,18 @@ pub fn window_post_attention(
                 post_norm_2,
                 scale,
                 barrier,
+                wo_s,
+                wo_b,
+                wg_s,
+                wg_b,
+                wu_s,
+                wu_b,
+                wd_s,
+                wd_b,
+                pg_s,
+                pg_b,
+                pp_s,
+                pp_b,
             ],
             &outputs,
             (blocks * THREADS, 1, 1),
@@ -428,6 +529,8 @@ pub fn window_post_attention(
                 (c"Z", TemplateArg::Int(zw)),
                 (c"N", TemplateArg::Int(n)),
                 (c"P", TemplateArg::Int(p)),
+                (c"BITS", TemplateArg::Int(bits)),
+                (c"G", TemplateArg::Int(group)),
                 (c"TOKENS", TemplateArg::Int(tokens)),
                 (c"VSTRIDE", TemplateArg::Int(vstride)),
             ],
@@ -436,9 +539,13 @@ pub fn window_post_attention(
     })
 }
 
-/// The products' header and [`ROWS_DOT_WINDOW`], for the window kernels without barriers.
+/// The products' and 4-bit helpers, [`ROWS_DOT_WINDOW`] and the 4-bit window helpers, for the
+/// window kernels without barriers.
 pub(crate) fn rows_window_header(more: &str) -> &'static str {
-    Box::leak(format!("{PRODUCTS_HEADER}{ROWS_DOT_WINDOW}{more}").into_boxed_str())
+    Box::leak(
+        format!("{PRODUCTS_HEADER}{AFFINE4_HEADER}{ROWS_DOT_WINDOW}{AFFINE4_WINDOW_HEADER}{more}")
+            .into_boxed_str(),
+    )
 }
 
 #[cfg(test)]
@@ -448,26 +555,42 @@ mod tests {
     #[test]
     fn windows_are_served_while_their_inputs_fit_shared_memory() {
         // E4B in bf16: 20 KB a token for the feed-forward width of 10 240.
-        let e4b = |tokens| serves(2560, 2048, 10240, 256, tokens, Dtype::Bfloat16);
+        let e4b = |tokens| serves(2560, 2048, 10240, 256, tokens, Dtype::Bfloat16, 0);
         assert!(!e4b(1), "one token is the single-token kernel's");
         assert!(e4b(2) && e4b(5) && e4b(8));
         assert!(!e4b(9), "past MAX_TOKENS");
         assert_eq!(
-            blocks_per_multiprocessor(shared_bytes(2560, 2048, 10240, 256, 5, 2)),
+            blocks_per_multiprocessor(shared_bytes(2560, 2048, 10240, 256, 5, 2, 0), 0),
             Some(2)
         );
         assert_eq!(
-            blocks_per_multiprocessor(shared_bytes(2560, 2048, 10240, 256, 6, 2)),
+            blocks_per_multiprocessor(shared_bytes(2560, 2048, 10240, 256, 6, 2, 0), 0),
             Some(1)
         );
         // 12B (15 360 wide): seven tokens fit one block a multiprocessor, eight do not.
-        assert!(serves(3840, 4096, 15360, 0, 7, Dtype::Bfloat16));
-        assert!(!serves(3840, 4096, 15360, 0, 8, Dtype::Bfloat16));
+        assert!(serves(3840, 4096, 15360, 0, 7, Dtype::Bfloat16, 0));
+        assert!(!serves(3840, 4096, 15360, 0, 8, Dtype::Bfloat16, 0));
         // Rows that are not whole 16-byte loads, and dtypes the kernel has no type for.
-        assert!(!serves(2564, 2048, 10240, 256, 4, Dtype::Bfloat16));
-        assert!(!serves(2560, 2048, 10240, 256, 4, Dtype::Int32));
+        assert!(!serves(2564, 2048, 10240, 256, 4, Dtype::Bfloat16, 0));
+        assert!(!serves(2560, 2048, 10240, 256, 4, Dtype::Int32, 0));
         // The float32 fixtures: small widths, four bytes a value.
-        assert!(serves(64, 128, 256, 16, 8, Dtype::Float32));
+        assert!(serves(64, 128, 256, 16, 8, Dtype::Float32, 0));
+        // 4-bit weights add each token's chunk sums (1.25 KB for E4B), and their registers
+        // leave room for one block a multiprocessor, whatever the window.
+        let e4b_q4 = |tokens| serves(2560, 2048, 10240, 256, tokens, Dtype::Bfloat16, 4);
+        assert!(e4b_q4(2) && e4b_q4(8) && !e4b_q4(9));
+        assert_eq!(
+            shared_bytes(2560, 2048, 10240, 256, 5, 2, 4),
+            5 * (10240 * 2 + 320 * 4)
+        );
+        assert_eq!(
+            blocks_per_multiprocessor(shared_bytes(2560, 2048, 10240, 256, 2, 2, 4), 4),
+            Some(1)
+        );
+        // 4-bit rows are read in whole chunks of 32 values; other bit widths are not served.
+        assert!(!serves(2560, 2048, 10240, 272, 4, Dtype::Bfloat16, 4));
+        assert!(serves(2560, 2048, 10240, 272, 4, Dtype::Bfloat16, 0));
+        assert!(!serves(2560, 2048, 10240, 256, 4, Dtype::Bfloat16, 8));
     }
 
     #[test]
@@ -504,7 +627,7 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("attention outputs"), "{err}");
-        // A 4-bit down weight.
+        // A 4-bit down weight among dense ones.
         let packed = Array::zeros::<u32>(&[h, n / 8]).unwrap();
         let (scales, biases) = (zeros(&[h, n / 32]), zeros(&[h, n / 32]));
         let mixed = PostAttention {
@@ -525,6 +648,6 @@ mod tests {
             &barrier,
         )
         .unwrap_err();
-        assert!(err.to_string().contains("not dense"), "{err}");
+        assert!(err.to_string().contains("mix layouts"), "{err}");
     }
 }

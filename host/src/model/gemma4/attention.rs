@@ -98,12 +98,13 @@ impl Attention {
     }
 
     /// The most tokens a window may hold for [`window_attention_heads`] to take this layer's
-    /// heads (dense projections, a head size and width it takes), 1 when it takes none.
+    /// heads (projections all dense or all 4-bit in one group size, a head size and width it
+    /// takes), 1 when it takes none.
     pub fn largest_window(&self, hidden: usize, dtype: mlx_rs::Dtype) -> usize {
-        let dense = self
+        let served = self
             .kernel_head_weights(true)
-            .is_some_and(|w| w.projections().all(|p| p.is_dense()));
-        if !dense {
+            .is_some_and(|w| one_layout(&w, hidden as i32, dtype));
+        if !served {
             return 1;
         }
         (2..=window_attention_heads::MAX_TOKENS)
@@ -287,8 +288,9 @@ impl Attention {
 
     /// The weights [`window_attention_heads`] needs, when the window kernels serve this call:
     /// 2-8 tokens, the window kernels allowed with the single-token kernels they match (so a
-    /// window computes what decode steps compute), head and hidden sizes they take, and
-    /// dense weights.
+    /// window computes what decode steps compute: for 4-bit projections the heads kernel's
+    /// `affine4_heads` too), head and hidden sizes they take, and weights all dense or all
+    /// 4-bit in one group size.
     fn window_head_weights(
         &self,
         x: &Array,
@@ -304,10 +306,9 @@ impl Attention {
             return None;
         }
         let weights = self.kernel_head_weights(owning)?;
-        weights
-            .projections()
-            .all(|w| w.is_dense())
-            .then_some(weights)
+        let served = one_layout(&weights, hidden as i32, x.dtype())
+            && (weights.q.is_dense() || fused.affine4_heads);
+        served.then_some(weights)
     }
 
     /// A window of 2-8 tokens through the window kernels: [`window_attention_heads`] (one
@@ -624,4 +625,15 @@ fn attention_mask(
             logical_and(&causal, &in_window)?
         }
     }))
+}
+
+/// Whether the projections are all dense, or all 4-bit affine in one group size of a layout
+/// the heads kernels read (for `hidden` inputs in `dtype`).
+fn one_layout(weights: &HeadWeights, hidden: i32, dtype: mlx_rs::Dtype) -> bool {
+    let group = weights.q.group(hidden);
+    weights.projections().all(|w| {
+        w.is_dense() == weights.q.is_dense()
+            && w.group(hidden) == group
+            && w.layout(w.rows(), hidden, dtype, "").is_ok()
+    })
 }

@@ -121,9 +121,10 @@ impl DecoderLayer {
     }
 
     /// The most tokens a window may hold for the window kernels to take this whole layer
-    /// (heads and everything after them; dense weights, no MoE branch, shapes they take), 1
-    /// when they take none of it: a window of that many tokens computes what as many decode
-    /// steps compute.
+    /// (heads and everything after them; weights all dense or all 4-bit in one group size,
+    /// no MoE branch, shapes they take), 1 when they take none of it: a window of that many
+    /// tokens computes what as many decode steps compute. 4-bit values unpacked in place
+    /// (`post_attention::set_affine4_in_place`) have no window kernel.
     pub fn largest_window(&self, dtype: mlx_rs::Dtype) -> usize {
         if self.moe.is_some() {
             return 1;
@@ -134,23 +135,40 @@ impl DecoderLayer {
         ) else {
             return 1;
         };
-        let hidden = output.rows() as usize;
-        let (per_layer, ple_dense) = match &self.ple {
-            None => (0, true),
+        let (hidden, width, n) = (output.rows(), self.attention.width() as i32, gate.rows());
+        let mut weights = vec![(output, width), (gate, hidden), (up, hidden), (down, n)];
+        let per_layer = match &self.ple {
+            None => 0,
             Some(g) => match (g.input_gate.kernel_weight(), g.projection.kernel_weight()) {
-                (Some(a), Some(b)) => (a.rows() as usize, a.is_dense() && b.is_dense()),
+                (Some(a), Some(b)) => {
+                    weights.extend([(a, hidden), (b, a.rows())]);
+                    a.rows() as usize
+                }
                 _ => return 1,
             },
         };
-        if !ple_dense || ![gate, up, down, output].iter().all(|w| w.is_dense()) {
+        let (bits, group) = (if output.is_dense() { 0 } else { 4 }, output.group(width));
+        let one_layout = weights
+            .iter()
+            .all(|(w, k)| w.is_dense() == (bits == 0) && w.group(*k) == group);
+        if !one_layout || (bits != 0 && post_attention::affine4_in_place()) {
             return 1;
         }
-        let (width, n) = (self.attention.width(), gate.rows() as usize);
+        let (hidden, width, n) = (hidden as usize, width as usize, n as usize);
         let heads = self.attention.largest_window(hidden, dtype);
         (2..=heads)
             .rev()
-            .find(|&t| window_post_attention::serves(hidden, width, n, per_layer, t, dtype))
+            .find(|&t| window_post_attention::serves(hidden, width, n, per_layer, t, dtype, bits))
             .unwrap_or(1)
+    }
+
+    /// Whether the layer's attention output weight (and so, where the window kernels take the
+    /// layer, every weight of it) is dense rather than 4-bit.
+    pub fn is_dense(&self) -> bool {
+        self.attention
+            .o_proj()
+            .kernel_weight()
+            .is_none_or(|w| w.is_dense())
     }
 
     /// Bytes of this layer's weights a single token does not read (unrouted experts).
@@ -269,8 +287,9 @@ impl DecoderLayer {
     /// [`post_attention`] (everything after the heads as one kernel), when the kernel is
     /// allowed for this layer's weights (dense: `fused.post_attention`; 4-bit in one group
     /// size: `fused.affine4`) and serves it: one token, no MoE branch, shapes
-    /// that fit, a known CUDA device. Windows of 2-8 tokens over dense weights go through
-    /// [`window_post_attention`] (`fused.window`). `None` otherwise.
+    /// that fit, a known CUDA device. Windows of 2-8 tokens go through
+    /// [`window_post_attention`] (`fused.window`) where decode steps run the single-token
+    /// kernel whose values it gives. `None` otherwise.
     fn one_kernel_after_attention(
         &self,
         x: &Array,
@@ -325,9 +344,13 @@ impl DecoderLayer {
         // the one kernel loses to the three products over dense weights and wins over 4-bit
         // ones, where it replaces MLX's quantized products (BENCHMARKS.md).
         let allowed = if tokens > 1 {
-            // Windows: dense weights only (4-bit windows run MLX's operations), where decode
-            // steps run the single-token kernel whose values the window kernel gives.
-            all_dense && fused.post_attention
+            // Windows: where decode steps run the single-token kernel whose values the window
+            // kernel gives (4-bit values unpacked in place have no window kernel).
+            if all_dense {
+                fused.post_attention
+            } else {
+                fused.affine4 && one_group && !post_attention::affine4_in_place()
+            }
         } else if all_dense {
             fused.post_attention
         } else {
@@ -338,7 +361,8 @@ impl DecoderLayer {
         }
         let (h, zw, n, p) = (h as usize, zw as usize, n as usize, p as usize);
         let serves = if tokens > 1 {
-            window_post_attention::serves(h, zw, n, p, tokens, x.dtype())
+            let bits = if all_dense { 0 } else { 4 };
+            window_post_attention::serves(h, zw, n, p, tokens, x.dtype(), bits)
         } else {
             post_attention::serves(h, zw, n, p, x.dtype())
         };

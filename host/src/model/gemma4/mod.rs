@@ -407,9 +407,9 @@ impl Gemma4Model {
     }
 
     /// The most tokens a window may hold for the window kernels to take all of this model
-    /// (every layer, and the head): 2-8 for dense weights of the shapes they take, 1 where
-    /// they take any part of it not (4-bit weights, an MoE branch). Windows longer than this
-    /// run in parts on a GPU ([`Gemma4Model::forward_in_windows`]).
+    /// (every layer, and the head): 2-8 for dense or 4-bit weights of the shapes they take, 1
+    /// where they take any part of it not (an MoE branch, other bit widths). Windows longer
+    /// than this run in parts on a GPU ([`Gemma4Model::forward_in_windows`]).
     pub fn largest_exact_window(&self) -> usize {
         *self.largest_window.get_or_init(|| {
             let head = match &self.head {
@@ -417,7 +417,9 @@ impl Gemma4Model {
                 None => &self.embed.0,
             };
             let hidden = self.config.hidden_size;
-            let head_served = head.kernel_weight().is_some_and(|w| w.is_dense())
+            let head_served = head
+                .kernel_weight()
+                .is_some_and(|w| w.layout(w.rows(), hidden as i32, self.dtype, "").is_ok())
                 && crate::kernels::products::serves(hidden, self.dtype);
             if !head_served {
                 return 1;
@@ -480,9 +482,11 @@ impl Gemma4Model {
     /// The longest verify window that runs as one forward, where longer ones run in parts
     /// ([`Gemma4Model::forward_in_windows`]): with the window kernels on (a GPU), the longest
     /// they take for this model ([`Gemma4Model::largest_exact_window`]), 1 where they take none
-    /// (4-bit weights, an MoE branch) or where no grid-wide barrier is safe (a GPU shared
-    /// through MPS): such a window verifies a token at a time, as decode steps. `None` where a
-    /// window of any length runs whole (MLX's operations: the CPU, or the window kernels off).
+    /// (an MoE branch, weights of other bit widths), where decode steps do not run the
+    /// single-token kernels whose values they give (a kernel set without them), or where no
+    /// grid-wide barrier is safe (a GPU shared through MPS): such a window verifies a token at
+    /// a time, as decode steps. `None` where a window of any length runs whole (MLX's
+    /// operations: the CPU, or the window kernels off).
     pub fn verify_window_limit(&self) -> Option<usize> {
         self.window_limit_for(crate::kernels::Fused::for_next_forward())
     }
@@ -492,11 +496,23 @@ impl Gemma4Model {
         if !fused.window {
             return None;
         }
-        Some(if crate::kernels::post_attention::grid_blocks().is_some() {
-            self.largest_exact_window()
-        } else {
-            1
-        })
+        // The single-token kernels a window kernel matches: the heads, decode attention and
+        // the head for every layout; after the heads, the post-attention kernel for dense
+        // layers and its 4-bit form (with the 4-bit heads) for quantized ones.
+        let dense = self.layers.iter().any(|l| l.is_dense());
+        let quantized = self.layers.iter().any(|l| !l.is_dense());
+        let matched = fused.attention
+            && fused.products
+            && fused.output_head
+            && (!dense || fused.post_attention)
+            && (!quantized || (fused.affine4 && fused.affine4_heads));
+        Some(
+            if matched && crate::kernels::post_attention::grid_blocks().is_some() {
+                self.largest_exact_window()
+            } else {
+                1
+            },
+        )
     }
 
     /// [`Gemma4Model::forward_ids`] over `ids` (`[1, T]`) as consecutive windows of at most
