@@ -121,7 +121,10 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
                 generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
             spec_s += start.elapsed().as_secs_f64();
             if spec_tokens != plain_tokens {
-                bail!("speculative output differs from plain output (round {round}): this is a bug, please report it");
+                bail!(
+                    "speculative output differs from plain output (round {round}; {}): this is a bug, please report it",
+                    explain_mismatch(model, &request, &plain_tokens, &spec_tokens)
+                );
             }
             generated += spec_tokens.len();
             if round == args.repeats {
@@ -200,6 +203,45 @@ impl ReplayCase {
     }
 }
 
+/// Why a speculative output differed from a plain one, for the error: each compared with a
+/// greedy decode made one synchronised step at a time (the reference the window kernels are
+/// checked against, `bench --verify-window`), and a second pipelined plain run, so that a
+/// fault of the pipelined plain run (seen intermittently with 4-bit weights on CUDA, in the
+/// first pipelined decode of a process) is told from one of the verify loop.
+fn explain_mismatch(
+    model: &Gemma4Model,
+    request: &GenerateRequest,
+    plain: &[u32],
+    spec: &[u32],
+) -> String {
+    let first_difference = |a: &[u32], b: &[u32]| {
+        a.iter()
+            .zip(b)
+            .position(|(x, y)| x != y)
+            .or((a.len() != b.len()).then_some(a.len().min(b.len())))
+    };
+    let describe = |tokens: &[u32], reference: &[u32]| match first_difference(tokens, reference) {
+        None => "equals it".to_owned(),
+        Some(i) => format!("first differs at token {i}"),
+    };
+    let stepwise = (|| -> Result<Vec<u32>> {
+        let mut cache = model.new_cache();
+        let logits = prefill(model, &mut cache, &request.prompt_ids)?;
+        let n = request.max_tokens.saturating_sub(1);
+        Ok(decode_step_by_step(model, &mut cache, &logits, n)?.0)
+    })();
+    let again = generate(model, request, |_| Ok(())).map(|(tokens, _)| tokens);
+    match (stepwise, again) {
+        (Ok(reference), Ok(again)) => format!(
+            "against a step-by-step greedy decode: pipelined plain decoding {}, speculative {}, a second pipelined plain run {}",
+            describe(plain, &reference),
+            describe(spec, &reference),
+            describe(&again, &reference),
+        ),
+        (Err(e), _) | (_, Err(e)) => format!("(the step-by-step check failed too: {e})"),
+    }
+}
+
 /// Plain greedy decoding against speculation with replayed drafts (`--replay-drafts`): for
 /// each draft length, hit rate, way of sizing rounds (recent acceptance, or fitted to the
 /// measured costs) and hand-off of the verify window, side by side in every round, the
@@ -267,11 +309,12 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
             let (spec_tokens, _, stats) = spec?;
             if spec_tokens != plain_tokens {
                 bail!(
-                    "speculative output differs from plain output ({} replayed drafts right with probability {}, rounds sized by {}, handed over {}, round {round}): this is a bug, please report it",
+                    "speculative output differs from plain output ({} replayed drafts right with probability {}, rounds sized by {}, handed over {}, round {round}; {}): this is a bug, please report it",
                     case.k,
                     case.p,
                     case.sizing(),
-                    case.handoff()
+                    case.handoff(),
+                    explain_mismatch(model, &request, &plain_tokens, &spec_tokens)
                 );
             }
             if round > 0 {
