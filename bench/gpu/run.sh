@@ -124,6 +124,9 @@ export CUDA_CACHE_PATH="${CUDA_CACHE_PATH:-$G/cuda-cache}"
 export CUDA_CACHE_MAXSIZE="${CUDA_CACHE_MAXSIZE:-1073741824}"
 if [[ -f "$G/kernel-cache.tar.xz" && ! -d "$MLX_PTX_CACHE_DIR" ]]; then
     xz -dc "$G/kernel-cache.tar.xz" | tar -C "$G" -xf - && echo "kernel cache unpacked"
+elif [[ -f "$G/kernel-cache.part-0" && ! -d "$MLX_PTX_CACHE_DIR" ]]; then
+    # A cache kept in pieces (see below), each carried in a call of its own.
+    cat "$G"/kernel-cache.part-[0-9] | xz -dc | tar -C "$G" -xf - && echo "kernel cache unpacked from pieces"
 fi
 STARTED=$SECONDS
 BIN="$G/bin/mlx-spec"
@@ -676,6 +679,13 @@ if [[ "${KEEP_KERNEL_CACHE:-0}" == 1 ]]; then
     (cd "$G" && tar cf - "$(basename "$MLX_PTX_CACHE_DIR")" "$(basename "$CUDA_CACHE_PATH")" 2>/dev/null) \
         | xz -T0 -6 >"$RES/kernel-cache.tar.xz"
     echo "kernel cache kept: $(du -h "$RES/kernel-cache.tar.xz" | cut -f1)"
+    # A file much over 14 MB does not come back from a lease (a cache with the 4-bit window
+    # kernels reached 26 MB), nor fits one call with the working tree: pieces of 12 MB do.
+    if [[ $(stat -c %s "$RES/kernel-cache.tar.xz") -gt $((12 * 1024 * 1024)) ]]; then
+        split -b 12M -d -a 1 "$RES/kernel-cache.tar.xz" "$RES/kernel-cache.part-"
+        rm "$RES/kernel-cache.tar.xz"
+        echo "kernel cache kept in pieces: $(cd "$RES" && ls kernel-cache.part-*)"
+    fi
 fi
 
 echo

@@ -1914,7 +1914,44 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::only_named;
+    use super::{explain_mismatch, only_named};
+    use mlx_spec::generate::{generate, GenerateRequest};
+    use mlx_spec::model::gemma4::{Gemma4Config, Gemma4Model};
+    use mlx_spec::sampler::SamplingParams;
+
+    #[test]
+    fn a_mismatch_is_explained_against_a_step_by_step_decode() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/tiny-ple-kvshare/config.json"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let config = Gemma4Config::from_json(&json).unwrap();
+        let model = Gemma4Model::random(config, 7, mlx_rs::Dtype::Float32, None).unwrap();
+        let request = GenerateRequest {
+            prompt_ids: vec![2, 5, 9, 14],
+            max_tokens: 6,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            ignore_eos: true,
+        };
+        let (plain, _) = generate(&model, &request, |_| Ok(())).unwrap();
+        let mut spec = plain.clone();
+        spec[3] ^= 1;
+        let why = explain_mismatch(&model, &request, &plain, &spec);
+        assert_eq!(
+            why,
+            "against a step-by-step greedy decode: pipelined plain decoding equals it, \
+             speculative first differs at token 3, a second pipelined plain run equals it"
+        );
+        // A shorter output differs where it ends.
+        let why = explain_mismatch(&model, &request, &plain[..4], &plain);
+        assert!(
+            why.contains("pipelined plain decoding first differs at token 4"),
+            "{why}"
+        );
+    }
 
     #[test]
     fn compare_set_keeps_the_named_sets_and_the_baseline() {

@@ -6,7 +6,7 @@
 //! path = "models/my-gemma"        # relative to this file; default: the repo's default model
 //! device = "cpu"                  # cpu | gpu
 //! dtype = "auto"                  # auto | f32 | bf16 | f16
-//! handoff_layers = 6              # optional: --handoff-layers (default: the device's)
+//! handoff_layers = 3              # optional: --handoff-layers (default: the device's)
 //!
 //! [plugins]
 //! dirs = ["plugins"]

@@ -12,9 +12,11 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Layers a group on a GPU unless `--handoff-layers` says otherwise: a dense E4B step (42
-/// layers) goes out in 7 groups, each one more commit of a CUDA graph for MLX.
-pub const DEFAULT_GPU_HANDOFF_LAYERS: usize = 6;
+/// Layers a group on a GPU unless `--handoff-layers` says otherwise: a dense E4B window (42
+/// layers) goes out in 14 groups, each one more commit of a CUDA graph for MLX. Groups of 3
+/// were ahead of groups of 6 in 18 of 20 replayed cases on an H200 (by 1-10 %), behind once
+/// by a round that was slow in both of its runs and not seen again (BENCHMARKS.md).
+pub const DEFAULT_GPU_HANDOFF_LAYERS: usize = 3;
 
 /// No setting made: [`DEFAULT_GPU_HANDOFF_LAYERS`] on a GPU, the whole forward at once
 /// elsewhere.
