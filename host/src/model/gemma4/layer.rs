@@ -148,9 +148,11 @@ impl DecoderLayer {
             },
         };
         let (bits, group) = (if output.is_dense() { 0 } else { 4 }, output.group(width));
-        let one_layout = weights
-            .iter()
-            .all(|(w, k)| w.is_dense() == (bits == 0) && w.group(*k) == group);
+        // One layout the kernels read: dense, or 4-bit in one group size of whole chunks.
+        let one_layout = (bits == 0 || (group > 0 && group % 32 == 0))
+            && weights
+                .iter()
+                .all(|(w, k)| w.is_dense() == (bits == 0) && w.group(*k) == group);
         if !one_layout || (bits != 0 && post_attention::affine4_in_place()) {
             return 1;
         }
