@@ -668,9 +668,10 @@ fn integer_dots_scale_inputs_of_any_magnitude() {
     assert_eq!(checked, scales.len() * case.rows as usize, "{printed}");
 }
 
-/// The window kernels' 4-bit row dots (`kernels::affine4::WINDOW_HEADER`): what the verify
-/// window's heads, post-attention and output head kernels compute for each of its tokens
-/// must be the single-token helper's sum for that token alone, bit for bit, both ways of
+/// The 4-bit row dots over several tokens (`rows_dot_affine4_tokens` and
+/// `rows_dot_affine4_int_tokens`, which `kernels::affine4::WINDOW_HEADER`'s `weight_dot_window`
+/// calls): what the verify window's heads, post-attention and output head kernels compute for
+/// each of its tokens must be the single-token helper's sum for that token alone, bit for bit, both ways of
 /// unpacking (floats, integer dots), or a verify window would score a drafted token otherwise
 /// than the decode step it stands for.
 const WINDOW_DRIVER: &str = r#"
@@ -735,9 +736,9 @@ void run_window(int index, const char* path) {
         }
         float out[R * TOKENS];
         if (way == 0) {
-          rows_dot_affine4_window<T, K, R, G, TOKENS, K>(row_ptr, scale_ptr, bias_ptr, xs.get(), sums.data(), out);
+          rows_dot_affine4_tokens<T, K, R, G, TOKENS, K, false>(row_ptr, scale_ptr, bias_ptr, xs.get(), sums.data(), out);
         } else {
-          rows_dot_affine4_int_window<T, K, R, G, TOKENS, K>(row_ptr, scale_ptr, bias_ptr, xi.get(), xscale.data(), sums.data(), out);
+          rows_dot_affine4_int_tokens<T, K, R, G, TOKENS, K>(row_ptr, scale_ptr, bias_ptr, xi.get(), xscale.data(), sums.data(), out);
         }
         for (int i = 0; i < R * TOKENS; i++) window[i] += out[i];
       }

@@ -146,22 +146,29 @@ __device__ inline void load_affine4_batch(const void* const* rows, const T* cons
   }
 }
 
-// Dots of R rows of 4-bit affine weights with the staged input, summed over the warp. A lane
-// takes 16 bytes of a row at a time (32 values, within one group as G is a multiple of 32),
-// about eight such loads in flight across its rows and chunks: per chunk,
-// scale (q . x) + bias (sum of x), in float32, with the sum of x from chunk_sums.
-template <typename T, int K, int R, int G, bool IN_PLACE>
-__device__ inline void rows_dot_affine4(const void* const* rows, const T* const* scales,
-                                        const T* const* biases, const T* xs, const float* sums,
-                                        float* out) {
+// Dots of R rows of 4-bit affine weights with TOKENS staged inputs, summed over the warp:
+// out[r * TOKENS + t]. Token t's input is at xs + t * STRIDE, its chunk sums (chunk_sums) at
+// sums + t * (STRIDE / 32). A lane takes 16 bytes of a row at a time (32 values, within one
+// group as G is a multiple of 32), about eight such loads in flight across its rows and
+// chunks, each loaded once for all the tokens: per chunk and token, scale (q . x) + bias (sum
+// of x) in float32. One token is a decode step (rows_dot_affine4); several are a verify window,
+// each token's sum made of the same operations in the same order as that token's alone.
+template <typename T, int K, int R, int G, int TOKENS, int STRIDE, bool IN_PLACE>
+__device__ inline void rows_dot_affine4_tokens(const void* const* rows, const T* const* scales,
+                                               const T* const* biases, const T* xs,
+                                               const float* sums, float* out) {
   constexpr int CHUNKS = K / 32;
   constexpr int PER_LANE = (CHUNKS + 31) / 32;
   constexpr int WANT = 8 / R > 0 ? 8 / R : 1;
   constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
+  constexpr int SUMS = STRIDE / 32;
   const int lane = threadIdx.x & 31;
-  float acc[R];
+  float acc[R][TOKENS];
 #pragma unroll
-  for (int r = 0; r < R; r++) acc[r] = 0.f;
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) acc[r][t] = 0.f;
+  }
   for (int base = 0; base < PER_LANE; base += BATCH) {
     // The batch's loads first, all in flight together; chunks past the row are not read.
     uint4 wc[BATCH][R];
@@ -171,44 +178,58 @@ __device__ inline void rows_dot_affine4(const void* const* rows, const T* const*
     for (int b = 0; b < BATCH; b++) {
       const int c = lane + 32 * (base + b);
       if (c < CHUNKS) {
-        float qx[R];
-        float part[IN_PLACE ? R : 1][4];
 #pragma unroll
-        for (int r = 0; r < R; r++) qx[r] = 0.f;
+        for (int t = 0; t < TOKENS; t++) {
+          float qx[R];
+          float part[IN_PLACE ? R : 1][4];
 #pragma unroll
-        for (int r = 0; r < (IN_PLACE ? R : 1); r++) {
+          for (int r = 0; r < R; r++) qx[r] = 0.f;
 #pragma unroll
-          for (int k = 0; k < 4; k++) part[r][k] = 0.f;
-        }
+          for (int r = 0; r < (IN_PLACE ? R : 1); r++) {
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-          const int p = piece_at(j, lane);
-          float x[8];
-          load_piece<T>(xs, c, p, x);
+            for (int k = 0; k < 4; k++) part[r][k] = 0.f;
+          }
 #pragma unroll
-          for (int r = 0; r < R; r++) {
-            if constexpr (IN_PLACE) {
-              nibbles_dot_in_place(word_at(wc[b][r], p), x, part[r]);
-            } else {
-              qx[r] = nibbles_dot(word_at(wc[b][r], p), x, qx[r]);
+          for (int j = 0; j < 4; j++) {
+            const int p = piece_at(j, lane);
+            float x[8];
+            load_piece<T>(xs + t * STRIDE, c, p, x);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+              if constexpr (IN_PLACE) {
+                nibbles_dot_in_place(word_at(wc[b][r], p), x, part[r]);
+              } else {
+                qx[r] = nibbles_dot(word_at(wc[b][r], p), x, qx[r]);
+              }
             }
           }
-        }
-        if constexpr (IN_PLACE) {
+          if constexpr (IN_PLACE) {
 #pragma unroll
-          for (int r = 0; r < R; r++) {
-            qx[r] = part[r][0] + part[r][1] * 0.0625f + part[r][2] * 0.00390625f +
-                    part[r][3] * 0.000244140625f;
+            for (int r = 0; r < R; r++) {
+              qx[r] = part[r][0] + part[r][1] * 0.0625f + part[r][2] * 0.00390625f +
+                      part[r][3] * 0.000244140625f;
+            }
           }
-        }
-        const float xsum = sums[c];
+          const float xsum = sums[t * SUMS + c];
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[r] = chunk_step(acc[r], sc[b][r], qx[r], bi[b][r], xsum);
+          for (int r = 0; r < R; r++) acc[r][t] = chunk_step(acc[r][t], sc[b][r], qx[r], bi[b][r], xsum);
+        }
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) out[r * TOKENS + t] = warp_sum(acc[r][t]);
+  }
+}
+
+// rows_dot_affine4_tokens for one staged input (a decode step): out[r].
+template <typename T, int K, int R, int G, bool IN_PLACE>
+__device__ inline void rows_dot_affine4(const void* const* rows, const T* const* scales,
+                                        const T* const* biases, const T* xs, const float* sums,
+                                        float* out) {
+  rows_dot_affine4_tokens<T, K, R, G, 1, K, IN_PLACE>(rows, scales, biases, xs, sums, out);
 }
 
 
@@ -273,187 +294,15 @@ __device__ inline void chunk_integers(T* xs, float* xscale) {
   __syncthreads();
 }
 
-// rows_dot_affine4 with integer dots: per chunk, the 4-bit values (bytes of a word's low or
-// high nibbles) times the int16 inputs of chunk_integers, summed exactly in int32 by dp2a
-// (two products a lane and instruction: |sum| <= 32 * 15 * 32767 < 2^24, so the conversion to
-// float is exact too), then scale (q . x) + bias (sum of x) in float32 as rows_dot_affine4
-// does. About a sixth of the instructions of the float unpacking, which bounds that path.
-template <typename T, int K, int R, int G>
-__device__ inline void rows_dot_affine4_int(const void* const* rows, const T* const* scales,
-                                            const T* const* biases, const T* xs,
-                                            const float* xscale, const float* sums, float* out) {
-  constexpr int CHUNKS = K / 32;
-  constexpr int PER_LANE = (CHUNKS + 31) / 32;
-  constexpr int WANT = 8 / R > 0 ? 8 / R : 1;
-  constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
-  const int lane = threadIdx.x & 31;
-  const uint4* slots = reinterpret_cast<const uint4*>(xs);
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; r++) acc[r] = 0.f;
-  for (int base = 0; base < PER_LANE; base += BATCH) {
-    uint4 wc[BATCH][R];
-    float sc[BATCH][R], bi[BATCH][R];
-    load_affine4_batch<T, K, R, G, BATCH>(rows, scales, biases, base, wc, sc, bi);
-#pragma unroll
-    for (int b = 0; b < BATCH; b++) {
-      const int c = lane + 32 * (base + b);
-      if (c < CHUNKS) {
-        int dots[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) dots[r] = 0;
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-          const uint4 x = slots[p * CHUNKS + c];
-#pragma unroll
-          for (int r = 0; r < R; r++) {
-            const unsigned int word = p == 0 ? wc[b][r].x : p == 1 ? wc[b][r].y : p == 2 ? wc[b][r].z : wc[b][r].w;
-            const int low = static_cast<int>(word & 0x0F0F0F0Fu);
-            const int high = static_cast<int>((word >> 4) & 0x0F0F0F0Fu);
-            dots[r] = __dp2a_lo(static_cast<int>(x.x), low, dots[r]);
-            dots[r] = __dp2a_hi(static_cast<int>(x.y), low, dots[r]);
-            dots[r] = __dp2a_lo(static_cast<int>(x.z), high, dots[r]);
-            dots[r] = __dp2a_hi(static_cast<int>(x.w), high, dots[r]);
-          }
-        }
-        const float xsum = sums[c];
-        const float down = xscale[c];
-        // The product by a power of two is exact; chunk_step's fused operations keep a
-        // row's result the same however many rows (or tokens) a call takes.
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          const float qx = __fmul_rn(static_cast<float>(dots[r]), down);
-          acc[r] = chunk_step(acc[r], sc[b][r], qx, bi[b][r], xsum);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
-}
-
-// Asks for the lines of a row a warp reads first (each lane's first BATCH 16-byte chunks, and
-// for 4-bit rows the row's scales and biases, one lane's request a line) to be brought into
-// L1 without waiting for them: issued before a block stages its input, the weights' trip to
-// memory overlaps the input's, and the row's loads then find them close. Changes no value.
-template <typename T, int K, int BITS, int G, int BATCH>
-__device__ inline void touch_row(const void* row, const T* scales, const T* biases) {
-  constexpr int CHUNKS = static_cast<int>(row_bytes<T, K, BITS>() / 16);
-  constexpr int PER_LANE = (CHUNKS + 31) / 32;
-  constexpr int FIRST = PER_LANE < BATCH ? PER_LANE : BATCH;
-  const int lane = threadIdx.x & 31;
-  const char* bytes = static_cast<const char*>(row);
-#pragma unroll
-  for (int b = 0; b < FIRST; b++) {
-    const int c = lane + 32 * b;
-    if (c < CHUNKS) asm volatile("prefetch.global.L1 [%0];" ::"l"(bytes + 16 * (size_t)c));
-  }
-  if constexpr (BITS != 0) {
-    constexpr int GROUPS = K / G;
-    constexpr int LINE = 128 / sizeof(T);
-    if (lane * LINE < GROUPS) {
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(scales + lane * LINE));
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(biases + lane * LINE));
-    }
-  }
-}
-
-// INT: 4-bit rows by integer dots (rows_dot_affine4_int) over the input chunk_integers made,
-// with its scales in xscale.
-template <typename T, int K, int R, int BITS, int G, bool IN_PLACE, int LOADS = 8, bool INT = false>
-__device__ inline void weight_dot(const void* const* w, const T* const* s, const T* const* b,
-                                  const int* r, const T* xs, const float* sums, float* out,
-                                  const float* xscale = nullptr) {
-  if constexpr (BITS == 0) {
-    const T* rows[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) rows[i] = static_cast<const T*>(w[i]) + (size_t)r[i] * K;
-    rows_dot<T, K, R, LOADS>(rows, xs, out);
-  } else {
-    constexpr int GROUPS = K / (G > 0 ? G : 1);
-    const void* rows[R];
-    const T* sr[R];
-    const T* br[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-      rows[i] = static_cast<const char*>(w[i]) + (size_t)r[i] * row_bytes<T, K, BITS>();
-      sr[i] = s[i] + (size_t)r[i] * GROUPS;
-      br[i] = b[i] + (size_t)r[i] * GROUPS;
-    }
-    if constexpr (INT) {
-      rows_dot_affine4_int<T, K, R, G>(rows, sr, br, xs, xscale, sums, out);
-    } else {
-      rows_dot_affine4<T, K, R, G, IN_PLACE>(rows, sr, br, xs, sums, out);
-    }
-  }
-}
-"#;
-
-/// Device helpers of the window kernels for 4-bit rows (after [`HEADER`] and the window row
-/// dots, `rows_dot_window`): each row's chunks loaded once for all the window's tokens, and
-/// each (row, token) sum made of the same operations in the same order as the single-token
-/// helper makes it for that token alone (`rows_dot_affine4`, `rows_dot_affine4_int`), so a
-/// verify window scores each token as a decode step does, bit for bit.
-pub const WINDOW_HEADER: &str = r#"
-// rows_dot_affine4 (values unpacked as floats, not in place) for TOKENS inputs: token t's
-// staged input at xs + t * STRIDE, its chunk sums at sums + t * (STRIDE / 32);
-// out[r * TOKENS + t].
+// rows_dot_affine4_tokens with integer dots: per chunk, the 4-bit values (bytes of a word's
+// low or high nibbles) times the int16 inputs of chunk_integers, summed exactly in int32 by
+// dp2a (two products a lane and instruction: |sum| <= 32 * 15 * 32767 < 2^24, so the
+// conversion to float is exact too), then scale (q . x) + bias (sum of x) in float32. About a
+// sixth of the instructions of the float unpacking, which bounds that path. Token t's
+// integers are at xs + t * STRIDE, their scales at xscale + t * (STRIDE / 32) and its chunk
+// sums at sums + t * (STRIDE / 32); out[r * TOKENS + t].
 template <typename T, int K, int R, int G, int TOKENS, int STRIDE>
-__device__ inline void rows_dot_affine4_window(const void* const* rows, const T* const* scales,
-                                               const T* const* biases, const T* xs,
-                                               const float* sums, float* out) {
-  constexpr int CHUNKS = K / 32;
-  constexpr int PER_LANE = (CHUNKS + 31) / 32;
-  constexpr int WANT = 8 / R > 0 ? 8 / R : 1;
-  constexpr int BATCH = PER_LANE < WANT ? PER_LANE : WANT;
-  constexpr int SUMS = STRIDE / 32;
-  const int lane = threadIdx.x & 31;
-  float acc[R][TOKENS];
-#pragma unroll
-  for (int r = 0; r < R; r++) {
-#pragma unroll
-    for (int t = 0; t < TOKENS; t++) acc[r][t] = 0.f;
-  }
-  for (int base = 0; base < PER_LANE; base += BATCH) {
-    uint4 wc[BATCH][R];
-    float sc[BATCH][R], bi[BATCH][R];
-    load_affine4_batch<T, K, R, G, BATCH>(rows, scales, biases, base, wc, sc, bi);
-#pragma unroll
-    for (int b = 0; b < BATCH; b++) {
-      const int c = lane + 32 * (base + b);
-      if (c < CHUNKS) {
-#pragma unroll
-        for (int t = 0; t < TOKENS; t++) {
-          float qx[R];
-#pragma unroll
-          for (int r = 0; r < R; r++) qx[r] = 0.f;
-#pragma unroll
-          for (int j = 0; j < 4; j++) {
-            const int p = piece_at(j, lane);
-            float x[8];
-            load_piece<T>(xs + t * STRIDE, c, p, x);
-#pragma unroll
-            for (int r = 0; r < R; r++) qx[r] = nibbles_dot(word_at(wc[b][r], p), x, qx[r]);
-          }
-          const float xsum = sums[t * SUMS + c];
-#pragma unroll
-          for (int r = 0; r < R; r++) acc[r][t] = chunk_step(acc[r][t], sc[b][r], qx[r], bi[b][r], xsum);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; r++) {
-#pragma unroll
-    for (int t = 0; t < TOKENS; t++) out[r * TOKENS + t] = warp_sum(acc[r][t]);
-  }
-}
-
-// rows_dot_affine4_int for TOKENS inputs: token t's integers (chunk_integers of its staged
-// input) at xs + t * STRIDE, its scales at xscale + t * (STRIDE / 32) and its chunk sums at
-// sums + t * (STRIDE / 32); out[r * TOKENS + t].
-template <typename T, int K, int R, int G, int TOKENS, int STRIDE>
-__device__ inline void rows_dot_affine4_int_window(const void* const* rows,
+__device__ inline void rows_dot_affine4_int_tokens(const void* const* rows,
                                                    const T* const* scales,
                                                    const T* const* biases, const T* xs,
                                                    const float* xscale, const float* sums,
@@ -500,6 +349,8 @@ __device__ inline void rows_dot_affine4_int_window(const void* const* rows,
           }
           const float xsum = sums[t * SUMS + c];
           const float down = xscale[t * SUMS + c];
+          // The product by a power of two is exact; chunk_step's fused operations keep a
+          // row's result the same however many rows (or tokens) a call takes.
 #pragma unroll
           for (int r = 0; r < R; r++) {
             const float qx = __fmul_rn(static_cast<float>(dots[r]), down);
@@ -516,6 +367,87 @@ __device__ inline void rows_dot_affine4_int_window(const void* const* rows,
   }
 }
 
+// rows_dot_affine4_int_tokens for one staged input (a decode step): out[r].
+template <typename T, int K, int R, int G>
+__device__ inline void rows_dot_affine4_int(const void* const* rows, const T* const* scales,
+                                            const T* const* biases, const T* xs,
+                                            const float* xscale, const float* sums, float* out) {
+  rows_dot_affine4_int_tokens<T, K, R, G, 1, K>(rows, scales, biases, xs, xscale, sums, out);
+}
+
+// Asks for the lines of a row a warp reads first (each lane's first BATCH 16-byte chunks, and
+// for 4-bit rows the row's scales and biases, one lane's request a line) to be brought into
+// L1 without waiting for them: issued before a block stages its input, the weights' trip to
+// memory overlaps the input's, and the row's loads then find them close. Changes no value.
+template <typename T, int K, int BITS, int G, int BATCH>
+__device__ inline void touch_row(const void* row, const T* scales, const T* biases) {
+  constexpr int CHUNKS = static_cast<int>(row_bytes<T, K, BITS>() / 16);
+  constexpr int PER_LANE = (CHUNKS + 31) / 32;
+  constexpr int FIRST = PER_LANE < BATCH ? PER_LANE : BATCH;
+  const int lane = threadIdx.x & 31;
+  const char* bytes = static_cast<const char*>(row);
+#pragma unroll
+  for (int b = 0; b < FIRST; b++) {
+    const int c = lane + 32 * b;
+    if (c < CHUNKS) asm volatile("prefetch.global.L1 [%0];" ::"l"(bytes + 16 * (size_t)c));
+  }
+  if constexpr (BITS != 0) {
+    constexpr int GROUPS = K / G;
+    constexpr int LINE = 128 / sizeof(T);
+    if (lane * LINE < GROUPS) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(scales + lane * LINE));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(biases + lane * LINE));
+    }
+  }
+}
+
+// Where rows r[0], r[1], ... of 4-bit weights w[0..R) start, with their first scale and bias
+// (s and b: each weight's scales and biases, [rows, K / G]).
+template <typename T, int K, int R, int BITS, int G>
+__device__ inline void affine4_rows(const void* const* w, const T* const* s, const T* const* b,
+                                    const int* r, const void* (&rows)[R], const T* (&sr)[R],
+                                    const T* (&br)[R]) {
+  constexpr int GROUPS = K / (G > 0 ? G : 1);
+#pragma unroll
+  for (int i = 0; i < R; i++) {
+    rows[i] = static_cast<const char*>(w[i]) + (size_t)r[i] * row_bytes<T, K, BITS>();
+    sr[i] = s[i] + (size_t)r[i] * GROUPS;
+    br[i] = b[i] + (size_t)r[i] * GROUPS;
+  }
+}
+
+// INT: 4-bit rows by integer dots (rows_dot_affine4_int) over the input chunk_integers made,
+// with its scales in xscale.
+template <typename T, int K, int R, int BITS, int G, bool IN_PLACE, int LOADS = 8, bool INT = false>
+__device__ inline void weight_dot(const void* const* w, const T* const* s, const T* const* b,
+                                  const int* r, const T* xs, const float* sums, float* out,
+                                  const float* xscale = nullptr) {
+  if constexpr (BITS == 0) {
+    const T* rows[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) rows[i] = static_cast<const T*>(w[i]) + (size_t)r[i] * K;
+    rows_dot<T, K, R, LOADS>(rows, xs, out);
+  } else {
+    const void* rows[R];
+    const T* sr[R];
+    const T* br[R];
+    affine4_rows<T, K, R, BITS, G>(w, s, b, r, rows, sr, br);
+    if constexpr (INT) {
+      rows_dot_affine4_int<T, K, R, G>(rows, sr, br, xs, xscale, sums, out);
+    } else {
+      rows_dot_affine4<T, K, R, G, IN_PLACE>(rows, sr, br, xs, sums, out);
+    }
+  }
+}
+"#;
+
+/// Device helpers of the window kernels (after [`HEADER`] and the window row dots,
+/// `rows_dot_window`): each token's chunk sums, and rows of either kind by index for a window
+/// of tokens. 4-bit rows go through [`HEADER`]'s `rows_dot_affine4_tokens` and
+/// `rows_dot_affine4_int_tokens`, which a decode step calls with one token: each (row, token)
+/// sum is made of the same operations in the same order as that token's alone, so a verify
+/// window scores each token as a decode step does, bit for bit.
+pub const WINDOW_HEADER: &str = r#"
 // Each token's chunk sums of its staged input (token t at xs + t * STRIDE, its sums at
 // sums + t * (STRIDE / 32)) for 4-bit rows, as chunk_sums makes one token's; nothing for dense
 // rows (BITS 0).
@@ -528,7 +460,7 @@ __device__ inline void window_chunk_sums(const T* xs, float* sums) {
 
 // Rows r[0], r[1], ... (R of them) of weights w[0..R) with each of the window's TOKENS staged
 // inputs (token t at xs + t * STRIDE), summed over the warp: out[i * TOKENS + t]. Dense rows
-// (BITS 0) through rows_dot_window; 4-bit ones through the helpers above, with each token's
+// (BITS 0) through rows_dot_window; 4-bit ones through the *_tokens helpers, with each token's
 // chunk sums (and, INT, integers and scales) at t * (STRIDE / 32). Each (row, token) sum is
 // weight_dot's for that token alone.
 template <typename T, int K, int R, int BITS, int G, int TOKENS, int STRIDE, bool INT = false>
@@ -542,20 +474,14 @@ __device__ inline void weight_dot_window(const void* const* w, const T* const* s
     for (int i = 0; i < R; i++) rows[i] = static_cast<const T*>(w[i]) + (size_t)r[i] * K;
     rows_dot_window<T, K, R, TOKENS, STRIDE>(rows, xs, out);
   } else {
-    constexpr int GROUPS = K / (G > 0 ? G : 1);
     const void* rows[R];
     const T* sr[R];
     const T* br[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-      rows[i] = static_cast<const char*>(w[i]) + (size_t)r[i] * row_bytes<T, K, BITS>();
-      sr[i] = s[i] + (size_t)r[i] * GROUPS;
-      br[i] = b[i] + (size_t)r[i] * GROUPS;
-    }
+    affine4_rows<T, K, R, BITS, G>(w, s, b, r, rows, sr, br);
     if constexpr (INT) {
-      rows_dot_affine4_int_window<T, K, R, G, TOKENS, STRIDE>(rows, sr, br, xs, xscale, sums, out);
+      rows_dot_affine4_int_tokens<T, K, R, G, TOKENS, STRIDE>(rows, sr, br, xs, xscale, sums, out);
     } else {
-      rows_dot_affine4_window<T, K, R, G, TOKENS, STRIDE>(rows, sr, br, xs, sums, out);
+      rows_dot_affine4_tokens<T, K, R, G, TOKENS, STRIDE, false>(rows, sr, br, xs, sums, out);
     }
   }
 }

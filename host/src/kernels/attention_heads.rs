@@ -206,8 +206,9 @@ const SOURCE: &str = r#"
   if (threadIdx.x == 0) done[group] = 0u;
 "#;
 
-/// The kernel's inputs; with [`set_step_ints_from_heads`] also `visible`.
-const INPUTS: [&str; 19] = [
+/// The kernel's inputs (also [`super::window_attention_heads`]'s); with
+/// [`set_step_ints_from_heads`] also `visible`.
+pub(crate) const INPUTS: [&str; 19] = [
     "x",
     "nw",
     "wq",
@@ -315,6 +316,34 @@ pub struct HeadWeights<'a> {
 }
 
 impl<'a> HeadWeights<'a> {
+    /// The one layout `(BITS, G)` of the projections for `k` inputs (`q_rows` query rows,
+    /// `kv_rows` key and value rows each), all dense or all 4-bit in one group size; else an
+    /// error naming `kernel` and the weight.
+    pub(crate) fn layout(
+        &self,
+        kernel: &str,
+        k: i32,
+        q_rows: i32,
+        kv_rows: i32,
+        dtype: Dtype,
+    ) -> Result<(i32, i32)> {
+        let layout = |w: &Weight, rows: i32, what: &str| -> Result<(i32, i32)> {
+            w.layout(rows, k, dtype, what)
+                .map_err(|e| anyhow!("{kernel}: {e}"))
+        };
+        let (bits, group) = layout(&self.q, q_rows, "the q weight")?;
+        if let Some((wk, wv, _)) = &self.kv {
+            let mut layouts = vec![layout(wk, kv_rows, "the k weight")?];
+            if let Some(wv) = wv {
+                layouts.push(layout(wv, kv_rows, "the v weight")?);
+            }
+            if layouts.iter().any(|l| *l != (bits, group)) {
+                bail!("{kernel}: the q, k and v weights mix layouts (dense, or 4-bit in groups)");
+            }
+        }
+        Ok((bits, group))
+    }
+
     /// The projections: q, then k and v where the layer has them.
     pub fn projections(&self) -> impl Iterator<Item = Weight<'a>> + 'a {
         let kv = self.kv.map(|(k, v, _)| (k, v));
@@ -378,22 +407,9 @@ pub fn attention_heads(
         (None, None) => 0,
         _ => bail!("attention_heads: a KV-owning layer needs both its weights and its cache"),
     };
-    let layout = |w: &Weight, rows: i32, what: &str| -> Result<(i32, i32)> {
-        w.layout(rows, k, dtype, what)
-            .map_err(|e| anyhow!("attention_heads: {e}"))
-    };
-    let (bits, group) = layout(&weights.q, shape.heads * d, "the q weight")?;
+    let (bits, group) = weights.layout("attention_heads", k, shape.heads * d, nkv * d, dtype)?;
     let (wk, wv, k_norm, k_eq_v) = match weights.kv {
-        Some((wk, wv, k_norm)) => {
-            let mut layouts = vec![layout(&wk, nkv * d, "the k weight")?];
-            if let Some(wv) = &wv {
-                layouts.push(layout(wv, nkv * d, "the v weight")?);
-            }
-            if layouts.iter().any(|l| *l != (bits, group)) {
-                bail!("attention_heads: the q, k and v weights mix layouts (dense, or 4-bit in groups)");
-            }
-            (wk, wv.unwrap_or(wk), k_norm, wv.is_none())
-        }
+        Some((wk, wv, k_norm)) => (wk, wv.unwrap_or(wk), k_norm, wv.is_none()),
         // A sharing layer has no key or value weights: a dense stand-in the kernel never
         // reads (it makes no key or value rows), 4 bytes for MLX's per-graph input count.
         None if !super::post_attention::unread_stand_ins() => {

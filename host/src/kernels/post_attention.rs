@@ -446,7 +446,8 @@ const WARPS_PER_BLOCK: usize = 8;
 /// multiprocessor with room to spare.
 const MAX_SHARED_BYTES: usize = 44 * 1024;
 
-const INPUTS: &[&str] = &[
+/// The kernel's inputs, which [`super::window_post_attention`] takes too.
+pub(crate) const INPUTS: &[&str] = &[
     "x",
     "z",
     "wo",
@@ -833,6 +834,47 @@ pub fn grid_blocks() -> Option<i32> {
 /// heads' output `z` (`[1, Z]`): the attention's output product and residual, the
 /// feed-forward block, then the per-layer-input block when given, the result times `scale`
 /// (the layer scalar, first element of a device array). Check [`serves`] and [`grid_blocks`].
+/// The one layout `(BITS, G)` of a layer's weights after its attention heads (attention width
+/// `zw`, hidden size `h`), all dense or all 4-bit in one group size, and the per-layer width
+/// (0 without a per-layer input); else an error naming `kernel` and the weight.
+pub(crate) fn layer_layout(
+    kernel: &str,
+    w: &PostAttention,
+    ple: Option<&PerLayerInput>,
+    h: i32,
+    zw: i32,
+    dtype: Dtype,
+) -> Result<(i32, i32, i32)> {
+    let n = w.gate.rows();
+    let layout = |w: &Weight, rows: i32, k: i32, what: &str| -> Result<(i32, i32)> {
+        w.layout(rows, k, dtype, what)
+            .map_err(|e| anyhow!("{kernel}: {e}"))
+    };
+    let mut layouts = vec![
+        layout(&w.output, h, zw, "the attention output weight")?,
+        layout(&w.gate, n, h, "the gate weight")?,
+        layout(&w.up, n, h, "the up weight")?,
+        layout(&w.down, h, n, "the down weight")?,
+    ];
+    let p = match ple {
+        Some(v) => {
+            let p = v.gate.rows();
+            layouts.push(layout(&v.gate, p, h, "the per-layer input gate")?);
+            layouts.push(layout(&v.projection, h, p, "the per-layer projection")?);
+            if v.offset.dtype() != Dtype::Int32 {
+                bail!("{kernel}: the per-layer input offset must be int32");
+            }
+            p
+        }
+        None => 0,
+    };
+    let (bits, group) = layouts[0];
+    if layouts.iter().any(|l| *l != (bits, group)) {
+        bail!("{kernel}: the weights mix layouts (dense, or 4-bit in groups): {layouts:?}");
+    }
+    Ok((bits, group, p))
+}
+
 pub fn post_attention(
     x: &Array,
     z: &Array,
@@ -856,40 +898,7 @@ pub fn post_attention(
             );
         }
     }
-    let layout = |w: &Weight, rows: i32, k: i32, what: &str| -> Result<(i32, i32)> {
-        w.layout(rows, k, dtype, what)
-            .map_err(|e| anyhow!("post_attention: {e}"))
-    };
-    let core = [
-        layout(&w.output, h, zw, "the attention output weight")?,
-        layout(&w.gate, n, h, "the gate weight")?,
-        layout(&w.up, n, h, "the up weight")?,
-        layout(&w.down, h, n, "the down weight")?,
-    ];
-    let (p, per_layer) = match ple {
-        Some(v) => {
-            let p = v.gate.rows();
-            let layouts = [
-                layout(&v.gate, p, h, "the per-layer input gate")?,
-                layout(&v.projection, h, p, "the per-layer projection")?,
-            ];
-            if v.offset.dtype() != Dtype::Int32 {
-                bail!("post_attention: the per-layer input offset must be int32");
-            }
-            (p, Some(layouts))
-        }
-        None => (0, None),
-    };
-    let (bits, group) = core[0];
-    if core
-        .iter()
-        .chain(per_layer.iter().flatten())
-        .any(|l| *l != (bits, group))
-    {
-        bail!(
-            "post_attention: the weights mix layouts (dense, or 4-bit in groups): {core:?} {per_layer:?}"
-        );
-    }
+    let (bits, group, p) = layer_layout("post_attention", w, ple, h, zw, dtype)?;
     if !serves(h as usize, zw as usize, n as usize, p as usize, dtype) {
         bail!(
             "post_attention does not serve hidden {h}, attention {zw}, width {n}, per-layer {p} in {dtype:?}"

@@ -14,11 +14,10 @@
 
 use std::cell::RefCell;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::attention_heads::{is_row_contiguous, CacheSlot, HeadShape, HeadWeights};
-use super::post_attention::Weight;
 use super::products::{element_bytes, integer_dots_for, THREADS, WARPS};
 use super::{step_ints, PerSharedMemory, TemplateArg};
 
@@ -92,35 +91,13 @@ const SOURCE: &str = r#"
   if (threadIdx.x == 0) done[0] = 0u;
 "#;
 
-const INPUTS: [&str; 19] = [
-    "x",
-    "nw",
-    "wq",
-    "wk",
-    "wv",
-    "q_w",
-    "k_w",
-    "periods",
-    "position",
-    "cache_slot",
-    "counter",
-    "k_cache",
-    "v_cache",
-    "wq_s",
-    "wq_b",
-    "wk_s",
-    "wk_b",
-    "wv_s",
-    "wv_b",
-];
-
 /// Tokens a call takes at most.
 pub const MAX_TOKENS: usize = super::window_post_attention::MAX_TOKENS;
 
 thread_local! {
     static KERNELS: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
         "window_attention_heads",
-        &INPUTS,
+        &super::attention_heads::INPUTS,
         &["q", "raw"],
         SOURCE,
         super::window_post_attention::rows_window_header(super::attention_heads::FINISH_HEAD),
@@ -178,23 +155,11 @@ pub fn window_attention_heads(
             bail!("window_attention_heads: a KV-owning layer needs both its weights and its cache")
         }
     };
-    let layout = |w: &Weight, rows: i32, what: &str| -> Result<(i32, i32)> {
-        w.layout(rows, k, dtype, what)
-            .map_err(|e| anyhow!("window_attention_heads: {e}"))
-    };
-    let (bits, group) = layout(&weights.q, shape.heads * d, "the q weight")?;
+    let (bits, group) =
+        weights.layout("window_attention_heads", k, shape.heads * d, nkv * d, dtype)?;
     let unread = super::post_attention::unread_input(dtype);
     let (wk, wv, k_norm, k_eq_v) = match weights.kv {
-        Some((wk, wv, k_norm)) => {
-            let mut layouts = vec![layout(&wk, nkv * d, "the k weight")?];
-            if let Some(wv) = &wv {
-                layouts.push(layout(wv, nkv * d, "the v weight")?);
-            }
-            if layouts.iter().any(|l| *l != (bits, group)) {
-                bail!("window_attention_heads: the q, k and v weights mix layouts (dense, or 4-bit in groups)");
-            }
-            (wk.inputs(), wv.unwrap_or(wk).inputs(), k_norm, wv.is_none())
-        }
+        Some((wk, wv, k_norm)) => (wk.inputs(), wv.unwrap_or(wk).inputs(), k_norm, wv.is_none()),
         // A sharing layer makes no key or value rows: one-element stand-ins.
         None => ([unread; 3], [unread; 3], weights.q_norm, false),
     };

@@ -28,11 +28,11 @@
 
 use std::cell::RefCell;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::affine4::{HEADER as AFFINE4_HEADER, WINDOW_HEADER as AFFINE4_WINDOW_HEADER};
-use super::post_attention::{header, PerLayerInput, PostAttention, Weight};
+use super::post_attention::{header, PerLayerInput, PostAttention};
 use super::products::{element_bytes, HEADER as PRODUCTS_HEADER, THREADS};
 use super::{PerSharedMemory, TemplateArg};
 
@@ -243,37 +243,6 @@ const SOURCE: &str = r#"
   }
 "#;
 
-const INPUTS: &[&str] = &[
-    "x",
-    "z",
-    "wo",
-    "post_attention_norm",
-    "pre_norm",
-    "wg",
-    "wu",
-    "wd",
-    "post_norm",
-    "pg",
-    "per_layer",
-    "ple_offset",
-    "pp",
-    "post_norm_2",
-    "scale",
-    "barrier",
-    "wo_s",
-    "wo_b",
-    "wg_s",
-    "wg_b",
-    "wu_s",
-    "wu_b",
-    "wd_s",
-    "wd_b",
-    "pg_s",
-    "pg_b",
-    "pp_s",
-    "pp_b",
-];
-
 const OUTPUTS: &[&str] = &["out", "o0", "a", "o", "x1", "g", "o2"];
 
 /// Tokens a call takes at most (and at least 2: one token is [`super::post_attention`]'s).
@@ -347,7 +316,7 @@ pub fn serves(
 thread_local! {
     static KERNELS: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
         "window_post_attention",
-        INPUTS,
+        super::post_attention::INPUTS,
         OUTPUTS,
         SOURCE,
         Box::leak(
@@ -392,40 +361,16 @@ pub fn window_post_attention(
             );
         }
     }
-    let layout = |w: &Weight<'_>, rows: i32, k: i32, what: &str| -> Result<(i32, i32)> {
-        w.layout(rows, k, dtype, what)
-            .map_err(|e| anyhow!("window_post_attention: {e}"))
-    };
-    let mut layouts = vec![
-        layout(&w.output, h, zw, "the attention output weight")?,
-        layout(&w.gate, n, h, "the gate weight")?,
-        layout(&w.up, n, h, "the up weight")?,
-        layout(&w.down, h, n, "the down weight")?,
-    ];
-    let p = match ple {
-        Some(v) => {
-            let p = v.gate.rows();
-            layouts.push(layout(&v.gate, p, h, "the per-layer input gate")?);
-            layouts.push(layout(&v.projection, h, p, "the per-layer projection")?);
-            if v.offset.dtype() != Dtype::Int32 {
-                bail!("window_post_attention: the per-layer input offset must be int32");
-            }
-            if v.values.dtype() != dtype || v.values.size() % (tokens.max(1) as usize) != 0 {
-                bail!(
-                    "window_post_attention: the per-layer inputs are {:?} {:?}, expected [{tokens}, layers, {p}] {dtype:?}",
-                    v.values.shape(),
-                    v.values.dtype()
-                );
-            }
-            p
+    let (bits, group, p) =
+        super::post_attention::layer_layout("window_post_attention", w, ple, h, zw, dtype)?;
+    if let Some(v) = ple {
+        if v.values.dtype() != dtype || v.values.size() % (tokens.max(1) as usize) != 0 {
+            bail!(
+                "window_post_attention: the per-layer inputs are {:?} {:?}, expected [{tokens}, layers, {p}] {dtype:?}",
+                v.values.shape(),
+                v.values.dtype()
+            );
         }
-        None => 0,
-    };
-    let (bits, group) = layouts[0];
-    if layouts.iter().any(|l| *l != (bits, group)) {
-        bail!(
-            "window_post_attention: the weights mix layouts (dense, or 4-bit in groups): {layouts:?}"
-        );
     }
     if bits != 0 && super::post_attention::affine4_in_place() {
         bail!(
@@ -550,6 +495,7 @@ pub(crate) fn rows_window_header(more: &str) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use super::super::post_attention::Weight;
     use super::*;
 
     #[test]
