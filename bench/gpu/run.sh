@@ -81,6 +81,8 @@
 #              sections: why they run at the speed they do
 #   timeline   a pipelined E4B decode step as the device runs it (Nsight Systems): each kernel
 #              kind's real time a step, and how long the device sits idle between kernels
+#              (TIMELINE_SETS: the --fused-kernels sets, "default" for the default; PROFILE_MODEL:
+#              another config of configs/, e.g. gemma-4-12b, also for `profile`)
 #   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
 #              memcheck of our kernels with the post-attention path
 #   quick      E4B bf16 decode with each set of fused kernels and the kernel variants still in
@@ -217,16 +219,20 @@ if want stage-bound; then
 fi
 if want stage-overlap; then
     # What launching the same stages with programmatic dependent launch would win back (MLX's
-    # custom kernels cannot ask for it): one matrix-vector kernel per stage of an E4B step,
+    # custom kernels cannot ask for it): one matrix-vector kernel per stage of a decode step,
     # plain launches against PDL and PDL with L2 prefetch of each block's first weights
-    # (stage_overlap.cu, built here with the image's nvcc).
+    # (stage_overlap.cu, built here with the image's nvcc). STAGE_MODELS: the configs of
+    # configs/ whose steps are run (default gemma-4-e4b; e.g. "gemma-4-e4b gemma-4-12b").
     NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
-    python3 "$ROOT/bench/gpu/stage_bound.py" "$ROOT/configs/gemma-4-e4b.json" 512 --write-shapes "$RES/stage-shapes.txt"
     if "$NVCC" -O3 -std=c++17 -arch=sm_90a -o "$G/stage_overlap" "$ROOT/bench/gpu/stage_overlap.cu" 2>"$RES/stage-overlap.err"; then
-        "$G/stage_overlap" "$RES/stage-shapes.txt" ${BW:-} 2>>"$RES/stage-overlap.err" | tee "$RES/stage-overlap.md"
-        row "E4B stages, plain launches vs programmatic dependent launch | $(tail -n 1 "$RES/stage-overlap.md") $(tail -n 1 "$RES/stage-overlap.err")"
+        for model in ${STAGE_MODELS:-gemma-4-e4b}; do
+            python3 "$ROOT/bench/gpu/stage_bound.py" "$ROOT/configs/$model.json" 512 --write-shapes "$RES/stage-shapes-$model.txt"
+            echo "## $model" | tee -a "$RES/stage-overlap.md"
+            "$G/stage_overlap" "$RES/stage-shapes-$model.txt" ${BW:-} 2>>"$RES/stage-overlap.err" | tee -a "$RES/stage-overlap.md"
+            row "$model stages, plain launches vs programmatic dependent launch | $(tail -n 1 "$RES/stage-overlap.md") $(tail -n 1 "$RES/stage-overlap.err")"
+        done
     else
-        row "E4B stages, plain launches vs programmatic dependent launch | build failed: $(head -n 3 "$RES/stage-overlap.err")"
+        row "stages, plain launches vs programmatic dependent launch | build failed: $(head -n 3 "$RES/stage-overlap.err")"
     fi
 fi
 if want gemv; then
@@ -350,10 +356,10 @@ if want profile; then
         # thousands of kernels of the weight generation and the prefill are not profiled.
         MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none ${PROFILE_NCU_ARGS:-} \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \
-            "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+            "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/${PROFILE_MODEL:-gemma-4-e4b}.json" --dtype bf16 \
             --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json --fused-kernels "$fused" ${PROFILE_ARGS:-} \
             >"$RES/profile-${fused//,/_}.csv" 2>"$RES/profile-${fused//,/_}.err"
-        python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-${fused//,/_}.csv" "E4B bf16, --fused-kernels $fused" \
+        python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-${fused//,/_}.csv" "${PROFILE_MODEL:-gemma-4-e4b} bf16, --fused-kernels $fused" \
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/_}.err"
     done
     row "device time of one E4B decode step (Nsight Compute) | printed above, kept in profile.md"
@@ -497,16 +503,21 @@ if want timeline; then
     if [[ -z "$NSYS" ]]; then
         row "decode step timeline (Nsight Systems) | no nsys on this machine"
     else
-        for fused in attention,products,post-attention none; do
-            tag="timeline-${fused//,/+}"
+        # TIMELINE_SETS: --fused-kernels sets ("default": the default, no flag); PROFILE_MODEL:
+        # the config under configs/ (default gemma-4-e4b).
+        model="${PROFILE_MODEL:-gemma-4-e4b}"
+        for fused in ${TIMELINE_SETS:-default none}; do
+            tag="timeline-$model-${fused//,/+}"
+            fused_flag=()
+            [[ "$fused" == default ]] || fused_flag=(--fused-kernels "$fused")
             MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NSYS" profile --capture-range=cudaProfilerApi \
                 --cuda-graph-trace=node --trace=cuda --force-overwrite true -o "$RES/$tag" \
-                "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
-                --prompt-ids "$(seq -s, 2 513)" --max-tokens 48 --ignore-eos --json --fused-kernels "$fused" \
+                "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/$model.json" --dtype bf16 \
+                --prompt-ids "$(seq -s, 2 513)" --max-tokens 48 --ignore-eos --json "${fused_flag[@]}" ${PROFILE_ARGS:-} \
                 >"$RES/$tag.out" 2>"$RES/$tag.err"
             "$NSYS" stats --report cuda_gpu_trace --format csv --force-export true "$RES/$tag.nsys-rep" \
                 >"$RES/$tag.csv" 2>>"$RES/$tag.err"
-            python3 "$ROOT/bench/gpu/timeline_step.py" "$RES/$tag.csv" "E4B bf16, --fused-kernels $fused" \
+            python3 "$ROOT/bench/gpu/timeline_step.py" "$RES/$tag.csv" "$model bf16, --fused-kernels $fused ${PROFILE_ARGS:-}" \
                 | tee -a "$RES/timeline.md" || tail -n 3 "$RES/$tag.err"
             rm -f "$RES/$tag.nsys-rep" "$RES/$tag.sqlite"
         done
