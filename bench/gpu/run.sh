@@ -561,7 +561,8 @@ if want quick; then
     # Nine sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
     # on a cold kernel cache.
     # -v: each set's rate is logged as it comes (bench.err), kept should a set end the process.
-    BENCH_TIMEOUT="${QUICK_TIMEOUT:-480}" bench "mlx-spec E4B bf16 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused "${QUICK_SET_ARGS[@]}"
+    # QUICK_MODEL: another config of configs/ (default gemma-4-e4b), e.g. gemma-4-12b.
+    BENCH_TIMEOUT="${QUICK_TIMEOUT:-480}" bench "mlx-spec ${QUICK_MODEL:-gemma-4-e4b} bf16 (quick)" -v --model "$ROOT/configs/${QUICK_MODEL:-gemma-4-e4b}.json" --dtype bf16 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused "${QUICK_SET_ARGS[@]}"
 fi
 
 if want quick-q4; then
