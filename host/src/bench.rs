@@ -284,6 +284,8 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
     // Per case: spec rates, then the last round's counters.
     let mut spec_rates = vec![Vec::new(); cases.len()];
     let mut last_stats = vec![mlx_spec::spec::SpecStats::default(); cases.len()];
+    // Per case: the slowest drafted round of the measured rounds, seconds.
+    let mut slowest = vec![0.0f64; cases.len()];
     let mut plain_rates = Vec::new();
     for round in 0..=args.repeats {
         let start = Instant::now();
@@ -317,8 +319,24 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
                     explain_mismatch(model, &request, &plain_tokens, &spec_tokens)
                 );
             }
+            let rate = spec_tokens.len() as f64 / spec_s;
+            // Every round on stderr: a median of two hides which round was slow, and why.
+            eprintln!(
+                "replay {} drafts, right with {}, sized by {}, handed over {}, round {round}{}: {rate:.1} tok/s, {} drafted rounds in {:.0} ms (slowest {:.1} ms, window of {}), {} forwards",
+                case.k,
+                case.p,
+                case.sizing(),
+                case.handoff(),
+                if round == 0 { " (warm-up)" } else { "" },
+                stats.num_drafts,
+                stats.drafted_round_seconds * 1e3,
+                stats.slowest_round_seconds * 1e3,
+                stats.slowest_round_window,
+                stats.target_forwards
+            );
             if round > 0 {
-                spec_rates[i].push(spec_tokens.len() as f64 / spec_s);
+                spec_rates[i].push(rate);
+                slowest[i] = slowest[i].max(stats.slowest_round_seconds);
             }
             last_stats[i] = stats;
         }
@@ -328,19 +346,21 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
         .iter()
         .zip(spec_rates)
         .zip(&last_stats)
-        .map(|((case, rates), stats)| (case, median(rates), stats))
+        .zip(&slowest)
+        .map(|(((case, rates), stats), &slow)| (case, median(rates), stats, slow))
         .collect();
     if args.json {
         let cases: Vec<_> = rows
             .iter()
-            .map(|(c, spec, s)| {
+            .map(|(c, spec, s, slow)| {
                 json!({"num_draft_tokens": c.k, "hit_rate": c.p, "draft_length": c.sizing(),
                        "handoff_layers": c.handoff,
                        "spec_tokens_per_s": spec, "speedup": spec / plain,
                        "mean_acceptance_length": s.mean_acceptance_length,
                        "expected_acceptance_length": expected_acceptance_length(c.p, c.k),
                        "num_drafts": s.num_drafts, "num_draft_tokens_total": s.num_draft_tokens,
-                       "num_accepted_tokens": s.num_accepted_tokens, "target_forwards": s.target_forwards})
+                       "num_accepted_tokens": s.num_accepted_tokens, "target_forwards": s.target_forwards,
+                       "slowest_round_ms": slow * 1e3})
             })
             .collect();
         println!(
@@ -349,11 +369,11 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
                    "gen_tokens": args.gen_tokens, "repeats": args.repeats, "plain_tokens_per_s": plain, "cases": cases})
         );
     } else {
-        println!("| drafts a round (k) | each right with | rounds sized by | window handed over | plain tok/s | spec tok/s | speedup | acceptance length (expected) | drafted rounds | forwards |");
-        println!("|---|---|---|---|---|---|---|---|---|---|");
-        for (c, spec, s) in &rows {
+        println!("| drafts a round (k) | each right with | rounds sized by | window handed over | plain tok/s | spec tok/s | speedup | acceptance length (expected) | drafted rounds | forwards | slowest round |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        for (c, spec, s, slow) in &rows {
             println!(
-                "| {} | {} | {} | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} ({:.2}) | {} | {} |",
+                "| {} | {} | {} | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} ({:.2}) | {} | {} | {:.1} ms |",
                 c.k,
                 c.p,
                 c.sizing(),
@@ -362,7 +382,8 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
                 s.mean_acceptance_length,
                 expected_acceptance_length(c.p, c.k),
                 s.num_drafts,
-                s.target_forwards
+                s.target_forwards,
+                slow * 1e3
             );
         }
     }

@@ -75,6 +75,13 @@ pub struct SpecStats {
     /// Wall time spent inside the drafter's calls (draft and commit, across the plugin
     /// boundary), seconds.
     pub drafter_seconds: f64,
+    /// Wall time of the drafted rounds (drafting, the verify window, reading its picks),
+    /// seconds.
+    pub drafted_round_seconds: f64,
+    /// The slowest drafted round: its seconds and its window's tokens (the round's own token
+    /// and its drafts). One slow round among many shows a stall, not a slow window.
+    pub slowest_round_seconds: f64,
+    pub slowest_round_window: u64,
 }
 
 fn ffi<T>(r: RResult<T, RString>) -> Result<T, String> {
@@ -518,7 +525,13 @@ pub fn generate_speculative(
                     stats.accepted_per_position[i] += 1;
                 }
             }
-            gate.observe_round_time(round_began.elapsed().as_secs_f64(), d);
+            let round_seconds = round_began.elapsed().as_secs_f64();
+            stats.drafted_round_seconds += round_seconds;
+            if round_seconds > stats.slowest_round_seconds {
+                stats.slowest_round_seconds = round_seconds;
+                stats.slowest_round_window = d as u64 + 1;
+            }
+            gate.observe_round_time(round_seconds, d);
             gate.observe(d, accepted);
         }
         tokens.extend_from_slice(&emitted);
