@@ -1020,6 +1020,23 @@ fn compare_fused(
                 },
             },
             Set {
+                name: format!("{default_name}, heads in one wave"),
+                kernels: default_set,
+                tuning: Tuning {
+                    heads_in_one_wave: true,
+                    ..default
+                },
+            },
+            Set {
+                name: format!("{default_name}, heads finished apart, in one wave"),
+                kernels: default_set,
+                tuning: Tuning {
+                    heads_finished_apart: true,
+                    heads_in_one_wave: true,
+                    ..default
+                },
+            },
+            Set {
                 name: format!("{default_name}, rows touched first"),
                 kernels: default_set,
                 tuning: Tuning {
@@ -1104,6 +1121,25 @@ fn compare_fused(
                 default_name,
                 Tuning {
                     heads_finished_apart: true,
+                    ..default
+                },
+            ),
+            variant(
+                "heads in one wave",
+                default_set,
+                default_name,
+                Tuning {
+                    heads_in_one_wave: true,
+                    ..default
+                },
+            ),
+            variant(
+                "heads finished apart, in one wave",
+                default_set,
+                default_name,
+                Tuning {
+                    heads_finished_apart: true,
+                    heads_in_one_wave: true,
                     ..default
                 },
             ),
@@ -1375,6 +1411,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             row_pairs: !default.row_pairs,
             attention_wide_rounds: !default.attention_wide_rounds,
             heads_finished_apart: !default.heads_finished_apart,
+            heads_in_one_wave: !default.heads_in_one_wave,
             rows_touched_first: !default.rows_touched_first,
             affine4_in_place: !default.affine4_in_place,
             ..default

@@ -184,7 +184,9 @@ struct ModelArgs {
     /// Variants of the fused kernels that are being measured (BENCHMARKS.md), none by default:
     /// `narrow-attention-rounds` (decode attention four slots a warp at a time, as first
     /// written), `heads-finished-apart` (each attention head normed, rotated and cached by the
-    /// last block that made its rows), `integer-dots` (4-bit feed-forward products by int16
+    /// last block that made its rows), `heads-in-one-wave` (a block of the attention-heads
+    /// kernel makes two or four rounds of rows where one row a warp would need more blocks
+    /// than the device holds at once, as the 12B's q/k/v rows do), `integer-dots` (4-bit feed-forward products by int16
     /// inputs and dp2a; half-precision inputs only), `rows-touched-first` (the product
     /// kernels ask for their first weight lines before staging their input),
     /// `step-ints-on-device` (the step's position, cache slots and visible ranges copied to
@@ -206,7 +208,7 @@ struct ModelArgs {
     kernel_variants: Vec<KernelVariantArg>,
     /// A forward whose result the host reads at once (a verify window) goes
     /// to the device every N layers as the host builds it, so that the device starts on the
-    /// first layers while the host builds the rest; 0 hands it over whole. Default: 6 on a
+    /// first layers while the host builds the rest; 0 hands it over whole. Default: 3 on a
     /// GPU, 0 on the CPU. The values computed are the same either way.
     #[arg(long, value_name = "N")]
     handoff_layers: Option<usize>,
@@ -234,6 +236,7 @@ const DEFAULT_FUSED_KERNELS: &str =
 enum KernelVariantArg {
     NarrowAttentionRounds,
     HeadsFinishedApart,
+    HeadsInOneWave,
     IntegerDots,
     RowsTouchedFirst,
     StepIntsOnDevice,
@@ -307,6 +310,7 @@ impl ModelArgs {
         let tuning = mlx_spec::kernels::Tuning {
             attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
             heads_finished_apart: variants.contains(&KernelVariantArg::HeadsFinishedApart),
+            heads_in_one_wave: variants.contains(&KernelVariantArg::HeadsInOneWave),
             affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
             rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),

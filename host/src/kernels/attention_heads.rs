@@ -105,7 +105,10 @@ const SOURCE: &str = r#"
   };
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * WARPS + warp;
+  // A block makes RPW rounds of eight rows (a row a warp each round), all in one head when
+  // PER_HEAD: RPW > 1 keeps the grid to one wave of resident blocks (see rows_per_warp).
+  constexpr int BLOCK_ROWS = WARPS * RPW;
+  const int first_row = blockIdx.x * BLOCK_ROWS;
 #if STEP_INTS_FROM_HEADS
   // The step's integers (position, cache slot, the visible slots) live in host-visible
   // memory, a bus crossing away. The first block of each group the finishing block waits for
@@ -113,7 +116,7 @@ const SOURCE: &str = r#"
   // rows, so that the finishing block, and decode attention after it, read them there instead
   // of crossing the bus on their critical path. Layout: the visible range at 0 and 1, then
   // position, slot and capacity at 4 + 4 g for group g.
-  const bool first_of_group = PER_HEAD ? (blockIdx.x * WARPS) % D == 0 : blockIdx.x == 0;
+  const bool first_of_group = PER_HEAD ? first_row % D == 0 : blockIdx.x == 0;
   int early[5] = {0, 0, 0, 0, 0};
   if (first_of_group && threadIdx.x == 0) {
     early[0] = position[0];
@@ -126,17 +129,22 @@ const SOURCE: &str = r#"
   }
 #endif
   if constexpr (TOUCH) {
-    if (row < NQ + NK + NV) {
-      const T* s;
-      const T* b;
-      const void* wrow = row_of(row, s, b);
-      touch_row<T, K, BITS, G, 8>(wrow, s, b);
+    for (int i = 0; i < RPW; i++) {
+      const int row = first_row + i * WARPS + warp;
+      if (row < NQ + NK + NV) {
+        const T* s;
+        const T* b;
+        const void* wrow = row_of(row, s, b);
+        touch_row<T, K, BITS, G, 8>(wrow, s, b);
+      }
     }
   }
   stage_input<T, K, true>(x, nw, xs, red);
   chunk_sums<T, K, BITS>(xs, sums);
   if constexpr (INT_DOTS) chunk_integers<T, K>(xs, xscale);
-  if (row < NQ + NK + NV) {
+  for (int i = 0; i < RPW; i++) {
+    const int row = first_row + i * WARPS + warp;
+    if (row >= NQ + NK + NV) break;
     const T* s;
     const T* b;
     const void* wrow = row_of(row, s, b);
@@ -152,14 +160,14 @@ const SOURCE: &str = r#"
     if (lane == 0) raw[row] = static_cast<T>(d);
   }
 
-  // Publish this block's rows, then count it. PER_HEAD: a block's eight rows lie in one head
-  // (D is a multiple of 8), counted per head; the last of a head's blocks takes that head (and
+  // Publish this block's rows, then count it. PER_HEAD: a block's rows lie in one head
+  // (D is a multiple of BLOCK_ROWS), counted per head; the last of a head's blocks takes that head (and
   // on a K = V layer the value head made of it), so the heads are finished in parallel, each as
   // soon as its rows are done. Otherwise the last block of all sees all rows and takes every
   // head.
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
-  const int group = PER_HEAD ? blockIdx.x * WARPS / D : 0;
-  const unsigned int arrivals = PER_HEAD ? D / WARPS : gridDim.x;
+  const int group = PER_HEAD ? first_row / D : 0;
+  const unsigned int arrivals = PER_HEAD ? D / BLOCK_ROWS : gridDim.x;
 #if STEP_INTS_FROM_HEADS
   if (first_of_group && threadIdx.x == 0) {
     step_copy[4 + 4 * group] = early[0];
@@ -273,6 +281,49 @@ pub fn set_heads_finished_apart(apart: bool) {
 /// The current [`set_heads_finished_apart`] setting.
 pub fn heads_finished_apart() -> bool {
     HEADS_FINISHED_APART.load(Ordering::Relaxed)
+}
+
+static HEADS_IN_ONE_WAVE: AtomicBool = AtomicBool::new(false);
+
+/// Blocks of the kernel a multiprocessor holds at least, as NVRTC compiles it for the H200:
+/// 34-62 registers a thread in every shape of E4B and 12B, dense and 4-bit
+/// (`bench/gpu/compile_check.sh`), so four to six blocks of 256 threads.
+const RESIDENT_BLOCKS_PER_MULTIPROCESSOR: i32 = 4;
+
+/// Sets whether a block makes several rounds of eight rows where a row a warp would take more
+/// blocks than the device holds at once. The 12B's q/k/v rows (8 192, 8 704 on full-attention
+/// layers) need 1 024 and 1 088 blocks of eight warps, two and three waves of the 528 an H200
+/// holds: each wave stages the input again, and the last one runs nearly alone. Changes no
+/// value: each row is the same warp-sized sum, only made by another warp.
+pub fn set_heads_in_one_wave(on: bool) {
+    HEADS_IN_ONE_WAVE.store(on, Ordering::Relaxed);
+}
+
+/// The current [`set_heads_in_one_wave`] setting.
+pub fn heads_in_one_wave() -> bool {
+    HEADS_IN_ONE_WAVE.load(Ordering::Relaxed)
+}
+
+/// Rounds of eight rows each block makes, for `rows` rows in heads of `d`: 1, or with
+/// `one_wave` ([`set_heads_in_one_wave`]) the fewest of 1, 2, 4 that fit the grid in `resident` blocks
+/// while a block's rows stay within one head.
+pub(crate) fn rows_per_warp(one_wave: bool, rows: i32, d: i32, resident: i32) -> i32 {
+    let mut rpw = 1;
+    if one_wave {
+        while rpw < 4
+            && (rows + WARPS * rpw - 1) / (WARPS * rpw) > resident
+            && d % (WARPS * rpw * 2) == 0
+        {
+            rpw *= 2;
+        }
+    }
+    rpw
+}
+
+/// Blocks of the kernel the device holds at once.
+fn resident_blocks() -> i32 {
+    // Off CUDA the kernel does not run; an H200's 132 multiprocessors stand in.
+    crate::device::cuda_multiprocessor_count().unwrap_or(132) * RESIDENT_BLOCKS_PER_MULTIPROCESSOR
 }
 
 static STEP_INTS_FROM_HEADS: AtomicBool = AtomicBool::new(true);
@@ -457,8 +508,9 @@ pub fn attention_heads(
     // A counter per head whose rows the kernel makes (set_heads_finished_apart), where the
     // call site has that many and a block's rows lie in one head.
     let row_heads = rows / d;
+    let rpw = rows_per_warp(heads_in_one_wave(), rows, d, resident_blocks());
     let per_head = heads_finished_apart()
-        && d % WARPS == 0
+        && d % (WARPS * rpw) == 0
         && counter.size() >= row_heads as usize
         && counter.dtype() == Dtype::Uint32;
     let early = step_ints_from_heads();
@@ -510,7 +562,7 @@ pub fn attention_heads(
         let mut out = kernel.apply(
             &inputs,
             &outputs,
-            ((rows + WARPS - 1) / WARPS * THREADS, 1, 1),
+            ((rows + WARPS * rpw - 1) / (WARPS * rpw) * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
                 (c"T", TemplateArg::Dtype(dtype)),
@@ -522,6 +574,7 @@ pub fn attention_heads(
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
                 (c"PER_HEAD", TemplateArg::Bool(per_head)),
+                (c"RPW", TemplateArg::Int(rpw)),
                 (c"TOUCH", TemplateArg::Bool(rows_touched_first())),
                 (
                     c"INT_DOTS",
@@ -564,6 +617,43 @@ mod tests {
         assert!(serves(512, Dtype::Float32));
         assert!(!serves(96, Dtype::Float32), "pairs do not fill whole warps");
         assert!(!serves(256, Dtype::Int32));
+    }
+
+    #[test]
+    fn rows_in_one_wave_cover_every_row_once_within_a_head_a_block() {
+        // (rows, head dim, rounds a block wanted on an H200's 528 resident blocks): E4B's
+        // KV-owning sliding and full layers, the 12B's sliding and full (K = V) layers.
+        let shapes = [(3072, 256, 1), (6144, 512, 2), (8192, 256, 2), (8704, 512, 4)];
+        for (rows, d, wanted) in shapes {
+            assert_eq!(rows_per_warp(false, rows, d, 528), 1, "off: a row a warp");
+            let rpw = rows_per_warp(true, rows, d, 528);
+            assert_eq!(rpw, wanted, "{rows} rows in heads of {d}");
+            // The kernel's assignment: block b, round i, warp w makes row
+            // b * WARPS * rpw + i * WARPS + w, for the grid attention_heads launches.
+            let block_rows = WARPS * rpw;
+            let grid = (rows + block_rows - 1) / block_rows;
+            assert!(grid <= 528 || rpw == 4, "{grid} blocks");
+            let mut made = vec![0; rows as usize];
+            let mut arrivals = vec![0; (rows / d) as usize];
+            for b in 0..grid {
+                let first = b * block_rows;
+                for i in 0..rpw {
+                    for w in 0..WARPS {
+                        let row = first + i * WARPS + w;
+                        if row < rows {
+                            made[row as usize] += 1;
+                            assert_eq!(row / d, first / d, "block {b} leaves its head");
+                        }
+                    }
+                }
+                arrivals[(first / d) as usize] += 1;
+            }
+            assert!(made.iter().all(|&n| n == 1), "every row made once");
+            // The kernel counts D / BLOCK_ROWS arrivals a head before finishing it.
+            assert!(arrivals.iter().all(|&n| n == d / block_rows));
+        }
+        // A head too narrow for more rounds keeps a row a warp.
+        assert_eq!(rows_per_warp(true, 64 * 1024, 8, 528), 1);
     }
 
     #[test]

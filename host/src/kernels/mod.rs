@@ -211,6 +211,8 @@ pub struct Tuning {
     pub attention_wide_rounds: bool,
     /// [`attention_heads::set_heads_finished_apart`].
     pub heads_finished_apart: bool,
+    /// [`attention_heads::set_heads_in_one_wave`].
+    pub heads_in_one_wave: bool,
     /// [`post_attention::set_row_pairs`].
     pub row_pairs: bool,
     /// [`post_attention::set_affine4_in_place`] (4-bit weights only; moves roundings).
@@ -244,6 +246,7 @@ impl Tuning {
             attention_share: decode_attention::share_slots(),
             attention_wide_rounds: decode_attention::wide_rounds(),
             heads_finished_apart: attention_heads::heads_finished_apart(),
+            heads_in_one_wave: attention_heads::heads_in_one_wave(),
             row_pairs: post_attention::row_pairs(),
             affine4_in_place: post_attention::affine4_in_place(),
             affine4_rows_per_warp: products::affine4_rows_per_warp(),
@@ -270,6 +273,7 @@ impl Tuning {
             affine4_rows_per_warp: 0,
             dense_loads: 0,
             heads_finished_apart: false,
+            heads_in_one_wave: false,
             rows_touched_first: false,
             step_ints_on_device: false,
             step_ints_from_heads: false,
@@ -285,6 +289,7 @@ impl Tuning {
         decode_attention::set_share_slots(self.attention_share);
         decode_attention::set_wide_rounds(self.attention_wide_rounds);
         attention_heads::set_heads_finished_apart(self.heads_finished_apart);
+        attention_heads::set_heads_in_one_wave(self.heads_in_one_wave);
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
         products::set_affine4_integer_dots(self.affine4_integer_dots);
