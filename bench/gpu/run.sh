@@ -191,8 +191,8 @@ fi
 if want fixtures-variants; then
     # The kernel variants being measured (integer dots take half-precision inputs only, so
     # with these float32 fixtures they stay off).
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants heads-finished-apart,rows-touched-first,step-ints-on-device" \
-        --kernel-variants heads-finished-apart,rows-touched-first,step-ints-on-device
+    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants heads-finished-together,heads-in-waves,rows-touched-first,step-ints-on-device" \
+        --kernel-variants heads-finished-together,heads-in-waves,rows-touched-first,step-ints-on-device
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants step-ints-across-the-bus" \
         --kernel-variants step-ints-across-the-bus
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants weights-as-stand-ins" \
@@ -362,7 +362,7 @@ if want profile; then
         python3 "$ROOT/bench/gpu/profile_step.py" "$RES/profile-${fused//,/_}.csv" "${PROFILE_MODEL:-gemma-4-e4b} bf16, --fused-kernels $fused" \
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/_}.err"
     done
-    row "device time of one E4B decode step (Nsight Compute) | printed above, kept in profile.md"
+    row "device time of one ${PROFILE_MODEL:-gemma-4-e4b} decode step (Nsight Compute) | printed above, kept in profile.md"
 fi
 
 if want verify-profile; then

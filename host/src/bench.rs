@@ -944,7 +944,7 @@ fn compare_fused(
         // attention-heads and product kernels over 4-bit rows at one and two rows a warp (four
         // lost in lease 2 of 2026-12-01), with and without the output head kernel, integer
         // dots over 4-bit rows and the per-layer-input kernel; then the variants that change
-        // no value on top of the default: the attention heads finished apart, weight lines
+        // no value on top of the default: the attention heads finished together, weight lines
         // requested before staging, the step's integers in device memory, and decode
         // attention's first (narrow) rounds.
         let post_attention = Fused {
@@ -1012,27 +1012,27 @@ fn compare_fused(
             },
             // The variants that change no value, on top of the default.
             Set {
-                name: format!("{default_name}, heads finished apart"),
+                name: format!("{default_name}, heads finished together"),
                 kernels: default_set,
                 tuning: Tuning {
-                    heads_finished_apart: true,
+                    heads_finished_apart: false,
                     ..default
                 },
             },
             Set {
-                name: format!("{default_name}, heads in one wave"),
+                name: format!("{default_name}, heads in waves"),
                 kernels: default_set,
                 tuning: Tuning {
-                    heads_in_one_wave: true,
+                    heads_in_one_wave: false,
                     ..default
                 },
             },
             Set {
-                name: format!("{default_name}, heads finished apart, in one wave"),
+                name: format!("{default_name}, heads finished together, in waves"),
                 kernels: default_set,
                 tuning: Tuning {
-                    heads_finished_apart: true,
-                    heads_in_one_wave: true,
+                    heads_finished_apart: false,
+                    heads_in_one_wave: false,
                     ..default
                 },
             },
@@ -1116,30 +1116,30 @@ fn compare_fused(
                 row_pairs,
             ),
             variant(
-                "heads finished apart",
+                "heads finished together",
                 default_set,
                 default_name,
                 Tuning {
-                    heads_finished_apart: true,
+                    heads_finished_apart: false,
                     ..default
                 },
             ),
             variant(
-                "heads in one wave",
+                "heads in waves",
                 default_set,
                 default_name,
                 Tuning {
-                    heads_in_one_wave: true,
+                    heads_in_one_wave: false,
                     ..default
                 },
             ),
             variant(
-                "heads finished apart, in one wave",
+                "heads finished together, in waves",
                 default_set,
                 default_name,
                 Tuning {
-                    heads_finished_apart: true,
-                    heads_in_one_wave: true,
+                    heads_finished_apart: false,
+                    heads_in_one_wave: false,
                     ..default
                 },
             ),

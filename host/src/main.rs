@@ -183,10 +183,11 @@ struct ModelArgs {
     fused_kernels: Vec<FusedKernelArg>,
     /// Variants of the fused kernels that are being measured (BENCHMARKS.md), none by default:
     /// `narrow-attention-rounds` (decode attention four slots a warp at a time, as first
-    /// written), `heads-finished-apart` (each attention head normed, rotated and cached by the
-    /// last block that made its rows), `heads-in-one-wave` (a block of the attention-heads
-    /// kernel makes two or four rounds of rows where one row a warp would need more blocks
-    /// than the device holds at once, as the 12B's q/k/v rows do), `integer-dots` (4-bit feed-forward products by int16
+    /// written), `heads-finished-together` (every attention head normed, rotated and cached by
+    /// the last block of the call, as first written; by default each head by the last block
+    /// that made its rows), `heads-in-waves` (the attention-heads kernel takes a row a warp
+    /// even where that needs more blocks than the device holds at once, as first written; by
+    /// default a block makes two or four rounds of rows there, as for the 12B), `integer-dots` (4-bit feed-forward products by int16
     /// inputs and dp2a; half-precision inputs only), `rows-touched-first` (the product
     /// kernels ask for their first weight lines before staging their input),
     /// `step-ints-on-device` (the step's position, cache slots and visible ranges copied to
@@ -235,8 +236,8 @@ const DEFAULT_FUSED_KERNELS: &str =
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum KernelVariantArg {
     NarrowAttentionRounds,
-    HeadsFinishedApart,
-    HeadsInOneWave,
+    HeadsFinishedTogether,
+    HeadsInWaves,
     IntegerDots,
     RowsTouchedFirst,
     StepIntsOnDevice,
@@ -309,8 +310,8 @@ impl ModelArgs {
         let variants = &self.kernel_variants;
         let tuning = mlx_spec::kernels::Tuning {
             attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
-            heads_finished_apart: variants.contains(&KernelVariantArg::HeadsFinishedApart),
-            heads_in_one_wave: variants.contains(&KernelVariantArg::HeadsInOneWave),
+            heads_finished_apart: !variants.contains(&KernelVariantArg::HeadsFinishedTogether),
+            heads_in_one_wave: !variants.contains(&KernelVariantArg::HeadsInWaves),
             affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
             rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
@@ -1001,7 +1002,7 @@ mod tests {
             "mlx-spec",
             "bench",
             "--kernel-variants",
-            "integer-dots,heads-finished-apart",
+            "integer-dots,heads-finished-together",
         ])
         .unwrap();
         let Command::Bench(args) = cli.command else {
@@ -1011,7 +1012,7 @@ mod tests {
             args.model.kernel_variants
                 == [
                     KernelVariantArg::IntegerDots,
-                    KernelVariantArg::HeadsFinishedApart
+                    KernelVariantArg::HeadsFinishedTogether
                 ]
         );
         assert!(Cli::try_parse_from(["mlx-spec", "bench", "--kernel-variants", "faster"]).is_err());

@@ -267,13 +267,15 @@ thread_local! {
     );
 }
 
-static HEADS_FINISHED_APART: AtomicBool = AtomicBool::new(false);
+static HEADS_FINISHED_APART: AtomicBool = AtomicBool::new(true);
 
 /// Sets whether each head is finished (normed, rotated, written to the cache) by the last of
 /// the blocks that made its rows, as soon as they are done, rather than all heads by the last
 /// block of the call, two rounds of a block's eight warps for E4B's twelve. Needs a counter per
 /// head whose rows the kernel makes at the call site ([`super::products::new_counters`] of
-/// queries + 2 x KV heads); the values are the same either way.
+/// queries + 2 x KV heads); the values are the same either way. On by default: on the H200 it
+/// was ahead by 3.9-4.0 % on the 12B (two leases) and by 1.6 % on E4B, dense and 4-bit, in one
+/// process (BENCHMARKS.md); `--kernel-variants heads-finished-together` turns it off.
 pub fn set_heads_finished_apart(apart: bool) {
     HEADS_FINISHED_APART.store(apart, Ordering::Relaxed);
 }
@@ -283,7 +285,7 @@ pub fn heads_finished_apart() -> bool {
     HEADS_FINISHED_APART.load(Ordering::Relaxed)
 }
 
-static HEADS_IN_ONE_WAVE: AtomicBool = AtomicBool::new(false);
+static HEADS_IN_ONE_WAVE: AtomicBool = AtomicBool::new(true);
 
 /// Blocks of the kernel a multiprocessor holds at least, as NVRTC compiles it for the H200:
 /// 34-62 registers a thread in every shape of E4B and 12B, dense and 4-bit
@@ -294,7 +296,9 @@ const RESIDENT_BLOCKS_PER_MULTIPROCESSOR: i32 = 4;
 /// blocks than the device holds at once. The 12B's q/k/v rows (8 192, 8 704 on full-attention
 /// layers) need 1 024 and 1 088 blocks of eight warps, two and three waves of the 528 an H200
 /// holds: each wave stages the input again, and the last one runs nearly alone. Changes no
-/// value: each row is the same warp-sized sum, only made by another warp.
+/// value: each row is the same warp-sized sum, only made by another warp. On by default: with
+/// the heads finished apart, 136.6 against 133.6 tok/s on the 12B, and a tie on E4B, in one
+/// H200 process (BENCHMARKS.md); `--kernel-variants heads-in-waves` turns it off.
 pub fn set_heads_in_one_wave(on: bool) {
     HEADS_IN_ONE_WAVE.store(on, Ordering::Relaxed);
 }
