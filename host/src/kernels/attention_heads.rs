@@ -627,7 +627,12 @@ mod tests {
     fn rows_in_one_wave_cover_every_row_once_within_a_head_a_block() {
         // (rows, head dim, rounds a block wanted on an H200's 528 resident blocks): E4B's
         // KV-owning sliding and full layers, the 12B's sliding and full (K = V) layers.
-        let shapes = [(3072, 256, 1), (6144, 512, 2), (8192, 256, 2), (8704, 512, 4)];
+        let shapes = [
+            (3072, 256, 1),
+            (6144, 512, 2),
+            (8192, 256, 2),
+            (8704, 512, 4),
+        ];
         for (rows, d, wanted) in shapes {
             assert_eq!(rows_per_warp(false, rows, d, 528), 1, "off: a row a warp");
             let rpw = rows_per_warp(true, rows, d, 528);
