@@ -1412,6 +1412,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             attention_wide_rounds: !default.attention_wide_rounds,
             heads_finished_apart: !default.heads_finished_apart,
             heads_in_one_wave: !default.heads_in_one_wave,
+            window_heads_apart: !default.window_heads_apart,
             rows_touched_first: !default.rows_touched_first,
             affine4_in_place: !default.affine4_in_place,
             ..default
@@ -1450,10 +1451,21 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
                 }
             }
         }
-        // Verify windows of 2, 4 and 8 tokens (the window kernel), with the defaults.
+        // Verify windows of 2, 4 and 8 tokens (the window kernels), with the defaults and with
+        // the window heads finished apart.
         set_allowed(every);
-        default.apply()?;
-        for tokens in [2, 4, 8] {
+        for (tuning, tokens) in [false, true]
+            .into_iter()
+            .flat_map(|apart| [2, 4, 8].map(|t| (apart, t)))
+            .map(|(apart, t)| {
+                let tuning = Tuning {
+                    window_heads_apart: apart,
+                    ..default
+                };
+                (tuning, t)
+            })
+        {
+            tuning.apply()?;
             let ids = mlx_rs::ops::broadcast_to(&token, &[1, tokens])?;
             let (_, calls) =
                 capture_kernels(|| model.forward_ids(&ids, &mut cache, LogitsFor::All, false))?;

@@ -187,7 +187,9 @@ struct ModelArgs {
     /// the last block of the call, as first written; by default each head by the last block
     /// that made its rows), `heads-in-waves` (the attention-heads kernel takes a row a warp
     /// even where that needs more blocks than the device holds at once, as first written; by
-    /// default a block makes two or four rounds of rows there, as for the 12B), `integer-dots` (4-bit feed-forward products by int16
+    /// default a block makes two or four rounds of rows there, as for the 12B),
+    /// `window-heads-apart` (a verify window's heads finished and its grid sized as a decode
+    /// step's are by default, instead of every head of every token by one block), `integer-dots` (4-bit feed-forward products by int16
     /// inputs and dp2a; half-precision inputs only), `rows-touched-first` (the product
     /// kernels ask for their first weight lines before staging their input),
     /// `step-ints-on-device` (the step's position, cache slots and visible ranges copied to
@@ -238,6 +240,7 @@ enum KernelVariantArg {
     NarrowAttentionRounds,
     HeadsFinishedTogether,
     HeadsInWaves,
+    WindowHeadsApart,
     IntegerDots,
     RowsTouchedFirst,
     StepIntsOnDevice,
@@ -312,6 +315,7 @@ impl ModelArgs {
             attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
             heads_finished_apart: !variants.contains(&KernelVariantArg::HeadsFinishedTogether),
             heads_in_one_wave: !variants.contains(&KernelVariantArg::HeadsInWaves),
+            window_heads_apart: variants.contains(&KernelVariantArg::WindowHeadsApart),
             affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
             rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),

@@ -213,6 +213,8 @@ pub struct Tuning {
     pub heads_finished_apart: bool,
     /// [`attention_heads::set_heads_in_one_wave`].
     pub heads_in_one_wave: bool,
+    /// [`window_attention_heads::set_heads_apart`].
+    pub window_heads_apart: bool,
     /// [`post_attention::set_row_pairs`].
     pub row_pairs: bool,
     /// [`post_attention::set_affine4_in_place`] (4-bit weights only; moves roundings).
@@ -247,6 +249,7 @@ impl Tuning {
             attention_wide_rounds: decode_attention::wide_rounds(),
             heads_finished_apart: attention_heads::heads_finished_apart(),
             heads_in_one_wave: attention_heads::heads_in_one_wave(),
+            window_heads_apart: window_attention_heads::heads_apart(),
             row_pairs: post_attention::row_pairs(),
             affine4_in_place: post_attention::affine4_in_place(),
             affine4_rows_per_warp: products::affine4_rows_per_warp(),
@@ -274,6 +277,7 @@ impl Tuning {
             dense_loads: 0,
             heads_finished_apart: false,
             heads_in_one_wave: false,
+            window_heads_apart: false,
             rows_touched_first: false,
             step_ints_on_device: false,
             step_ints_from_heads: false,
@@ -290,6 +294,7 @@ impl Tuning {
         decode_attention::set_wide_rounds(self.attention_wide_rounds);
         attention_heads::set_heads_finished_apart(self.heads_finished_apart);
         attention_heads::set_heads_in_one_wave(self.heads_in_one_wave);
+        window_attention_heads::set_heads_apart(self.window_heads_apart);
         post_attention::set_row_pairs(self.row_pairs);
         post_attention::set_affine4_in_place(self.affine4_in_place);
         products::set_affine4_integer_dots(self.affine4_integer_dots);

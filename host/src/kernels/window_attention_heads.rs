@@ -13,6 +13,7 @@
 //! which every later reader of the buffers depends on, order the write before them.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
@@ -37,13 +38,18 @@ const SOURCE: &str = r#"
   constexpr int ROWS = NQ + NK + NV;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * WARPS + warp;
+  // A block makes RPW rounds of eight rows, all in one head when PER_HEAD (as in the
+  // single-token kernel: see attention_heads::rows_per_warp).
+  constexpr int BLOCK_ROWS = WARPS * RPW;
+  const int first_row = blockIdx.x * BLOCK_ROWS;
   for (int t = 0; t < TOKENS; t++) stage_input<T, K, true>(x + t * K, nw, xs + t * K, red);
   window_chunk_sums<T, K, BITS, TOKENS, K>(xs, sums);
   if constexpr (INT_DOTS) {
     for (int t = 0; t < TOKENS; t++) chunk_integers<T, K>(xs + t * K, xscale + t * (K / 32));
   }
-  if (row < ROWS) {
+  for (int round = 0; round < RPW; round++) {
+    const int row = first_row + round * WARPS + warp;
+    if (row >= ROWS) break;
     // Row `row` of the q, k and v rows stacked: its weight and its index there.
     const int i = row < NQ ? row : row < NQ + NK ? row - NQ : row - NQ - NK;
     const void* w = row < NQ ? (const void*)wq : row < NQ + NK ? (const void*)wk : (const void*)wv;
@@ -57,22 +63,26 @@ const SOURCE: &str = r#"
     }
   }
 
-  // The last block to finish takes every head of every token.
+  // The last block to finish takes every head of every token; PER_HEAD: the last of a head's
+  // blocks takes that head of every token (and on a K = V layer the value head made of it).
   unsigned int* done = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counter));
+  const int group = PER_HEAD ? first_row / D : 0;
+  const unsigned int arrivals = PER_HEAD ? D / BLOCK_ROWS : gridDim.x;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(done, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(done + group, 1u) == arrivals - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
 
   constexpr int HEADS = NH + 2 * NKV;
+  const int heads_here = !PER_HEAD ? HEADS : (K_EQ_V && group >= NH) ? 2 : 1;
   const int first_position = position[0];
   const int first_slot = cache_slot[0];
   const int capacity = cache_slot[1];
-  for (int i = warp; i < TOKENS * HEADS; i += WARPS) {
-    const int t = i / HEADS;
-    const int h = i % HEADS;
+  for (int i = warp; i < TOKENS * heads_here; i += WARPS) {
+    const int t = i / heads_here;
+    const int h = !PER_HEAD ? i % heads_here : i % heads_here == 0 ? group : group + NKV;
     const float pos = static_cast<float>(first_position + t);
     const int slot = first_slot + t;
     const T* token_raw = raw + (size_t)t * ROWS;
@@ -88,8 +98,33 @@ const SOURCE: &str = r#"
     finish_head<T, D>(src, kind == 0 ? q_w : k_w, periods, pos, kind, dst);
   }
   // Ready for this call site's next call.
-  if (threadIdx.x == 0) done[0] = 0u;
+  if (threadIdx.x == 0) done[group] = 0u;
 "#;
+
+static HEADS_APART: AtomicBool = AtomicBool::new(false);
+
+/// Sets whether a window's heads are finished as the single-token kernel finishes them by
+/// default: each head, for every token of the window, by the last of the blocks that made its
+/// rows, with the grid kept to one wave ([`super::attention_heads::rows_per_warp`]); rather
+/// than every head of every token by the last block of the call (for a 12B window of 8: 256
+/// heads, 32 rounds of one block's eight warps). Changes no value. Needs a counter per head
+/// whose rows the kernel makes at the call site. Off by default until a GPU has measured it
+/// (`--kernel-variants window-heads-apart`).
+pub fn set_heads_apart(apart: bool) {
+    HEADS_APART.store(apart, Ordering::Relaxed);
+}
+
+/// The current [`set_heads_apart`] setting.
+pub fn heads_apart() -> bool {
+    HEADS_APART.load(Ordering::Relaxed)
+}
+
+/// Blocks of the kernel a multiprocessor holds, at most four (as the single-token kernel's
+/// registers allow) and as many as its shared memory leaves room for (227 KB a multiprocessor
+/// on the H200, about 1 KB more a block for its static arrays and the system's share).
+fn resident_blocks_per_multiprocessor(shared: usize) -> i32 {
+    (227 * 1024 / (shared + 1024)).clamp(1, 4) as i32
+}
 
 /// Tokens a call takes at most.
 pub const MAX_TOKENS: usize = super::window_post_attention::MAX_TOKENS;
@@ -127,7 +162,8 @@ fn shared_bytes(tokens: usize, hidden: usize, element: usize, bits: i32) -> usiz
 /// The query heads `[T, heads, D]` of the window `x` (`[T, hidden]`, positions `position..`),
 /// its keys and values written into `cache` (slots `cache.slot..`) on a KV-owning layer, with
 /// dense weights or 4-bit ones in one group size. `counter`: the call site's
-/// ([`super::products::new_counter`]). Check [`serves`].
+/// ([`super::products::new_counters`], one per head whose rows the kernel makes, for
+/// [`set_heads_apart`]). Check [`serves`].
 #[allow(clippy::too_many_arguments)]
 pub fn window_attention_heads(
     x: &Array,
@@ -219,13 +255,24 @@ pub fn window_attention_heads(
     let element = element_bytes(dtype).unwrap_or(2);
     let shared = shared_bytes(tokens as usize, k as usize, element, bits);
     let (q_shape, raw_shape) = ([tokens, shape.heads, d], [tokens * rows]);
+    let apart = heads_apart()
+        && counter.size() >= (rows / d) as usize
+        && counter.dtype() == Dtype::Uint32;
+    let resident = crate::device::cuda_multiprocessor_count().unwrap_or(132)
+        * resident_blocks_per_multiprocessor(shared);
+    let rpw = if apart {
+        super::attention_heads::rows_per_warp(true, rows, d, resident)
+    } else {
+        1
+    };
+    let per_head = apart && d % (WARPS * rpw) == 0;
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(shared, eps)?;
         let mut out = kernel.apply(
             &inputs,
             &[(&q_shape[..], dtype), (&raw_shape[..], dtype)],
-            ((rows + WARPS - 1) / WARPS * THREADS, 1, 1),
+            ((rows + WARPS * rpw - 1) / (WARPS * rpw) * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
                 (c"T", TemplateArg::Dtype(dtype)),
@@ -234,6 +281,8 @@ pub fn window_attention_heads(
                 (c"NH", TemplateArg::Int(shape.heads)),
                 (c"NKV", TemplateArg::Int(nkv)),
                 (c"K_EQ_V", TemplateArg::Bool(k_eq_v)),
+                (c"PER_HEAD", TemplateArg::Bool(per_head)),
+                (c"RPW", TemplateArg::Int(rpw)),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
                 (
@@ -250,6 +299,16 @@ pub fn window_attention_heads(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resident_blocks_follow_the_staged_window() {
+        // E4B, a window of 2 (10 KB staged): the register bound, four.
+        assert_eq!(resident_blocks_per_multiprocessor(10 * 1024), 4);
+        // The 12B, a window of 8 (61 KB staged): three fit.
+        assert_eq!(resident_blocks_per_multiprocessor(8 * 3840 * 2), 3);
+        // Never none.
+        assert_eq!(resident_blocks_per_multiprocessor(400 * 1024), 1);
+    }
 
     #[test]
     fn windows_of_gemma_head_sizes_are_served() {

@@ -88,7 +88,8 @@ impl Attention {
             // One per head whose rows the attention-heads kernel makes: queries, keys, values.
             heads_counter: new_counters(nh + 2 * nkv)?,
             attention_counters: new_counters(nh)?,
-            window_heads_counter: new_counters(1)?,
+            // One per head too, for the window kernel's heads finished apart.
+            window_heads_counter: new_counters(nh + 2 * nkv)?,
             window_attention_counters: new_counters(nh * window_attention_heads::MAX_TOKENS)?,
         })
     }
