@@ -255,9 +255,8 @@ pub fn window_attention_heads(
     let element = element_bytes(dtype).unwrap_or(2);
     let shared = shared_bytes(tokens as usize, k as usize, element, bits);
     let (q_shape, raw_shape) = ([tokens, shape.heads, d], [tokens * rows]);
-    let apart = heads_apart()
-        && counter.size() >= (rows / d) as usize
-        && counter.dtype() == Dtype::Uint32;
+    let apart =
+        heads_apart() && counter.size() >= (rows / d) as usize && counter.dtype() == Dtype::Uint32;
     let resident = crate::device::cuda_multiprocessor_count().unwrap_or(132)
         * resident_blocks_per_multiprocessor(shared);
     let rpw = if apart {
