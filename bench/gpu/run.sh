@@ -308,10 +308,12 @@ fi
 if want q4check; then
     # Which kernel set makes pipelined and step-by-step greedy decoding of the 4-bit E4B shape
     # disagree (the bench refuses to report a speed when they do).
-    # Q4_SETS: the sets to run (default: all of them).
+    # Q4_SETS: the sets to run (default: all of them), each in a process of its own, so a set
+    # named N times counts how often a process's first decode goes wrong; Q4_TOKENS (default
+    # 64) the tokens each decodes (the first is the prefill's pick).
     for fused in ${Q4_SETS:-none attention products attention,products attention,products,affine4 attention,products,affine4,affine4-heads attention,products,affine4-heads,affine4-products attention,products,affine4-heads,affine4-products,output-head}; do
         bench "mlx-spec E4B 4-bit g64, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
-            --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --fused-kernels "$fused"
+            --random-bits 4 --prompt-tokens 512 --gen-tokens "${Q4_TOKENS:-64}" --repeats 1 --fused-kernels "$fused"
     done
 fi
 
