@@ -1454,18 +1454,15 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
         // Verify windows of 2, 4 and 8 tokens (the window kernels), with the defaults and with
         // the window heads finished apart.
         set_allowed(every);
-        for (tuning, tokens) in [false, true]
+        for (apart, tokens) in [false, true]
             .into_iter()
-            .flat_map(|apart| [2, 4, 8].map(|t| (apart, t)))
-            .map(|(apart, t)| {
-                let tuning = Tuning {
-                    window_heads_apart: apart,
-                    ..default
-                };
-                (tuning, t)
-            })
+            .flat_map(|a| [(a, 2), (a, 4), (a, 8)])
         {
-            tuning.apply()?;
+            Tuning {
+                window_heads_apart: apart,
+                ..default
+            }
+            .apply()?;
             let ids = mlx_rs::ops::broadcast_to(&token, &[1, tokens])?;
             let (_, calls) =
                 capture_kernels(|| model.forward_ids(&ids, &mut cache, LogitsFor::All, false))?;

@@ -290,7 +290,7 @@ static HEADS_IN_ONE_WAVE: AtomicBool = AtomicBool::new(true);
 /// Blocks of the kernel a multiprocessor holds at least, as NVRTC compiles it for the H200:
 /// 34-62 registers a thread in every shape of E4B and 12B, dense and 4-bit
 /// (`bench/gpu/compile_check.sh`), so four to six blocks of 256 threads.
-const RESIDENT_BLOCKS_PER_MULTIPROCESSOR: i32 = 4;
+pub(crate) const RESIDENT_BLOCKS_PER_MULTIPROCESSOR: i32 = 4;
 
 /// Sets whether a block makes several rounds of eight rows where a row a warp would take more
 /// blocks than the device holds at once. The 12B's q/k/v rows (8 192, 8 704 on full-attention
@@ -324,10 +324,10 @@ pub(crate) fn rows_per_warp(one_wave: bool, rows: i32, d: i32, resident: i32) ->
     rpw
 }
 
-/// Blocks of the kernel the device holds at once.
-fn resident_blocks() -> i32 {
-    // Off CUDA the kernel does not run; an H200's 132 multiprocessors stand in.
-    crate::device::cuda_multiprocessor_count().unwrap_or(132) * RESIDENT_BLOCKS_PER_MULTIPROCESSOR
+/// Blocks of a kernel the device holds at once, `per_multiprocessor` on each multiprocessor.
+pub(crate) fn resident_blocks(per_multiprocessor: i32) -> i32 {
+    // Off CUDA the kernels do not run; an H200's 132 multiprocessors stand in.
+    crate::device::cuda_multiprocessor_count().unwrap_or(132) * per_multiprocessor
 }
 
 static STEP_INTS_FROM_HEADS: AtomicBool = AtomicBool::new(true);
@@ -512,7 +512,12 @@ pub fn attention_heads(
     // A counter per head whose rows the kernel makes (set_heads_finished_apart), where the
     // call site has that many and a block's rows lie in one head.
     let row_heads = rows / d;
-    let rpw = rows_per_warp(heads_in_one_wave(), rows, d, resident_blocks());
+    let rpw = rows_per_warp(
+        heads_in_one_wave(),
+        rows,
+        d,
+        resident_blocks(RESIDENT_BLOCKS_PER_MULTIPROCESSOR),
+    );
     let per_head = heads_finished_apart()
         && d % (WARPS * rpw) == 0
         && counter.size() >= row_heads as usize

@@ -119,11 +119,16 @@ pub fn heads_apart() -> bool {
     HEADS_APART.load(Ordering::Relaxed)
 }
 
-/// Blocks of the kernel a multiprocessor holds, at most four (as the single-token kernel's
-/// registers allow) and as many as its shared memory leaves room for (227 KB a multiprocessor
-/// on the H200, about 1 KB more a block for its static arrays and the system's share).
+/// Blocks of the kernel a multiprocessor holds: as many as the single-token kernel's
+/// registers allow, at most, and as many as its shared memory leaves room for (227 KB a
+/// multiprocessor on the H200, about 1 KB more a block for its static arrays and the system's
+/// share).
 fn resident_blocks_per_multiprocessor(shared: usize) -> i32 {
-    (227 * 1024 / (shared + 1024)).clamp(1, 4) as i32
+    let by_memory = (227 * 1024 / (shared + 1024)) as i32;
+    by_memory.clamp(
+        1,
+        super::attention_heads::RESIDENT_BLOCKS_PER_MULTIPROCESSOR,
+    )
 }
 
 /// Tokens a call takes at most.
@@ -257,13 +262,9 @@ pub fn window_attention_heads(
     let (q_shape, raw_shape) = ([tokens, shape.heads, d], [tokens * rows]);
     let apart =
         heads_apart() && counter.size() >= (rows / d) as usize && counter.dtype() == Dtype::Uint32;
-    let resident = crate::device::cuda_multiprocessor_count().unwrap_or(132)
-        * resident_blocks_per_multiprocessor(shared);
-    let rpw = if apart {
-        super::attention_heads::rows_per_warp(true, rows, d, resident)
-    } else {
-        1
-    };
+    let resident =
+        super::attention_heads::resident_blocks(resident_blocks_per_multiprocessor(shared));
+    let rpw = super::attention_heads::rows_per_warp(apart, rows, d, resident);
     let per_head = apart && d % (WARPS * rpw) == 0;
     KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
