@@ -55,7 +55,7 @@
 #              --check-kernels), then E4B forwards over k = VERIFY_KS tokens (default 2 4 8)
 #              with and without them, each window's logits compared with k single-token steps
 #   window-heads  verify windows of E4B and 12B (WINDOW_MODELS) with the window heads finished
-#              apart (`--kernel-variants window-heads-apart`) and without: logits must equal
+#              apart (the default) and by one block (`--kernel-variants window-heads-together`): logits must equal
 #              decode steps' exactly, times side by side
 #   window-spec  ngram speculation (at most 7 drafts: windows the kernels take) vs plain
 #              greedy decoding of the default model, both prompt sets, outputs checked equal;
@@ -425,11 +425,11 @@ if want window; then
 fi
 if want window-heads; then
     # The window attention-heads kernel with its heads finished apart and its grid in one wave
-    # (`--kernel-variants window-heads-apart`) against the default, E4B and 12B (WINDOW_MODELS):
+    # (the default) against the first way (`--kernel-variants window-heads-together`), E4B and 12B (WINDOW_MODELS):
     # each window's logits must equal k decode steps' exactly, and the times compare.
     for model in ${WINDOW_MODELS:-gemma-4-e4b gemma-4-12b}; do
         for k in ${VERIFY_KS:-2 4 8}; do
-            for variants in "" window-heads-apart; do
+            for variants in "" window-heads-together; do
                 echo "## $model, verify window k=$k, --kernel-variants ${variants:-(none)}" | tee -a "$RES/window-heads.md"
                 timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/$model.json" \
                     --dtype bf16 --prompt-tokens 512 --repeats 5 --verify-window "$k" ${variants:+--kernel-variants $variants} \

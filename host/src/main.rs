@@ -188,8 +188,9 @@ struct ModelArgs {
     /// that made its rows), `heads-in-waves` (the attention-heads kernel takes a row a warp
     /// even where that needs more blocks than the device holds at once, as first written; by
     /// default a block makes two or four rounds of rows there, as for the 12B),
-    /// `window-heads-apart` (a verify window's heads finished and its grid sized as a decode
-    /// step's are by default, instead of every head of every token by one block), `integer-dots` (4-bit feed-forward products by int16
+    /// `window-heads-together` (every head of every token of a verify window finished by the
+    /// last block of the call, as first written; by default each head by the last block of
+    /// its rows, with the grid in one wave, as in a decode step), `integer-dots` (4-bit feed-forward products by int16
     /// inputs and dp2a; half-precision inputs only), `rows-touched-first` (the product
     /// kernels ask for their first weight lines before staging their input),
     /// `step-ints-on-device` (the step's position, cache slots and visible ranges copied to
@@ -206,7 +207,9 @@ struct ModelArgs {
     /// `buffer-sized-attention-shares` (decode attention splits a head's slots into a power of
     /// two of shares sized by the buffer, as first written; by default shares of a fixed size
     /// at fixed slots, so that a verify window's queries sum as decode steps do even when the
-    /// window made the cache grow; moves roundings).
+    /// window made the cache grow; moves roundings), `attention-prefetches-output` (a decode
+    /// step's attention asks L2 for the attention output product's weights, the next
+    /// kernel's first reads, while its own few megabytes are in flight).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
     /// A forward whose result the host reads at once (a verify window) goes
@@ -240,7 +243,7 @@ enum KernelVariantArg {
     NarrowAttentionRounds,
     HeadsFinishedTogether,
     HeadsInWaves,
-    WindowHeadsApart,
+    WindowHeadsTogether,
     IntegerDots,
     RowsTouchedFirst,
     StepIntsOnDevice,
@@ -248,6 +251,7 @@ enum KernelVariantArg {
     WeightsAsStandIns,
     PerLayerRowsLate,
     BufferSizedAttentionShares,
+    AttentionPrefetchesOutput,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -315,7 +319,7 @@ impl ModelArgs {
             attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
             heads_finished_apart: !variants.contains(&KernelVariantArg::HeadsFinishedTogether),
             heads_in_one_wave: !variants.contains(&KernelVariantArg::HeadsInWaves),
-            window_heads_apart: variants.contains(&KernelVariantArg::WindowHeadsApart),
+            window_heads_apart: !variants.contains(&KernelVariantArg::WindowHeadsTogether),
             affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
             rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
             step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
@@ -324,6 +328,8 @@ impl ModelArgs {
             per_layer_rows_early: !variants.contains(&KernelVariantArg::PerLayerRowsLate),
             aligned_attention_shares: !variants
                 .contains(&KernelVariantArg::BufferSizedAttentionShares),
+            attention_prefetches_output: variants
+                .contains(&KernelVariantArg::AttentionPrefetchesOutput),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep
