@@ -937,17 +937,6 @@ fn compare_fused(
         attention_wide_rounds: false,
         ..default
     };
-    // Decode attention asking L2 for the attention output product's weights, or not.
-    let prefetch = Tuning {
-        attention_prefetches_output: !default.attention_prefetches_output,
-        ..default
-    };
-    let prefetch_name = |t: &Tuning| {
-        format!(
-            "attention prefetches the output weights {}",
-            on_off(t.attention_prefetches_output)
-        )
-    };
     let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
     let sets: Vec<Set> = if four_bit {
         // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows
@@ -1085,11 +1074,6 @@ fn compare_fused(
                 kernels: default_set,
                 tuning: narrow,
             },
-            Set {
-                name: format!("{default_name}, {}", prefetch_name(&prefetch)),
-                kernels: default_set,
-                tuning: prefetch,
-            },
             rows(
                 1,
                 with_ple(with_head(products)),
@@ -1188,12 +1172,6 @@ fn compare_fused(
                 },
             ),
             variant("narrow attention rounds", default_set, default_name, narrow),
-            variant(
-                &prefetch_name(&prefetch),
-                default_set,
-                default_name,
-                prefetch,
-            ),
             variant(
                 "buffer-sized attention shares",
                 default_set,
@@ -1447,7 +1425,6 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             dense_loads: 16,
             per_layer_rows_early: !default.per_layer_rows_early,
             aligned_attention_shares: !default.aligned_attention_shares,
-            attention_prefetches_output: !default.attention_prefetches_output,
             ..default
         },
     ];

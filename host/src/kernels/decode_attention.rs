@@ -29,7 +29,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
-use super::post_attention::Weight;
 use super::{step_ints, CudaKernel, TemplateArg, REDUCE_HEADER};
 
 const SOURCE: &str = r#"
@@ -117,7 +116,6 @@ const SOURCE: &str = r#"
       }
     }
   }
-  // AHEAD_MARK
   if (threadIdx.x == 0) {
     seen[0] = first_seen;
     seen[1] = end_seen;
@@ -273,36 +271,6 @@ const SOURCE: &str = r#"
   if (SPLITS > 1 && threadIdx.x == 0) done[head] = 0u;
 "#;
 
-/// Put in place of `// AHEAD_MARK` for [`set_prefetch_ahead`]: once a block's own key and value
-/// rows are in flight, its threads ask L2 for the next kernel's first weights (`ahead0..2`,
-/// AHEAD0..2 bytes: the attention output product's, the first stage of the post-attention
-/// kernel). A decode step's attention reads a few megabytes in several microseconds, so the
-/// memory is nearly idle meanwhile; the product after it then starts from L2. Piece `p` of
-/// 4 KB goes to block `p % blocks`, so every multiprocessor's copy engine takes a share.
-const AHEAD_SOURCE: &str = r#"
-  {
-    const long long blocks = (long long)gridDim.x * gridDim.y;
-    const long long me = (long long)threadIdx.x * blocks + (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    const long long askers = blocks * blockDim.x;
-    auto ask_l2 = [&](const void* base, long long bytes) {
-      constexpr long long PIECE = 4096;
-      const char* p = reinterpret_cast<const char*>(base);
-      for (long long at = me * PIECE; at < bytes; at += askers * PIECE) {
-        const unsigned int n = (unsigned int)(bytes - at < PIECE ? bytes - at : PIECE) & ~15u;
-#if __CUDA_ARCH__ >= 900
-        if (n > 0)
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p + at)), "r"(n) : "memory");
-#else
-        for (unsigned int line = 0; line < n; line += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + at + line));
-#endif
-      }
-    };
-    ask_l2(ahead0, AHEAD0);
-    ask_l2(ahead1, AHEAD1);
-    ask_l2(ahead2, AHEAD2);
-  }
-"#;
-
 const WARPS: i32 = 8;
 /// Slots one block scores at most (its shared score buffer).
 const MAX_CHUNK: usize = 1024;
@@ -376,29 +344,8 @@ fn aligned_split_of(slots: usize, share: usize) -> (usize, usize) {
     (chunk, slots.div_ceil(chunk).max(1))
 }
 
-/// The most bytes [`set_prefetch_ahead`] asks L2 for: an H100/H200 L2 holds 50 MB, and lines
-/// asked for beyond what it keeps would push out the first ones before they are read (a 12B
-/// full layer's product is 63 MB: not asked for).
-const AHEAD_LIMIT_BYTES: usize = 36 << 20;
-
-static PREFETCH_AHEAD: AtomicBool = AtomicBool::new(false);
-
-/// Sets whether a decode step's attention asks L2 for the attention output product's weights
-/// (the next kernel's first reads) while its own few megabytes are in flight
-/// (`--kernel-variants attention-prefetches-output`). Changes no value.
-pub fn set_prefetch_ahead(on: bool) {
-    PREFETCH_AHEAD.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_prefetch_ahead`] setting.
-pub fn prefetch_ahead() -> bool {
-    PREFETCH_AHEAD.load(Ordering::Relaxed)
-}
-
 thread_local! {
     static KERNEL: RefCell<Option<CudaKernel>> = const { RefCell::new(None) };
-    /// The same kernel with [`AHEAD_SOURCE`] and its three more inputs.
-    static AHEAD_KERNEL: RefCell<Option<CudaKernel>> = const { RefCell::new(None) };
 }
 
 /// How many blocks split the slots of one head: a power of two (few compiled variants as a
@@ -443,10 +390,6 @@ fn buffer_sized_splits(slots: usize, share: usize) -> Option<usize> {
 /// probabilities therefore stay in float32 until the end, where MLX's softmax rounds them to
 /// the activation dtype before the product with the values: the same function, computed
 /// slightly more precisely in half precision (identical roundings in float32).
-///
-/// `ahead`: the weight the next kernel reads first (the attention output product's), asked of
-/// L2 by this one with [`set_prefetch_ahead`] on; it changes no value.
-#[allow(clippy::too_many_arguments)]
 pub fn decode_attention(
     q: &Array,
     keys: &Array,
@@ -455,7 +398,6 @@ pub fn decode_attention(
     visible_on_device: Option<&Array>,
     splits: usize,
     counters: &Array,
-    ahead: Option<Weight<'_>>,
 ) -> Result<Array> {
     let (heads, slots) = (q.shape()[1], keys.shape()[2]);
     if counters.size() < heads as usize || counters.dtype() != Dtype::Uint32 {
@@ -469,22 +411,7 @@ pub fn decode_attention(
         Some(copy) => bail!("decode_attention: visible slots in {copy:?}, not int32 x 2"),
         None => step_ints(&[visible.start as i32, visible.end as i32])?,
     };
-    let ahead: Vec<&Array> = match ahead.filter(|_| prefetch_ahead()) {
-        Some(Weight::Dense(w)) => vec![w],
-        Some(Weight::Affine4 {
-            packed,
-            scales,
-            biases,
-        }) => vec![packed, scales, biases],
-        None => Vec::new(),
-    };
-    let asked: usize = ahead.iter().map(|a| a.nbytes()).sum();
-    let ahead = if asked <= AHEAD_LIMIT_BYTES {
-        ahead
-    } else {
-        Vec::new()
-    };
-    launch(q, keys, values, &visible, 1, 0, splits, counters, &ahead)
+    launch(q, keys, values, &visible, 1, 0, splits, counters)
 }
 
 /// Attention of a window of queries (`q`: `[T, heads, D]`, a verify window's, at consecutive
@@ -548,13 +475,11 @@ pub fn window_attention(
         slide as i32,
         splits,
         counters,
-        &[],
     )
 }
 
 /// Adds the kernel over `tokens` queries to the graph (`slide`: 0 for one query whose slots
-/// `visible` gives, else the window's slide, see [`window_attention`]); with arrays in
-/// `ahead` (at most three), the kernel that asks L2 for them ([`set_prefetch_ahead`]).
+/// `visible` gives, else the window's slide, see [`window_attention`]).
 #[allow(clippy::too_many_arguments)]
 fn launch(
     q: &Array,
@@ -565,14 +490,7 @@ fn launch(
     slide: i32,
     splits: usize,
     counters: &Array,
-    ahead: &[&Array],
 ) -> Result<Array> {
-    if ahead.len() > 3 {
-        bail!(
-            "decode_attention asks L2 for at most 3 arrays, got {}",
-            ahead.len()
-        );
-    }
     // [1, heads, 1, D] for one query, [T, heads, D] for a window.
     let heads = q.shape()[1];
     let d = q.shape()[q.ndim() - 1];
@@ -583,70 +501,39 @@ fn launch(
         0
     };
     let splits = splits as i32;
-    let cell = if ahead.is_empty() {
-        &KERNEL
-    } else {
-        &AHEAD_KERNEL
-    };
-    cell.with(|cell| {
+    KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
-            *slot = Some(if ahead.is_empty() {
-                CudaKernel::new(
-                    "decode_attention",
-                    &["q", "k", "v", "visible", "counter"],
-                    &["partial", "out"],
-                    SOURCE,
-                    REDUCE_HEADER,
-                )?
-            } else {
-                CudaKernel::new(
-                    "decode_attention_ahead",
-                    &[
-                        "q", "k", "v", "visible", "counter", "ahead0", "ahead1", "ahead2",
-                    ],
-                    &["partial", "out"],
-                    &SOURCE.replace("  // AHEAD_MARK\n", AHEAD_SOURCE),
-                    REDUCE_HEADER,
-                )?
-            });
+            *slot = Some(CudaKernel::new(
+                "decode_attention",
+                &["q", "k", "v", "visible", "counter"],
+                &["partial", "out"],
+                SOURCE,
+                REDUCE_HEADER,
+            )?);
         }
         let kernel = slot.as_ref().expect("just built");
         let threads = 32 * WARPS;
-        let mut inputs = vec![q, keys, values, visible, counters];
-        let mut template = vec![
-            (c"T", TemplateArg::Dtype(q.dtype())),
-            (c"D", TemplateArg::Int(d)),
-            (c"GROUP", TemplateArg::Int(heads / kv_heads)),
-            (c"WARPS", TemplateArg::Int(WARPS)),
-            (c"SPLITS", TemplateArg::Int(splits)),
-            (c"SLOTS", TemplateArg::Int(slots)),
-            (c"MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
-            (c"WIDE", TemplateArg::Bool(wide_rounds())),
-            (c"SLIDE", TemplateArg::Int(slide)),
-            (c"FIXED_CHUNK", TemplateArg::Int(fixed_chunk)),
-        ];
-        if !ahead.is_empty() {
-            // Unused places hold the counters again, asked for with 0 bytes.
-            for (i, name) in [c"AHEAD0", c"AHEAD1", c"AHEAD2"].into_iter().enumerate() {
-                let array = ahead.get(i).copied();
-                let bytes = array.map_or(0, |a| a.nbytes());
-                let bytes = i32::try_from(bytes).map_err(|_| {
-                    anyhow::anyhow!("decode_attention: {bytes} bytes to ask L2 for, over 2 GB")
-                })?;
-                inputs.push(array.unwrap_or(counters));
-                template.push((name, TemplateArg::Int(bytes)));
-            }
-        }
         let mut out = kernel.apply(
-            &inputs,
+            &[q, keys, values, visible, counters],
             &[
                 (&[tokens * heads * splits, d + 2], Dtype::Float32),
                 (&[tokens, heads * d], q.dtype()),
             ],
             (heads * splits * threads, tokens, 1),
             (threads, 1, 1),
-            &template,
+            &[
+                (c"T", TemplateArg::Dtype(q.dtype())),
+                (c"D", TemplateArg::Int(d)),
+                (c"GROUP", TemplateArg::Int(heads / kv_heads)),
+                (c"WARPS", TemplateArg::Int(WARPS)),
+                (c"SPLITS", TemplateArg::Int(splits)),
+                (c"SLOTS", TemplateArg::Int(slots)),
+                (c"MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
+                (c"WIDE", TemplateArg::Bool(wide_rounds())),
+                (c"SLIDE", TemplateArg::Int(slide)),
+                (c"FIXED_CHUNK", TemplateArg::Int(fixed_chunk)),
+            ],
         )?;
         Ok(out.remove(1))
     })

@@ -239,8 +239,6 @@ pub struct Tuning {
     pub per_layer_rows_early: bool,
     /// [`decode_attention::set_aligned_shares`] (moves roundings).
     pub aligned_attention_shares: bool,
-    /// [`decode_attention::set_prefetch_ahead`].
-    pub attention_prefetches_output: bool,
 }
 
 impl Tuning {
@@ -263,7 +261,6 @@ impl Tuning {
             unread_stand_ins: post_attention::unread_stand_ins(),
             per_layer_rows_early: post_attention::per_layer_rows_early(),
             aligned_attention_shares: decode_attention::aligned_shares(),
-            attention_prefetches_output: decode_attention::prefetch_ahead(),
         }
     }
 
@@ -286,7 +283,6 @@ impl Tuning {
             step_ints_from_heads: false,
             unread_stand_ins: false,
             per_layer_rows_early: false,
-            attention_prefetches_output: false,
             ..self
         }
     }
@@ -308,7 +304,6 @@ impl Tuning {
         post_attention::set_unread_stand_ins(self.unread_stand_ins);
         post_attention::set_per_layer_rows_early(self.per_layer_rows_early);
         decode_attention::set_aligned_shares(self.aligned_attention_shares);
-        decode_attention::set_prefetch_ahead(self.attention_prefetches_output);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

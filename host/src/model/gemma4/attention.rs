@@ -214,7 +214,6 @@ impl Attention {
                     visible_on_device.as_ref(),
                     splits,
                     &self.attention_counters,
-                    self.o_proj.kernel_weight(),
                 )?,
                 None => buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?,
             };
