@@ -69,12 +69,69 @@ pub fn select(kind: DeviceKind) -> Result<()> {
             DeviceKind::Cpu => bail!("--device cpu: the loaded libmlx reports no CPU device"),
         }
     }
+    if kind == DeviceKind::Gpu {
+        keep_kernels_across_runs();
+    }
     let device = match kind {
         DeviceKind::Cpu => Device::new(DeviceType::Cpu, 0),
         DeviceKind::Gpu => Device::new(DeviceType::Gpu, 0),
     };
     Device::set_default(&device);
     Ok(())
+}
+
+/// MLX's variable naming where its CUDA backend keeps the kernels it compiles.
+pub const KERNEL_CACHE_VAR: &str = "MLX_PTX_CACHE_DIR";
+
+/// Where compiled kernels are kept when [`KERNEL_CACHE_VAR`] is unset: under the user's cache
+/// directory (`$XDG_CACHE_HOME`, else `$HOME/.cache`), one folder per libmlx version, since a
+/// kernel compiled against one version's headers may not suit another. `None` without either
+/// variable.
+pub fn default_kernel_cache(
+    xdg_cache_home: Option<std::ffi::OsString>,
+    home: Option<std::ffi::OsString>,
+    mlx_version: &str,
+) -> Option<std::path::PathBuf> {
+    let base = match (xdg_cache_home.filter(|v| !v.is_empty()), home) {
+        (Some(xdg), _) => std::path::PathBuf::from(xdg),
+        (None, Some(home)) if !home.is_empty() => std::path::PathBuf::from(home).join(".cache"),
+        _ => return None,
+    };
+    Some(
+        base.join("mlx-spec")
+            .join(format!("mlx-{mlx_version}"))
+            .join("kernels"),
+    )
+}
+
+/// Points MLX's CUDA kernel cache at [`default_kernel_cache`] unless the user chose one.
+/// MLX's own default is a folder of the system's temporary directory: emptied at reboot on
+/// many machines, and unwritable for a second user once a first one made it, so every run
+/// would compile every kernel again, the window kernels of speculative decoding among them
+/// (about 20 s on an H200 for the first verify window of a size, BENCHMARKS.md). Must run
+/// before MLX compiles its first kernel, which reads the variable once.
+fn keep_kernels_across_runs() {
+    if std::env::var_os(KERNEL_CACHE_VAR).is_some() {
+        return;
+    }
+    let Some(dir) = default_kernel_cache(
+        std::env::var_os("XDG_CACHE_HOME"),
+        std::env::var_os("HOME"),
+        &mlx_version(),
+    ) else {
+        return;
+    };
+    match std::fs::create_dir_all(&dir) {
+        Ok(()) => {
+            tracing::info!("compiled kernels are kept in {}", dir.display());
+            std::env::set_var(KERNEL_CACHE_VAR, &dir);
+        }
+        Err(e) => tracing::warn!(
+            "cannot create the kernel cache {} ({e}); MLX keeps compiled kernels in its \
+             temporary folder (set {KERNEL_CACHE_VAR} to choose one)",
+            dir.display()
+        ),
+    }
 }
 
 /// Environment variable: when set, [`start_profiler_capture_if_asked`] starts the CUDA
@@ -160,4 +217,43 @@ pub fn cuda_shared_through_mps() -> bool {
     static SHARED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     // cudaDevAttrMpsEnabled (CUDA 12.3 and later; older runtimes refuse it).
     *SHARED.get_or_init(|| cuda_device_attribute(133).is_some_and(|enabled| enabled != 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsString;
+    use std::path::PathBuf;
+
+    #[test]
+    fn the_kernel_cache_goes_under_the_users_cache_directory_by_libmlx_version() {
+        let xdg = Some(OsString::from("/var/cache/someone"));
+        let home = Some(OsString::from("/home/someone"));
+        assert_eq!(
+            default_kernel_cache(xdg.clone(), home.clone(), "0.32.2"),
+            Some(PathBuf::from(
+                "/var/cache/someone/mlx-spec/mlx-0.32.2/kernels"
+            ))
+        );
+        // Without XDG_CACHE_HOME (or with it empty), $HOME/.cache.
+        for no_xdg in [None, Some(OsString::new())] {
+            assert_eq!(
+                default_kernel_cache(no_xdg, home.clone(), "0.32.2"),
+                Some(PathBuf::from(
+                    "/home/someone/.cache/mlx-spec/mlx-0.32.2/kernels"
+                ))
+            );
+        }
+        // Another libmlx, another folder.
+        assert_ne!(
+            default_kernel_cache(xdg.clone(), None, "0.32.2"),
+            default_kernel_cache(xdg, None, "0.33.0")
+        );
+        // Neither: MLX's own default stays.
+        assert_eq!(default_kernel_cache(None, None, "0.32.2"), None);
+        assert_eq!(
+            default_kernel_cache(None, Some(OsString::new()), "0.32.2"),
+            None
+        );
+    }
 }
