@@ -21,6 +21,9 @@
 #              plain launches vs programmatic dependent launch, with and without L2 prefetch
 #              of each block's first weights, and vs one persistent kernel with grid-wide
 #              barriers: what overlap at the boundaries would win back
+#   carveout   whether the L1/shared split changing between kernels costs time at a boundary
+#              (carveout.cu, nvcc): chains of nearly empty kernels of a 12B layer's shared sizes,
+#              with the driver's carveouts, one fixed carveout, or the device preferring shared
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
 #   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
@@ -110,11 +113,15 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 G="$ROOT/.gpu"
 RES="${OUT:-$G/results}"
-mkdir -p "$RES"
+mkdir -p "$G" "$RES"
 LOG="$RES/gpu-run.log"
 exec > >(tee -a "$LOG") 2>&1
 
-if [[ ! -f "$G/mlx/lib/libmlx.so" ]]; then
+# `carveout` alone needs only the image's nvcc: it runs in the first call of a lease, before
+# (or without) the parts.
+NVCC_ONLY=0
+[[ " $STEPS " == " carveout " ]] && NVCC_ONLY=1
+if [[ ! -f "$G/mlx/lib/libmlx.so" && "$NVCC_ONLY" == 0 ]]; then
     cat "$G"/part-[0-9] | xz -dc | tar -C "$G" -xf - || { echo "cannot unpack the CUDA libmlx"; exit 3; }
 fi
 NV="$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)"
@@ -138,10 +145,12 @@ elif [[ -f "$G/kernel-cache.part-0" && ! -d "$MLX_PTX_CACHE_DIR" ]]; then
 fi
 STARTED=$SECONDS
 BIN="$G/bin/mlx-spec"
-chmod +x "$BIN"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "CUDA_HOME=${CUDA_HOME:-unset}"
-ldd "$BIN" | grep -E "mlx|not found"
+if [[ "$NVCC_ONLY" == 0 ]]; then
+    chmod +x "$BIN"
+    ldd "$BIN" | grep -E "mlx|not found"
+fi
 
 ROWS=()
 # Each row is printed as it is measured too, so a call cut short by its time limit still
@@ -239,6 +248,19 @@ if want stage-overlap; then
         done
     else
         row "stages, plain launches vs programmatic dependent launch | build failed: $(head -n 3 "$RES/stage-overlap.err")"
+    fi
+fi
+if want carveout; then
+    # Whether a change of the multiprocessors' L1/shared split between kernels costs time at a
+    # boundary (a decode layer's three kernels need 7.8, 12.4 and 38.5 KB a block on the 12B):
+    # chains of nearly empty kernels in one CUDA graph, with the driver's carveouts and with
+    # one fixed (carveout.cu, built here with the image's nvcc).
+    NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+    if "$NVCC" -O3 -std=c++17 -arch=sm_90a -o "$G/carveout" "$ROOT/bench/gpu/carveout.cu" 2>"$RES/carveout.err"; then
+        "$G/carveout" 2>>"$RES/carveout.err" | tee "$RES/carveout.md"
+        row "kernel boundaries with and without carveout changes | $(tail -n 1 "$RES/carveout.md") $(tail -n 1 "$RES/carveout.err")"
+    else
+        row "kernel boundaries with and without carveout changes | build failed: $(head -n 3 "$RES/carveout.err")"
     fi
 fi
 if want gemv; then

@@ -937,6 +937,11 @@ fn compare_fused(
         attention_wide_rounds: false,
         ..default
     };
+    // One L1/shared split for every kernel of the device (`device-prefers-shared`).
+    let prefers_shared = Tuning {
+        device_prefers_shared: true,
+        ..default
+    };
     let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
     let sets: Vec<Set> = if four_bit {
         // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows
@@ -1074,6 +1079,11 @@ fn compare_fused(
                 kernels: default_set,
                 tuning: narrow,
             },
+            Set {
+                name: format!("{default_name}, device prefers shared"),
+                kernels: default_set,
+                tuning: prefers_shared,
+            },
             rows(
                 1,
                 with_ple(with_head(products)),
@@ -1172,6 +1182,12 @@ fn compare_fused(
                 },
             ),
             variant("narrow attention rounds", default_set, default_name, narrow),
+            variant(
+                "device prefers shared",
+                default_set,
+                default_name,
+                prefers_shared,
+            ),
             variant(
                 "buffer-sized attention shares",
                 default_set,
