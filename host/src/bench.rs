@@ -1527,8 +1527,9 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
     if !on_cuda() {
         bail!("--stage-times: the post-attention kernel runs on a CUDA GPU only (--device gpu with the CUDA libmlx)");
     }
-    // Per kind of layer: calls, and the sum of each stage's microseconds.
-    let mut kinds: Vec<((i32, bool), usize, Vec<f64>)> = Vec::new();
+    // Per kind of layer: calls, the sum of each stage's microseconds, and the sum of the
+    // grid's ramps (first block's start to last block's).
+    let mut kinds: Vec<((i32, bool), usize, Vec<f64>, f64)> = Vec::new();
     for round in 0..=args.repeats {
         let mut cache = model.new_cache();
         let logits = prefill(model, &mut cache, prompt)?;
@@ -1544,12 +1545,14 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
         for clock in clocks {
             let key = (clock.attention_width, clock.per_layer_input);
             let us = clock.stage_us()?;
-            match kinds.iter_mut().find(|(k, _, _)| *k == key) {
-                Some((_, calls, sums)) => {
+            let spread = clock.start_spread_us()?;
+            match kinds.iter_mut().find(|(k, _, _, _)| *k == key) {
+                Some((_, calls, sums, spreads)) => {
                     *calls += 1;
                     sums.iter_mut().zip(&us).for_each(|(s, u)| *s += u);
+                    *spreads += spread;
                 }
-                None => kinds.push((key, 1, us)),
+                None => kinds.push((key, 1, us, spread)),
             }
         }
     }
@@ -1561,37 +1564,38 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
     }
     let rows: Vec<_> = kinds
         .iter()
-        .map(|((width, ple), calls, sums)| {
+        .map(|((width, ple), calls, sums, spreads)| {
             let means: Vec<f64> = sums.iter().map(|s| s / *calls as f64).collect();
-            ((*width, *ple), *calls, means)
+            ((*width, *ple), *calls, means, spreads / *calls as f64)
         })
         .collect();
     if args.json {
         let kinds: Vec<_> = rows
             .iter()
-            .map(|((width, ple), calls, means)| {
+            .map(|((width, ple), calls, means, spread)| {
                 let stages: serde_json::Map<String, serde_json::Value> = STAGES
                     .iter()
                     .zip(means)
                     .map(|(name, us)| (name.to_string(), json!(us)))
                     .collect();
                 json!({"attention_width": width, "per_layer_input": ple, "calls": calls,
-                       "stage_us": stages, "total_us": means.iter().sum::<f64>()})
+                       "stage_us": stages, "total_us": means.iter().sum::<f64>(),
+                       "block_start_spread_us": spread})
             })
             .collect();
         println!("{}", json!({ "post_attention_stage_times": kinds }));
     } else {
         println!(
-            "| layer (attention width) | calls | {} | all stages |",
+            "| layer (attention width) | calls | {} | all stages | last block starts after the first |",
             STAGES.join(" | ")
         );
-        println!("|---|---|{}---|", "---|".repeat(STAGES.len()));
-        for ((width, ple), calls, means) in &rows {
+        println!("|---|---|{}---|---|", "---|".repeat(STAGES.len()));
+        for ((width, ple), calls, means, spread) in &rows {
             let cells: Vec<String> = (0..STAGES.len())
                 .map(|i| means.get(i).map_or("-".into(), |us| format!("{us:.1} µs")))
                 .collect();
             println!(
-                "| {width}{} | {calls} | {} | {:.1} µs |",
+                "| {width}{} | {calls} | {} | {:.1} µs | {spread:.1} µs |",
                 if *ple { ", per-layer input" } else { "" },
                 cells.join(" | "),
                 means.iter().sum::<f64>()

@@ -353,10 +353,15 @@ const SOURCE: &str = r#"
   const int first = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const float s = static_cast<float>(scale[0]);
   // STAGE_TIMES (`bench --stage-times`): the device clock as block 0 starts, then as each
-  // stage finishes across the grid (written by the last block at each barrier).
+  // stage finishes across the grid (written by the last block at each barrier); from slot 8
+  // on, as each block starts (how long the grid takes to get going).
 #if STAGE_TIMES
   unsigned long long* const stamps = reinterpret_cast<unsigned long long*>(stage_ns);
-  if (blockIdx.x == 0 && threadIdx.x == 0) stamps[0] = device_ns();
+  if (threadIdx.x == 0) {
+    const unsigned long long now = device_ns();
+    stamps[8 + blockIdx.x] = now;
+    if (blockIdx.x == 0) stamps[0] = now;
+  }
 #define STAGE_STAMP(i) (stamps + (i))
 #else
 #define STAGE_STAMP(i) nullptr
@@ -527,7 +532,8 @@ pub const STAGES: [&str; 5] = [
 ];
 
 /// One timed call's clock: its attention width (which kind of layer), whether it has a
-/// per-layer input, and its array of device times (ns: start, then the end of each stage).
+/// per-layer input, and its array of device times (ns: block 0's start, then the end of each
+/// stage, two unused slots, then each block's start).
 pub struct StageClock {
     pub attention_width: i32,
     pub per_layer_input: bool,
@@ -545,6 +551,17 @@ impl StageClock {
         Ok((1..=stages)
             .map(|i| ns[i].saturating_sub(ns[i - 1]) as f64 / 1e3)
             .collect())
+    }
+
+    /// Microseconds from the first block's start to the last one's: the grid's ramp, part of
+    /// the first stage's time. Evaluates the call's clock.
+    pub fn start_spread_us(&self) -> Result<f64> {
+        self.clock.eval()?;
+        let starts = self.clock.as_slice::<u64>().get(8..).unwrap_or(&[]);
+        match (starts.iter().min(), starts.iter().max()) {
+            (Some(first), Some(last)) => Ok(last.saturating_sub(*first) as f64 / 1e3),
+            _ => bail!("the stage clock holds no block's start"),
+        }
     }
 }
 
@@ -920,7 +937,8 @@ pub fn post_attention(
     let [pg, pg_s, pg_b] = pg.inputs();
     let [pp, pp_s, pp_b] = pp.inputs();
     let timed = STAGE_TIMES.load(Ordering::Relaxed);
-    let (row, hidden, width, per_layer_width, clock) = ([1, h], [h], [n], [p.max(1)], [8]);
+    let (row, hidden, width, per_layer_width) = ([1, h], [h], [n], [p.max(1)]);
+    let clock = [8 + blocks];
     // The timed kernel's extra output last (no allocation a call).
     let all_outputs = [
         (&row[..], dtype),
@@ -1005,11 +1023,14 @@ mod tests {
     #[test]
     fn stage_times_are_the_differences_of_the_clock() {
         // Start, then the ends of the five stages, in ns (two unused slots).
-        let ns = [1_000u64, 4_500, 30_500, 43_000, 46_000, 48_500, 0, 0];
+        // Then three blocks' starts.
+        let ns = [
+            1_000u64, 4_500, 30_500, 43_000, 46_000, 48_500, 0, 0, 1_000, 2_250, 1_500,
+        ];
         let clock = |per_layer_input| StageClock {
             attention_width: 2048,
             per_layer_input,
-            clock: Array::from_slice(&ns, &[8]),
+            clock: Array::from_slice(&ns, &[11]),
         };
         assert_eq!(
             clock(true).stage_us().unwrap(),
@@ -1017,6 +1038,8 @@ mod tests {
         );
         // Without a per-layer input the kernel has three stages.
         assert_eq!(clock(false).stage_us().unwrap(), vec![3.5, 26.0, 12.5]);
+        // The last block started 1.25 µs after the first.
+        assert_eq!(clock(true).start_spread_us().unwrap(), 1.25);
         assert_eq!(STAGES.len(), 5);
     }
 
