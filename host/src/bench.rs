@@ -287,6 +287,8 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
     // Per case: the slowest drafted round of the measured rounds, seconds.
     let mut slowest = vec![0.0f64; cases.len()];
     let mut plain_rates = Vec::new();
+    let most_drafts = args.replay_draft_lengths.iter().copied().max().unwrap_or(1);
+    prime_windows(model, prompt, most_drafts + 1, args.gen_tokens)?;
     for round in 0..=args.repeats {
         let start = Instant::now();
         let (plain_tokens, _) = generate(model, &request, |_| Ok(()))?;
@@ -685,6 +687,30 @@ fn time_window(
         total_ms: total.as_secs_f64() * 1e3,
         build_ms: built.as_secs_f64() * 1e3,
     })
+}
+
+/// Runs a verify window of every size from 1 to `largest` after `prompt`, and again after
+/// `prompt` and `generated` more tokens (the cache's buffers as a request's start and end
+/// size them), so that every kernel a request's rounds can need is compiled before any round
+/// is timed: a kernel compiled on its first use (about 20 s for a window size new to an
+/// H200, BENCHMARKS.md) would otherwise make one round, and its case's median, slow.
+fn prime_windows(
+    model: &Gemma4Model,
+    prompt: &[u32],
+    largest: usize,
+    generated: usize,
+) -> Result<()> {
+    let filler = window_of(model, generated);
+    let later: Vec<u32> = prompt.iter().chain(&filler).copied().collect();
+    for context in [prompt, &later[..]] {
+        let mut cache =
+            mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, largest.max(64));
+        prefill(model, &mut cache, context)?;
+        for size in 1..=largest {
+            time_window(model, &mut cache, &window_of(model, size), true)?;
+        }
+    }
+    Ok(())
 }
 
 /// `k` draft-like tokens (spread over the vocabulary, away from the special ids).
