@@ -1553,9 +1553,15 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
     if !on_cuda() {
         bail!("--stage-times: the post-attention kernel runs on a CUDA GPU only (--device gpu with the CUDA libmlx)");
     }
-    // Per kind of layer: calls, the sum of each stage's microseconds, and the sum of the
-    // grid's ramps (first block's start to last block's).
-    let mut kinds: Vec<((i32, bool), usize, Vec<f64>, f64)> = Vec::new();
+    /// One kind of layer (attention width, per-layer input or not): its timed calls, the sum
+    /// of each stage's microseconds and of the grid's ramps (first block's start to last's).
+    struct Kind {
+        key: (i32, bool),
+        calls: usize,
+        stage_sums: Vec<f64>,
+        ramp_sum: f64,
+    }
+    let mut kinds: Vec<Kind> = Vec::new();
     for round in 0..=args.repeats {
         let mut cache = model.new_cache();
         let logits = prefill(model, &mut cache, prompt)?;
@@ -1571,14 +1577,22 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
         for clock in clocks {
             let key = (clock.attention_width, clock.per_layer_input);
             let us = clock.stage_us()?;
-            let spread = clock.start_spread_us()?;
-            match kinds.iter_mut().find(|(k, _, _, _)| *k == key) {
-                Some((_, calls, sums, spreads)) => {
-                    *calls += 1;
-                    sums.iter_mut().zip(&us).for_each(|(s, u)| *s += u);
-                    *spreads += spread;
+            let ramp = clock.start_spread_us()?;
+            match kinds.iter_mut().find(|k| k.key == key) {
+                Some(kind) => {
+                    kind.calls += 1;
+                    kind.stage_sums
+                        .iter_mut()
+                        .zip(&us)
+                        .for_each(|(s, u)| *s += u);
+                    kind.ramp_sum += ramp;
                 }
-                None => kinds.push((key, 1, us, spread)),
+                None => kinds.push(Kind {
+                    key,
+                    calls: 1,
+                    stage_sums: us,
+                    ramp_sum: ramp,
+                }),
             }
         }
     }
@@ -1590,9 +1604,10 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
     }
     let rows: Vec<_> = kinds
         .iter()
-        .map(|((width, ple), calls, sums, spreads)| {
-            let means: Vec<f64> = sums.iter().map(|s| s / *calls as f64).collect();
-            ((*width, *ple), *calls, means, spreads / *calls as f64)
+        .map(|kind| {
+            let calls = kind.calls as f64;
+            let means: Vec<f64> = kind.stage_sums.iter().map(|s| s / calls).collect();
+            (kind.key, kind.calls, means, kind.ramp_sum / calls)
         })
         .collect();
     if args.json {
