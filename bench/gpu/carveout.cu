@@ -27,22 +27,14 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda_check.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
 namespace {
-
-#define CHECK(call)                                                                       \
-    do {                                                                                  \
-        cudaError_t err_ = (call);                                                        \
-        if (err_ != cudaSuccess) {                                                        \
-            std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,            \
-                         cudaGetErrorString(err_));                                       \
-            std::exit(1);                                                                 \
-        }                                                                                 \
-    } while (0)
 
 constexpr int kThreads = 256;
 // Floats of the input a block reads through L1 (16 KB).

@@ -31,6 +31,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "cuda_check.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -47,16 +49,6 @@ constexpr int kBlocksPerSm = 2;
 // Bytes of its weight rows a block asks L2 for before it waits (pdl+prefetch). A boundary
 // costs about 2 µs; at ~4 TB/s that is ~8 MB over the whole GPU, ~32 KB a block.
 constexpr int kPrefetchBytesPerBlock = 32 * 1024;
-
-#define CHECK(call)                                                                       \
-    do {                                                                                  \
-        cudaError_t err_ = (call);                                                        \
-        if (err_ != cudaSuccess) {                                                        \
-            std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,            \
-                         cudaGetErrorString(err_));                                       \
-            std::exit(1);                                                                 \
-        }                                                                                 \
-    } while (0)
 
 // Eight bf16 products of a 16-byte piece of a weight row and of the input, in float32.
 __device__ __forceinline__ float dot8(uint4 w, uint4 x) {

@@ -703,8 +703,9 @@ fn prime_windows(
     let filler = window_of(model, generated);
     let later: Vec<u32> = prompt.iter().chain(&filler).copied().collect();
     for context in [prompt, &later[..]] {
-        let mut cache =
-            mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, largest.max(64));
+        // Reserved as a speculative request reserves it, so the buffers take its sizes.
+        let reserve = mlx_spec::model::gemma4::cache::DEFAULT_ROLLBACK_RESERVE.max(largest);
+        let mut cache = mlx_spec::model::gemma4::ModelCache::with_reserve(&model.config, reserve);
         prefill(model, &mut cache, context)?;
         for size in 1..=largest {
             time_window(model, &mut cache, &window_of(model, size), true)?;
