@@ -6,8 +6,8 @@ Why: a kernel that does not compile, or whose registers or shared memory leave f
 resident than a grid-wide barrier needs, otherwise shows up only on the GPU machine, where it
 costs a lease. The sources are those MLX 0.32 would compile (its signature typed by the
 arrays' dtypes, the template arguments as constants), so a wrongly typed input fails here as
-it would there. MLX's own device header is replaced by a small stand-in with the types our
-kernels use.
+it would there. MLX's own device header is replaced by the stand-in that mlx-spec's kernel
+cache compiles against (host/src/kernels/mlx_device_stand_in.cuh).
 
 Usage: compile_check.py --cuda NVIDIA_DIR DUMP_DIR [DUMP_DIR ...]
 NVIDIA_DIR holds the unpacked `nvidia/` tree of the cuda-nvrtc, cuda-nvcc (ptxas),
@@ -35,23 +35,10 @@ GRID_BARRIER_KERNELS = (
     "custom_kernel_window_post_attention",
 )
 
-# Stands in for MLX's mlx/backend/cuda/device/utils.cuh: the types and names our kernels use.
-MLX_DEVICE_HEADER = r"""
-#pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/limits>
-typedef signed char int8_t; typedef short int16_t; typedef int int32_t;
-typedef long long int64_t; typedef unsigned char uint8_t; typedef unsigned short uint16_t;
-typedef unsigned int uint32_t; typedef unsigned long long uint64_t;
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-namespace mlx::core::cu {
-struct Shape { int32_t v[8]; };
-struct Strides { int64_t v[8]; };
-}
-"""
+# Stands in for MLX's mlx/backend/cuda/device/utils.cuh: the types and names our kernels use
+# (the same file mlx-spec's kernel cache compiles against).
+MLX_DEVICE_HEADER = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "host", "src",
+                                      "kernels", "mlx_device_stand_in.cuh")).read()
 
 
 def resident_blocks(registers, shared, threads):

@@ -33,8 +33,10 @@
 #   kernel-check  fused kernels on random bf16 data: decode attention vs MLX's operations
 #              (float32 reference), 4-bit products with integer dots vs float unpacking
 #   kernel-cache  where MLX_PTX_CACHE_DIR is unset, mlx-spec keeps compiled kernels under the
-#              user's cache directory: the default model's generate twice with a fresh HOME, the second
-#              run finding the first one's kernels
+#              user's cache directory, its fused kernels among them (MLX would compile those
+#              in every process): the default model's generate with a fresh HOME, then again
+#              finding the first one's kernels, then with mlx-spec's kernel cache off; then E4B
+#              logits from kernels MLX compiled against those mlx-spec compiled, bit for bit
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
 #   cpu-check-q4  the same with 4-bit weights, for each set of 4-bit kernels in CPU_Q4_SETS
 #              (default: the default set, then the attention-heads and product kernels over 4-bit rows)
@@ -714,16 +716,43 @@ if want kernel-check; then
 fi
 
 if want kernel-cache; then
-    # mlx-spec's own kernel cache (where MLX_PTX_CACHE_DIR is unset): the same decode of the
-    # default model twice in fresh processes with a fresh $HOME, the second finding the first's
-    # compiled kernels.
+    # 1. Time to the first token of fresh processes with a fresh $HOME, MLX_PTX_CACHE_DIR
+    #    unset (so mlx-spec's default cache folder): the first run compiles every kernel, the
+    #    second finds them all, the third has mlx-spec's kernel cache off, so MLX compiles our
+    #    fused kernels again as it does in every process without it.
     KC_HOME="$(mktemp -d)"
-    for run in first second; do
+    n=0
+    for spec in "first|on" "second|on" "third, mlx-spec's kernel cache off|off"; do
+        IFS='|' read -r run switch <<<"$spec"
+        n=$((n + 1))
         t0=$SECONDS
-        line="$(env -u MLX_PTX_CACHE_DIR HOME="$KC_HOME" XDG_CACHE_HOME= timeout 240 "$BIN" -v generate --device gpu \
-            --prompt "def read_config(path):" --max-tokens 16 --ignore-eos --json 2>"$RES/kernel-cache-$run.err" | tail -c 300)"
-        kept="$(find "$KC_HOME/.cache/mlx-spec" -type f 2>/dev/null | wc -l)"
-        row "default model generate, $run run with a fresh HOME | $((SECONDS - t0)) s, $kept files in the kernel cache; $(grep -o 'compiled kernels are kept in [^ ]*' "$RES/kernel-cache-$run.err" | head -n 1 || true) ${line:0:120}"
+        line="$(env -u MLX_PTX_CACHE_DIR HOME="$KC_HOME" XDG_CACHE_HOME= MLX_SPEC_KERNEL_CACHE=$switch timeout 240 \
+            "$BIN" -v generate --device gpu --prompt "def read_config(path):" --max-tokens 16 --ignore-eos --json \
+            2>"$RES/kernel-cache-$n.err" | grep -o '"prefill_seconds":[0-9.]*')"
+        kept="$(find "$KC_HOME/.cache/mlx-spec" -name '*.ptx' 2>/dev/null | wc -l)"
+        row "default model generate, $run run with a fresh HOME | $((SECONDS - t0)) s, $kept modules in the kernel cache, ${line:-failed: $(tail -n 1 "$RES/kernel-cache-$n.err")}"
+    done
+    # 2. The kernels mlx-spec compiles compute what MLX's compile of them computes, bit for
+    #    bit: E4B (bf16, then 4-bit: KC_MODELS) from a 6-token prompt (the window kernels) and
+    #    8 decode steps, in a fresh MLX cache with mlx-spec's kernel cache off (MLX compiles
+    #    everything), a fresh one with it on (mlx-spec compiles its kernels), the same again
+    #    (every module found). The logits' digests must be equal.
+    for spec in ${KC_MODELS:-bf16 4-bit}; do
+        quant=(); [[ "$spec" == 4-bit ]] && quant=(--random-bits 4)
+        digests=() times=()
+        KC_DIR="$(mktemp -d)"
+        for switch in off on on; do
+            dir="$KC_DIR/$switch"
+            t0=$SECONDS
+            digest="$(MLX_PTX_CACHE_DIR="$dir" MLX_SPEC_KERNEL_CACHE=$switch timeout 300 "$BIN" bench --device gpu \
+                --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 "${quant[@]}" --prompt-tokens 6 \
+                --gen-tokens 8 --repeatability 2 2>"$RES/kernel-cache-e4b.err" | grep -o 'logits digest [0-9a-f]*')"
+            digests+=("${digest:-failed: $(tail -n 1 "$RES/kernel-cache-e4b.err")}")
+            times+=("$((SECONDS - t0)) s")
+        done
+        same="differ"
+        [[ "${digests[0]}" == "${digests[1]}" && "${digests[1]}" == "${digests[2]}" && "${digests[0]}" == logits* ]] && same="equal"
+        row "E4B $spec, kernels compiled by MLX vs by mlx-spec's cache vs found in it | logits $same (${digests[*]}); process times ${times[*]}"
     done
 fi
 

@@ -614,6 +614,13 @@ fn report_repeatability(model: &Gemma4Model, prompt: &[u32], runs: usize, n: usi
     }
     let (reference, reference_logits) = stepwise_logits(model, prompt, n, None)?;
     println!("repeatability: reference tokens {reference:?}");
+    // Compared across processes (`bench/gpu/run.sh kernel-cache`: kernels compiled by MLX
+    // against those from mlx-spec's kernel cache).
+    println!(
+        "repeatability: reference logits digest {:016x} ({} steps)",
+        logits_digest(&reference_logits),
+        reference_logits.len()
+    );
     for run in 1..runs {
         let (picks, logits) = stepwise_logits(model, prompt, n, Some(&reference))?;
         let diffs: Vec<f32> = logits
@@ -651,6 +658,18 @@ fn report_repeatability(model: &Gemma4Model, prompt: &[u32], runs: usize, n: usi
         }
     }
     Ok(())
+}
+
+/// 64-bit FNV-1a over the bits of every logit of every step, in order: equal digests mean
+/// bitwise-equal logits (to a chance of 2^-64).
+fn logits_digest(steps: &[Vec<f32>]) -> u64 {
+    steps
+        .iter()
+        .flatten()
+        .flat_map(|x| x.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
 }
 
 /// One verify window timed: the whole forward, and the part of it the host spent building
@@ -2043,10 +2062,22 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{explain_mismatch, only_named};
+    use super::{explain_mismatch, logits_digest, only_named};
     use mlx_spec::generate::{generate, GenerateRequest};
     use mlx_spec::model::gemma4::{Gemma4Config, Gemma4Model};
     use mlx_spec::sampler::SamplingParams;
+
+    #[test]
+    fn the_logits_digest_tells_any_changed_bit() {
+        let steps = vec![vec![1.0f32, -2.5], vec![0.0]];
+        let same = logits_digest(&steps.clone());
+        assert_eq!(logits_digest(&steps), same);
+        // -0.0 differs from 0.0 by one bit only.
+        assert_ne!(logits_digest(&[vec![1.0, -2.5], vec![-0.0]]), same);
+        // The same values split into other steps are the same logits in order.
+        assert_eq!(logits_digest(&[vec![1.0], vec![-2.5, 0.0]]), same);
+        assert_ne!(logits_digest(&[vec![-2.5, 1.0], vec![0.0]]), same);
+    }
 
     #[test]
     fn a_mismatch_is_explained_against_a_step_by_step_decode() {

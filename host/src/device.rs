@@ -252,6 +252,14 @@ pub fn cuda_multiprocessor_count() -> Option<i32> {
     *COUNT.get_or_init(|| cuda_device_attribute(16).filter(|&count| count > 0))
 }
 
+/// The compute capability (major, minor) of CUDA device 0, asked once of the CUDA runtime;
+/// `None` where there is none. The kernel cache compiles for it, as MLX does.
+pub fn cuda_compute_capability() -> Option<(i32, i32)> {
+    static CAPABILITY: std::sync::OnceLock<Option<(i32, i32)>> = std::sync::OnceLock::new();
+    // cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor
+    *CAPABILITY.get_or_init(|| Some((cuda_device_attribute(75)?, cuda_device_attribute(76)?)))
+}
+
 /// Whether contexts on CUDA device 0 are shared with other processes through MPS (the
 /// Multi-Process Service), asked once of the CUDA runtime; `false` where there is no CUDA
 /// runtime, or one too old to know the attribute. Under MPS the multiprocessors are shared,

@@ -41,6 +41,7 @@ pub mod affine4;
 pub mod attention_heads;
 pub mod attention_inputs;
 pub mod decode_attention;
+pub mod kernel_cache;
 pub mod output_head;
 pub mod per_layer_input;
 pub mod post_attention;
@@ -52,8 +53,9 @@ pub mod window_post_attention;
 
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, CString};
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Result};
@@ -343,13 +345,18 @@ pub struct CudaKernel {
     text: KernelText,
     /// Bytes of dynamic shared memory each block gets.
     shared_bytes: i32,
+    /// Signatures (dtypes, template arguments) whose compiled module [`kernel_cache`] has
+    /// seen to in this process.
+    cached: RefCell<HashSet<u64>>,
 }
 
-/// A kernel's text and argument names as MLX was given them (header and body as written,
-/// not as `#include` lines).
+/// A kernel's text and argument names: header and body as written (for
+/// [`capture_kernels`]) and as MLX was given them (`#include` lines, for [`kernel_cache`]).
 struct KernelText {
     header: String,
     source: String,
+    mlx_header: String,
+    mlx_source: String,
     inputs: Vec<String>,
     outputs: Vec<String>,
 }
@@ -360,10 +367,90 @@ impl KernelText {
         KernelText {
             header: header.to_owned(),
             source: source.to_owned(),
+            mlx_header: header.to_owned(),
+            mlx_source: source.to_owned(),
             inputs: owned(inputs),
             outputs: owned(outputs),
         }
     }
+
+    /// The same, with what MLX gets instead of header and body differing from them.
+    fn given_to_mlx(mut self, header: &str, source: &str) -> Self {
+        self.mlx_header = header.to_owned();
+        self.mlx_source = source.to_owned();
+        self
+    }
+}
+
+/// The name and full source MLX 0.32's custom_kernel.cpp builds for a call of the kernel
+/// `base` with this header, body, arguments and template arguments: its default header, then
+/// ours, the signature typed by the arrays' dtypes (with shape, stride or rank arguments
+/// where the body names them), the template arguments as constants, the body. Also whether
+/// the signature takes such shape arguments.
+fn mlx_kernel_source(
+    base: &str,
+    header: &str,
+    body: &str,
+    inputs: &[(&str, Dtype, bool)],
+    outputs: &[(&str, Dtype)],
+    template: &[(&CStr, TemplateArg)],
+) -> (String, String, bool) {
+    let mut name = format!("custom_kernel_{base}");
+    let mut constants = String::new();
+    for (arg, value) in template {
+        let arg = arg.to_string_lossy();
+        match value {
+            TemplateArg::Int(v) => {
+                name += &format!("_{v}");
+                constants += &format!("  constexpr int {arg} = {v};\n");
+            }
+            TemplateArg::Bool(v) => {
+                name += if *v { "_t" } else { "_f" };
+                constants += &format!("  constexpr bool {arg} = {v};\n");
+            }
+            TemplateArg::Dtype(d) => {
+                name += &format!("_{}", type_name(*d));
+                constants += &format!("  using {arg} = {};\n", cuda_type(*d));
+            }
+        }
+    }
+    let mut source = String::from(
+        "\n#include \"mlx/backend/cuda/device/utils.cuh\"\n\n#include <cooperative_groups.h>\n\n",
+    );
+    source += header;
+    source += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n";
+    source += &format!("__global__ void {name}(\n");
+    let mut shaped = false;
+    for (n, dtype, has_dims) in inputs {
+        source += &format!("    const {}* {n},\n", cuda_type(*dtype));
+        if *has_dims {
+            for (marker, kind) in [("_shape", "Shape"), ("_strides", "Strides")] {
+                if body.contains(&format!("{n}{marker}")) {
+                    source += &format!("    const __grid_constant__ {kind} {n}{marker},\n");
+                    shaped = true;
+                }
+            }
+            if body.contains(&format!("{n}_ndim")) {
+                source += &format!("    const __grid_constant__ int {n}_ndim,\n");
+                shaped = true;
+            }
+        }
+    }
+    let last = outputs.len().saturating_sub(1);
+    for (i, (n, dtype)) in outputs.iter().enumerate() {
+        source += &format!(
+            "    {}* {n}{}",
+            cuda_type(*dtype),
+            if i < last { ",\n" } else { ") {\n" }
+        );
+    }
+    if !constants.is_empty() {
+        source += &constants;
+        source += "\n";
+    }
+    source += body;
+    source += "\n}\n\n} // namespace mlx::core::cu\n";
+    (name, source, shaped)
 }
 
 /// One kernel call [`capture_kernels`] recorded instead of running: its name as MLX forms it
@@ -461,10 +548,19 @@ impl CudaKernel {
         header: &str,
         shared_bytes: i32,
     ) -> Result<Self> {
-        let text = KernelText::new(inputs, outputs, source, header);
-        let header = source_files::included(header);
-        let source = source_files::included(source);
-        Self::with_text(name, inputs, outputs, &source, &header, text, shared_bytes)
+        let mlx_header = source_files::included(header);
+        let mlx_source = source_files::included(source);
+        let text =
+            KernelText::new(inputs, outputs, source, header).given_to_mlx(&mlx_header, &mlx_source);
+        Self::with_text(
+            name,
+            inputs,
+            outputs,
+            &mlx_source,
+            &mlx_header,
+            text,
+            shared_bytes,
+        )
     }
 
     /// [`CudaKernel::new`] with header and body handed to MLX as they are (for measuring
@@ -508,6 +604,7 @@ impl CudaKernel {
                 },
                 text,
                 shared_bytes,
+                cached: RefCell::default(),
             });
         }
         // SAFETY: the string vectors are created, filled and freed here; MLX copies them.
@@ -541,6 +638,7 @@ impl CudaKernel {
             raw,
             text,
             shared_bytes,
+            cached: RefCell::default(),
         })
     }
 
@@ -563,6 +661,7 @@ impl CudaKernel {
                 self.name
             );
         }
+        self.see_to_cached_module(inputs, outputs, template);
         // SAFETY: every handle is created and freed here; the input arrays outlive the call,
         // and the outputs are taken over as new owned arrays before the vector is freed.
         unsafe {
@@ -657,59 +756,14 @@ impl CudaKernel {
                 t.outputs.len()
             );
         }
-        // The name and source as MLX 0.32's custom_kernel.cpp forms them.
-        let mut name = format!("custom_kernel_{}", self.name);
-        let mut constants = String::new();
-        for (arg, value) in template {
-            let arg = arg.to_string_lossy();
-            match value {
-                TemplateArg::Int(v) => {
-                    name += &format!("_{v}");
-                    constants += &format!("  constexpr int {arg} = {v};\n");
-                }
-                TemplateArg::Bool(v) => {
-                    name += if *v { "_t" } else { "_f" };
-                    constants += &format!("  constexpr bool {arg} = {v};\n");
-                }
-                TemplateArg::Dtype(d) => {
-                    name += &format!("_{}", type_name(*d));
-                    constants += &format!("  using {arg} = {};\n", cuda_type(*d));
-                }
-            }
-        }
-        let mut source = String::from(
-            "#include \"mlx/backend/cuda/device/utils.cuh\"\n\n#include <cooperative_groups.h>\n\n",
+        let (name, source, _) = mlx_kernel_source(
+            self.name,
+            &t.header,
+            &t.source,
+            &self.input_signature(inputs),
+            &self.output_signature(outputs),
+            template,
         );
-        source += &t.header;
-        source += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n";
-        source += &format!("__global__ void {name}(\n");
-        for (input, n) in inputs.iter().zip(&t.inputs) {
-            source += &format!("    const {}* {n},\n", cuda_type(input.dtype()));
-            if input.ndim() > 0 {
-                for (marker, kind) in [("_shape", "Shape"), ("_strides", "Strides")] {
-                    if t.source.contains(&format!("{n}{marker}")) {
-                        source += &format!("    const __grid_constant__ {kind} {n}{marker},\n");
-                    }
-                }
-                if t.source.contains(&format!("{n}_ndim")) {
-                    source += &format!("    const __grid_constant__ int {n}_ndim,\n");
-                }
-            }
-        }
-        let last = outputs.len().saturating_sub(1);
-        for (i, ((_, dtype), n)) in outputs.iter().zip(&t.outputs).enumerate() {
-            source += &format!(
-                "    {}* {n}{}",
-                cuda_type(*dtype),
-                if i < last { ",\n" } else { ") {\n" }
-            );
-        }
-        if !constants.is_empty() {
-            source += &constants;
-            source += "\n";
-        }
-        source += &t.source;
-        source += "\n}\n\n} // namespace mlx::core::cu\n";
         let blocks = (grid.0 + block.0 - 1) / block.0.max(1);
         CAPTURE.with(|c| {
             if let Some(list) = c.borrow_mut().as_mut() {
@@ -726,6 +780,72 @@ impl CudaKernel {
             .iter()
             .map(|(shape, dtype)| Ok(mlx_rs::ops::zeros_dtype(shape, *dtype)?))
             .collect()
+    }
+}
+
+impl CudaKernel {
+    /// Each input's name, dtype and whether it has dimensions (MLX adds shape arguments only
+    /// for those).
+    fn input_signature<'a>(&'a self, inputs: &[&Array]) -> Vec<(&'a str, Dtype, bool)> {
+        self.text
+            .inputs
+            .iter()
+            .zip(inputs)
+            .map(|(n, a)| (n.as_str(), a.dtype(), a.ndim() > 0))
+            .collect()
+    }
+
+    fn output_signature<'a>(&'a self, outputs: &[(&[i32], Dtype)]) -> Vec<(&'a str, Dtype)> {
+        self.text
+            .outputs
+            .iter()
+            .zip(outputs)
+            .map(|(n, (_, d))| (n.as_str(), *d))
+            .collect()
+    }
+
+    /// The first time this call's signature (dtypes, template arguments) comes, has
+    /// [`kernel_cache`] make sure MLX finds its module compiled on disk.
+    fn see_to_cached_module(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        template: &[(&CStr, TemplateArg)],
+    ) {
+        if !kernel_cache::enabled() {
+            return;
+        }
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        for a in inputs {
+            (a.dtype() as u32, a.ndim() > 0).hash(&mut hasher);
+        }
+        for (_, d) in outputs {
+            (*d as u32).hash(&mut hasher);
+        }
+        for (arg, value) in template {
+            arg.hash(&mut hasher);
+            match value {
+                TemplateArg::Dtype(d) => (0u8, *d as u32 as i64).hash(&mut hasher),
+                TemplateArg::Int(v) => (1u8, i64::from(*v)).hash(&mut hasher),
+                TemplateArg::Bool(v) => (2u8, i64::from(*v)).hash(&mut hasher),
+            }
+        }
+        if !self.cached.borrow_mut().insert(hasher.finish()) {
+            return;
+        }
+        let t = &self.text;
+        let (name, source, shaped) = mlx_kernel_source(
+            self.name,
+            &t.mlx_header,
+            &t.mlx_source,
+            &self.input_signature(inputs),
+            &self.output_signature(outputs),
+            template,
+        );
+        // MLX's Shape and Strides types are not in our stand-in for its device header.
+        if !shaped {
+            kernel_cache::ensure_compiled(&name, &source);
+        }
     }
 }
 
