@@ -983,11 +983,6 @@ fn compare_fused(
         attention_wide_rounds: false,
         ..default
     };
-    // One L1/shared split for every kernel of the device (`device-prefers-shared`).
-    let prefers_shared = Tuning {
-        device_prefers_shared: true,
-        ..default
-    };
     let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
     let sets: Vec<Set> = if four_bit {
         // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows
@@ -1125,11 +1120,6 @@ fn compare_fused(
                 kernels: default_set,
                 tuning: narrow,
             },
-            Set {
-                name: format!("{default_name}, device prefers shared"),
-                kernels: default_set,
-                tuning: prefers_shared,
-            },
             rows(
                 1,
                 with_ple(with_head(products)),
@@ -1229,12 +1219,6 @@ fn compare_fused(
             ),
             variant("narrow attention rounds", default_set, default_name, narrow),
             variant(
-                "device prefers shared",
-                default_set,
-                default_name,
-                prefers_shared,
-            ),
-            variant(
                 "buffer-sized attention shares",
                 default_set,
                 default_name,
@@ -1319,8 +1303,8 @@ fn compare_fused(
     // * the rows a warp takes, the loads a lane keeps in flight, which block finishes the
     //   attention heads, early requests for weight lines and where the step's integers live
     //   change no value: sets that differ only in them.
-    // Other share sizes, and decode attention's narrow rounds, add softmax terms in another
-    // order, and integer dots round the input's small values otherwise, which may move a
+    // Other share sizes (buffer-sized shares among them), and decode attention's narrow
+    // rounds, add softmax terms in another order, and integer dots round the input's small values otherwise, which may move a
     // rounding; the 4-bit kernels sum otherwise than MLX's quantized products, and the output
     // head otherwise than MLX's product.
     for (i, s) in sets.iter().enumerate() {
@@ -1339,6 +1323,7 @@ fn compare_fused(
         let Some(twin) = sets.iter().position(|t| {
             t.tuning.attention_share == s.tuning.attention_share
                 && t.tuning.attention_wide_rounds == s.tuning.attention_wide_rounds
+                && t.tuning.aligned_attention_shares == s.tuning.aligned_attention_shares
                 && (((mlx_sums || regrouped) && t.kernels == plain)
                     || (s.kernels.per_layer_input
                         && t.kernels == plain

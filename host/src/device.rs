@@ -199,50 +199,6 @@ fn cuda_device_attribute(attribute: i32) -> Option<i32> {
     (code == 0).then_some(value)
 }
 
-static PREFERS_SHARED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Sets whether CUDA device 0 prefers the largest shared-memory split of each
-/// multiprocessor's L1/shared array for kernels with no preference of their own
-/// (`cudaDeviceSetCacheConfig`, `--kernel-variants device-prefers-shared`). A decode layer's
-/// three kernels need 7.8, 12.4 and 38.5 KB a block on the 12B, so the driver may give each
-/// another split; one split for all would spare any cost of changing it at each boundary
-/// (`bench/gpu/carveout.cu` measures whether there is one). MLX compiles the kernels and
-/// never hands out their handles, so the device-wide preference is the only one mlx-spec can
-/// set. Changes no value. Calls the CUDA runtime only when the setting changes (never by
-/// default) and the default device is a GPU (nothing to set on the CPU); an error where a GPU
-/// has no CUDA runtime to call.
-pub fn set_cuda_prefers_shared(on: bool) -> Result<()> {
-    use std::sync::atomic::Ordering;
-    if PREFERS_SHARED.load(Ordering::Relaxed) == on {
-        return Ok(());
-    }
-    if !default_is(DeviceType::Gpu) {
-        PREFERS_SHARED.store(on, Ordering::Relaxed);
-        return Ok(());
-    }
-    let (name, library) = cuda_runtime()?;
-    // cudaFuncCachePreferShared, cudaFuncCachePreferNone.
-    let config = if on { 1 } else { 0 };
-    // SAFETY: cudaDeviceSetCacheConfig(enum cudaFuncCache) takes one int and returns a
-    // cudaError_t.
-    let code = unsafe {
-        let set = library
-            .get::<unsafe extern "C" fn(i32) -> i32>(b"cudaDeviceSetCacheConfig\0")
-            .map_err(|e| anyhow::anyhow!("{name} has no cudaDeviceSetCacheConfig: {e}"))?;
-        set(config)
-    };
-    if code != 0 {
-        bail!("cudaDeviceSetCacheConfig({config}) returned CUDA error {code}");
-    }
-    PREFERS_SHARED.store(on, Ordering::Relaxed);
-    Ok(())
-}
-
-/// The current [`set_cuda_prefers_shared`] setting.
-pub fn cuda_prefers_shared() -> bool {
-    PREFERS_SHARED.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Streaming multiprocessors of CUDA device 0, asked once of the CUDA runtime; `None` where
 /// there is none (a CPU libmlx, macOS). Kernels whose blocks must all be resident at once
 /// (grid-wide barriers) size their grid from it.

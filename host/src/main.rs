@@ -207,9 +207,7 @@ struct ModelArgs {
     /// `buffer-sized-attention-shares` (decode attention splits a head's slots into a power of
     /// two of shares sized by the buffer, as first written; by default shares of a fixed size
     /// at fixed slots, so that a verify window's queries sum as decode steps do even when the
-    /// window made the cache grow; moves roundings), `device-prefers-shared` (CUDA device 0
-    /// prefers the largest shared-memory split for every kernel, so that the split does not
-    /// change between a layer's kernels).
+    /// window made the cache grow; moves roundings).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
     /// A forward whose result the host reads at once (a verify window) goes
@@ -251,7 +249,6 @@ enum KernelVariantArg {
     WeightsAsStandIns,
     PerLayerRowsLate,
     BufferSizedAttentionShares,
-    DevicePrefersShared,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -328,7 +325,6 @@ impl ModelArgs {
             per_layer_rows_early: !variants.contains(&KernelVariantArg::PerLayerRowsLate),
             aligned_attention_shares: !variants
                 .contains(&KernelVariantArg::BufferSizedAttentionShares),
-            device_prefers_shared: variants.contains(&KernelVariantArg::DevicePrefersShared),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep

@@ -241,8 +241,6 @@ pub struct Tuning {
     pub per_layer_rows_early: bool,
     /// [`decode_attention::set_aligned_shares`] (moves roundings).
     pub aligned_attention_shares: bool,
-    /// [`crate::device::set_cuda_prefers_shared`].
-    pub device_prefers_shared: bool,
 }
 
 impl Tuning {
@@ -265,7 +263,6 @@ impl Tuning {
             unread_stand_ins: post_attention::unread_stand_ins(),
             per_layer_rows_early: post_attention::per_layer_rows_early(),
             aligned_attention_shares: decode_attention::aligned_shares(),
-            device_prefers_shared: crate::device::cuda_prefers_shared(),
         }
     }
 
@@ -288,7 +285,6 @@ impl Tuning {
             step_ints_from_heads: false,
             unread_stand_ins: false,
             per_layer_rows_early: false,
-            device_prefers_shared: false,
             ..self
         }
     }
@@ -311,8 +307,7 @@ impl Tuning {
         post_attention::set_per_layer_rows_early(self.per_layer_rows_early);
         decode_attention::set_aligned_shares(self.aligned_attention_shares);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
-        products::set_dense_loads(self.dense_loads)?;
-        crate::device::set_cuda_prefers_shared(self.device_prefers_shared)
+        products::set_dense_loads(self.dense_loads)
     }
 }
 
