@@ -13,7 +13,10 @@
 //! [`ensure_compiled`] builds the source MLX is about to compile, names its module as MLX will,
 //! and if the cache lacks it, compiles it with the NVRTC that libmlx loaded and MLX's options,
 //! and writes both files. MLX then loads the image instead of compiling, now and in every later
-//! process. What differs from MLX's own compile is only MLX's device header, which libmlx keeps
+//! process. The compiles run on threads of their own, one a core, while the host goes on
+//! building the forward's graph, and the model waits for them ([`wait_for_compiles`]) before
+//! handing the graph to MLX: a first forward's kernels compile side by side, where MLX would
+//! compile them one after another. What differs from MLX's own compile is only MLX's device header, which libmlx keeps
 //! to itself: NVRTC gets [`STAND_IN_HEADER`] under its name, holding what our kernels use of it.
 //! `bench/gpu/run.sh kernel-cache` checks on a GPU that the result matches MLX's compile logit
 //! for logit.
@@ -21,10 +24,11 @@
 //! Nothing here can fail a run: any error (no NVRTC, a compile error, an unwritable cache) is
 //! logged once and MLX compiles as it always did. `MLX_SPEC_KERNEL_CACHE=off` turns it off.
 
+use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -61,33 +65,162 @@ pub fn enabled() -> bool {
 
 /// Makes sure MLX's disk cache holds the compiled module of the custom kernel `kernel_name`
 /// (as MLX names it: `custom_kernel_…` with the template arguments) whose full source is
-/// `source` (exactly as MLX builds it). Compiles and writes it if not; never fails.
+/// `source` (exactly as MLX builds it). Where it does not, the module is compiled and written
+/// by a thread of its own, so that the many kernels of a first forward compile side by side:
+/// [`wait_for_compiles`] waits for them before the forward is evaluated. Never fails.
 pub fn ensure_compiled(kernel_name: &str, source: &str) {
     if !enabled() {
         return;
     }
-    if let Err(err) = try_ensure_compiled(kernel_name, source) {
-        if !GAVE_UP.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                "mlx-spec's kernel cache is off for this process, so MLX compiles each fused kernel in every process: {err:#}"
-            );
+    let (module, image_path) = match module_and_image_path(kernel_name, source) {
+        Ok(found) => found,
+        Err(err) => return give_up(&err),
+    };
+    if image_path.is_file() || !first_request(&image_path) {
+        return;
+    }
+    let (name, source) = (kernel_name.to_owned(), source.to_owned());
+    COMPILES.started();
+    let job = move || {
+        COMPILES.take_a_slot();
+        if let Err(err) = compile_and_write(&name, &module, &source, &image_path) {
+            give_up(&err);
+        }
+        COMPILES.finished();
+    };
+    if let Err(err) = std::thread::Builder::new()
+        .name("kernel-compile".into())
+        .spawn(job)
+    {
+        // No thread to be had: nothing compiles here, MLX compiles this kernel itself.
+        COMPILES.finished_without_a_slot();
+        give_up(&anyhow!("no thread for compiling: {err}"));
+    }
+}
+
+/// Waits until every compile [`ensure_compiled`] started has written its module (or
+/// failed). The model calls it before evaluating a forward, so MLX finds the modules instead
+/// of compiling them again.
+pub fn wait_for_compiles() {
+    COMPILES.wait_for_none();
+}
+
+fn give_up(err: &anyhow::Error) {
+    if !GAVE_UP.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "mlx-spec's kernel cache is off for this process, so MLX compiles each fused kernel in every process: {err:#}"
+        );
+    }
+}
+
+/// Whether `image_path` is asked for the first time in this process (two kernel objects on
+/// two threads may meet the same module).
+fn first_request(image_path: &Path) -> bool {
+    static REQUESTED: OnceLock<Mutex<HashSet<PathBuf>>> = OnceLock::new();
+    REQUESTED
+        .get_or_init(Mutex::default)
+        .lock()
+        .map(|mut set| set.insert(image_path.to_path_buf()))
+        .unwrap_or(false)
+}
+
+/// Compiles running and waiting, with at most one running per core (NVRTC is single-threaded
+/// per program and compiles are independent).
+struct Compiles {
+    state: Mutex<CompileCounts>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct CompileCounts {
+    /// Started and not yet finished, running or waiting for a slot.
+    unfinished: usize,
+    running: usize,
+}
+
+static COMPILES: Compiles = Compiles::new();
+
+impl Compiles {
+    const fn new() -> Compiles {
+        Compiles {
+            state: Mutex::new(CompileCounts {
+                unfinished: 0,
+                running: 0,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn counts(&self) -> MutexGuard<'_, CompileCounts> {
+        // A compile that panicked leaves the counts as they were, which stay usable.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn started(&self) {
+        self.counts().unfinished += 1;
+    }
+
+    /// Waits for a slot among as many as the machine has cores.
+    fn take_a_slot(&self) {
+        self.take_one_of(std::thread::available_parallelism().map_or(4, |n| n.get()));
+    }
+
+    fn take_one_of(&self, limit: usize) {
+        let mut counts = self.counts();
+        while counts.running >= limit {
+            counts = self
+                .changed
+                .wait(counts)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        counts.running += 1;
+    }
+
+    fn finished(&self) {
+        let mut counts = self.counts();
+        counts.running -= 1;
+        counts.unfinished -= 1;
+        self.changed.notify_all();
+    }
+
+    fn finished_without_a_slot(&self) {
+        self.counts().unfinished -= 1;
+        self.changed.notify_all();
+    }
+
+    fn wait_for_none(&self) {
+        let mut counts = self.counts();
+        while counts.unfinished > 0 {
+            counts = self
+                .changed
+                .wait(counts)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
     }
 }
 
-fn try_ensure_compiled(kernel_name: &str, source: &str) -> Result<()> {
+/// The module MLX will look for for `kernel_name` with this source, and where.
+fn module_and_image_path(kernel_name: &str, source: &str) -> Result<(String, PathBuf)> {
     let dir = cache_dir().ok_or_else(|| anyhow!("no folder for MLX's kernel cache"))?;
     let module = module_name(kernel_name, source)?;
-    let image_path = image_path(&dir, &module);
-    if image_path.is_file() {
-        return Ok(());
-    }
+    let path = image_path(&dir, &module);
+    Ok((module, path))
+}
+
+fn compile_and_write(
+    kernel_name: &str,
+    module: &str,
+    source: &str,
+    image_path: &Path,
+) -> Result<()> {
     let started = Instant::now();
     let symbol = format!("mlx::core::cu::{kernel_name}");
     let compiled = nvrtc()?
-        .compile(&module, source, &symbol)
+        .compile(module, source, &symbol)
         .with_context(|| format!("compiling {kernel_name}"))?;
-    write_module(&image_path, &symbol, &compiled)
+    write_module(image_path, &symbol, &compiled)
         .with_context(|| format!("writing {}", image_path.display()))?;
     tracing::debug!(
         "kernel cache: compiled {kernel_name} in {:.2} s ({} bytes)",
@@ -464,6 +597,53 @@ mod tests {
             cxx_string_hash(&[b'x'; 1000]).unwrap(),
             0x787c_8884_15fe_47ce
         );
+    }
+
+    #[test]
+    fn compiles_run_at_most_a_slot_each_and_waiting_ends_when_all_are_done() {
+        use std::sync::atomic::AtomicUsize;
+        use std::sync::Arc;
+        let compiles = Arc::new(Compiles::new());
+        let (now, most, done) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let threads: Vec<_> = (0..6)
+            .map(|_| {
+                compiles.started();
+                let (compiles, now, most, done) =
+                    (compiles.clone(), now.clone(), most.clone(), done.clone());
+                std::thread::spawn(move || {
+                    compiles.take_one_of(2);
+                    let running = now.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(running, Ordering::SeqCst);
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    now.fetch_sub(1, Ordering::SeqCst);
+                    done.fetch_add(1, Ordering::SeqCst);
+                    compiles.finished();
+                })
+            })
+            .collect();
+        compiles.wait_for_none();
+        assert_eq!(done.load(Ordering::SeqCst), 6);
+        assert!(most.load(Ordering::SeqCst) <= 2);
+        assert!(most.load(Ordering::SeqCst) >= 1);
+        for t in threads {
+            t.join().unwrap();
+        }
+        // Nothing started: no wait.
+        Compiles::new().wait_for_none();
+    }
+
+    #[test]
+    fn a_module_is_requested_once_a_process() {
+        let path = Path::new("/nowhere/custom_kernel_requested_once_1.ptx");
+        assert!(first_request(path));
+        assert!(!first_request(path));
+        assert!(first_request(Path::new(
+            "/nowhere/custom_kernel_requested_once_2.ptx"
+        )));
     }
 
     #[test]

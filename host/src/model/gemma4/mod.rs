@@ -302,6 +302,22 @@ impl Gemma4Model {
         capture_hidden: bool,
         group: usize,
     ) -> Result<ForwardOutput> {
+        let out = self.build_forward(ids, cache, logits_for, capture_hidden, group)?;
+        // Kernels met for the first time on this machine compile beside the graph building;
+        // MLX must find them compiled when the caller evaluates the result.
+        crate::kernels::kernel_cache::wait_for_compiles();
+        Ok(out)
+    }
+
+    /// The graph of [`Gemma4Model::forward_grouped`].
+    fn build_forward(
+        &self,
+        ids: &Array,
+        cache: &mut ModelCache,
+        logits_for: LogitsFor,
+        capture_hidden: bool,
+        group: usize,
+    ) -> Result<ForwardOutput> {
         if ids.ndim() != 2 || ids.shape()[0] != 1 || ids.shape()[1] == 0 {
             bail!(
                 "token ids must have shape [1, T] with T >= 1, got {:?}",
@@ -368,6 +384,7 @@ impl Gemma4Model {
                 hidden.push(x.clone());
             }
             if handoff::hands_off_after(i, self.layers.len(), group) {
+                crate::kernels::kernel_cache::wait_for_compiles();
                 mlx_rs::transforms::async_eval([&x])?;
             }
         }
