@@ -55,7 +55,6 @@ use std::cell::RefCell;
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, CString};
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Result};
@@ -810,22 +809,31 @@ impl CudaKernel {
         if !kernel_cache::enabled() {
             return;
         }
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        // A cheap key of the call's signature (this runs at every call): each value mixed in
+        // by a multiply and a rotation. A template argument's name is keyed by its address, as
+        // each call site passes the same literal. Two signatures of one key would only leave
+        // the second's compiling to MLX.
+        let mut key = 0u64;
+        let mut mix = |value: u64| {
+            key = (key ^ value)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                .rotate_left(23)
+        };
         for a in inputs {
-            (a.dtype() as u32, a.ndim() > 0).hash(&mut hasher);
+            mix((u64::from(a.dtype() as u32) << 1) | u64::from(a.ndim() > 0));
         }
         for (_, d) in outputs {
-            (*d as u32).hash(&mut hasher);
+            mix(u64::from(*d as u32));
         }
         for (arg, value) in template {
-            arg.hash(&mut hasher);
-            match value {
-                TemplateArg::Dtype(d) => (0u8, *d as u32 as i64).hash(&mut hasher),
-                TemplateArg::Int(v) => (1u8, i64::from(*v)).hash(&mut hasher),
-                TemplateArg::Bool(v) => (2u8, i64::from(*v)).hash(&mut hasher),
-            }
+            mix(arg.as_ptr() as u64);
+            mix(match value {
+                TemplateArg::Dtype(d) => u64::from(*d as u32),
+                TemplateArg::Int(v) => (1 << 32) | u64::from(*v as u32),
+                TemplateArg::Bool(v) => (2 << 32) | u64::from(*v),
+            });
         }
-        if !self.cached.borrow_mut().insert(hasher.finish()) {
+        if !self.cached.borrow_mut().insert(key) {
             return;
         }
         let t = &self.text;
