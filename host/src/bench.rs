@@ -936,6 +936,51 @@ struct FusedSetResult {
     logit_gap: f32,
 }
 
+/// The first configuration among `sets` (kernels and tuning) that must decode exactly the
+/// tokens of `sets[i]` (possibly itself), if any:
+/// * the one post-attention kernel over dense weights and the per-layer-input kernel regroup
+///   the arithmetic of their plain twin (the same kernels without them, the same attention
+///   shares);
+/// * the rows a warp takes, the loads a lane keeps in flight, which block finishes the
+///   attention heads, early requests for weight lines and where the step's integers live
+///   change no value: sets that differ only in them.
+///
+/// Other share sizes (buffer-sized shares among them), and decode attention's narrow rounds,
+/// add softmax terms in another order, and integer dots round the input's small values
+/// otherwise, which may move a rounding; the 4-bit kernels sum otherwise than MLX's quantized
+/// products, and the output head otherwise than MLX's product.
+fn twin_of(
+    sets: &[(mlx_spec::kernels::Fused, mlx_spec::kernels::Tuning)],
+    i: usize,
+    four_bit: bool,
+) -> Option<usize> {
+    let (kernels, tuning) = sets[i];
+    let plain = mlx_spec::kernels::Fused {
+        post_attention: false,
+        per_layer_input: false,
+        ..kernels
+    };
+    let mlx_sums = !(kernels.affine4
+        || kernels.affine4_heads
+        || kernels.affine4_products
+        || kernels.output_head);
+    // Over dense weights the post-attention kernel sums as the product kernels do, with or
+    // without the output head (which both sets then share).
+    let regrouped = !four_bit && kernels.post_attention;
+    sets.iter().position(|(t_kernels, t)| {
+        t.attention_share == tuning.attention_share
+            && t.attention_wide_rounds == tuning.attention_wide_rounds
+            && t.aligned_attention_shares == tuning.aligned_attention_shares
+            && (((mlx_sums || regrouped) && *t_kernels == plain)
+                || (kernels.per_layer_input
+                    && *t_kernels == plain
+                    && t.affine4_rows_per_warp == tuning.affine4_rows_per_warp)
+                || (*t_kernels == kernels
+                    && *t != tuning
+                    && t.value_settings() == tuning.value_settings()))
+    })
+}
+
 /// Pipelined greedy decode with each set of fused kernels, the sets alternating round by
 /// round so that drifts of the machine's speed hit them alike.
 fn compare_fused(
@@ -1296,42 +1341,10 @@ fn compare_fused(
     args.model.allow_fused_kernels();
     default.apply()?;
     result?;
-    // Twins must decode the same tokens:
-    // * the one post-attention kernel over dense weights and the per-layer-input kernel
-    //   regroup the arithmetic of their plain twin (the same kernels without them, the same
-    //   attention shares);
-    // * the rows a warp takes, the loads a lane keeps in flight, which block finishes the
-    //   attention heads, early requests for weight lines and where the step's integers live
-    //   change no value: sets that differ only in them.
-    // Other share sizes (buffer-sized shares among them), and decode attention's narrow
-    // rounds, add softmax terms in another order, and integer dots round the input's small values otherwise, which may move a
-    // rounding; the 4-bit kernels sum otherwise than MLX's quantized products, and the output
-    // head otherwise than MLX's product.
+    // Twins must decode the same tokens (`twin_of` says which).
+    let configurations: Vec<(Fused, Tuning)> = sets.iter().map(|s| (s.kernels, s.tuning)).collect();
     for (i, s) in sets.iter().enumerate() {
-        let plain = Fused {
-            post_attention: false,
-            per_layer_input: false,
-            ..s.kernels
-        };
-        let mlx_sums = !(s.kernels.affine4
-            || s.kernels.affine4_heads
-            || s.kernels.affine4_products
-            || s.kernels.output_head);
-        // Over dense weights the post-attention kernel sums as the product kernels do, with
-        // or without the output head (which both sets then share).
-        let regrouped = !four_bit && s.kernels.post_attention;
-        let Some(twin) = sets.iter().position(|t| {
-            t.tuning.attention_share == s.tuning.attention_share
-                && t.tuning.attention_wide_rounds == s.tuning.attention_wide_rounds
-                && t.tuning.aligned_attention_shares == s.tuning.aligned_attention_shares
-                && (((mlx_sums || regrouped) && t.kernels == plain)
-                    || (s.kernels.per_layer_input
-                        && t.kernels == plain
-                        && t.tuning.affine4_rows_per_warp == s.tuning.affine4_rows_per_warp)
-                    || (t.kernels == s.kernels
-                        && t.tuning != s.tuning
-                        && t.tuning.value_settings() == s.tuning.value_settings()))
-        }) else {
+        let Some(twin) = twin_of(&configurations, i, four_bit) else {
             continue;
         };
         if i != twin && tokens[i] != tokens[twin] {
@@ -2047,10 +2060,58 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{explain_mismatch, logits_digest, only_named};
+    use super::{explain_mismatch, logits_digest, only_named, twin_of};
     use mlx_spec::generate::{generate, GenerateRequest};
     use mlx_spec::model::gemma4::{Gemma4Config, Gemma4Model};
     use mlx_spec::sampler::SamplingParams;
+
+    #[test]
+    fn twins_are_the_sets_that_must_decode_alike() {
+        use mlx_spec::kernels::{Fused, Tuning};
+        let default = Tuning::current();
+        let products = Fused {
+            attention: true,
+            products: true,
+            output_head: true,
+            ..Fused::default()
+        };
+        let post = Fused {
+            post_attention: true,
+            ..products
+        };
+        let buffer_sized = Tuning {
+            aligned_attention_shares: !default.aligned_attention_shares,
+            ..default
+        };
+        let row_pairs_off = Tuning {
+            row_pairs: !default.row_pairs,
+            ..default
+        };
+        let narrow = Tuning {
+            attention_wide_rounds: !default.attention_wide_rounds,
+            ..default
+        };
+        let sets = vec![
+            (products, default),
+            (post, default),
+            (post, buffer_sized),
+            (post, row_pairs_off),
+            (post, narrow),
+        ];
+        // Over dense weights the post-attention kernel regroups the products' sums.
+        assert_eq!(twin_of(&sets, 1, false), Some(0));
+        // Buffer-sized shares move roundings: held to no one (an H200 lease found them held
+        // to the aligned shares' tokens).
+        assert_eq!(twin_of(&sets, 2, false), None);
+        // Row pairs change no value.
+        assert_eq!(twin_of(&sets, 3, false), Some(0));
+        // Narrow rounds add softmax terms in another order.
+        assert_eq!(twin_of(&sets, 4, false), None);
+        // Over 4-bit weights the post-attention kernel sums otherwise than the products, but
+        // row pairs still change nothing.
+        assert_eq!(twin_of(&sets, 1, true), Some(3));
+        assert_eq!(twin_of(&sets, 0, true), None);
+    }
 
     #[test]
     fn the_logits_digest_tells_any_changed_bit() {
