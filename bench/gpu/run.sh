@@ -55,6 +55,9 @@
 #              PROFILE_ARGS: more mlx-spec options, e.g. --kernel-variants integer-dots;
 #              PROFILE_NCU_ARGS: more ncu options, e.g. --cache-control none to keep caches warm)
 #   profile-q4 the same for E4B with 4-bit weights (PROFILE_Q4_SETS)
+#   waits      what the warps of the 12B's attention-heads, decode-attention and post-attention
+#              kernels wait on, reason by reason (Nsight Compute's warp-state metrics,
+#              stalls.py): STALLS_MODEL, STALLS_KERNELS, STALLS_SKIP, STALLS_COUNT
 #   verify-profile  forwards over k = VERIFY_KS tokens (default 1 2 4), the host's graph
 #              building split off, default kernels and none; then a k=1 and a k=4 window
 #              (VERIFY_PROFILE_KS) kernel by kernel in Nsight Compute: why k > 1 costs more
@@ -395,6 +398,24 @@ if want profile; then
             | tee -a "$RES/profile.md" || tail -n 3 "$RES/profile-${fused//,/_}.err"
     done
     row "device time of one ${PROFILE_MODEL:-gemma-4-e4b} decode step (Nsight Compute) | printed above, kept in profile.md"
+fi
+
+if want waits; then
+    # What the warps of our decode kernels wait on (Nsight Compute's warp-state metrics): one
+    # layer pattern's attention-heads, decode-attention and post-attention kernels of the second
+    # decode step, STALLS_MODEL (default the 12B), dense weights. STALLS_KERNELS: a regular
+    # expression of the kernels to profile; STALLS_SKIP and STALLS_COUNT: the launches skipped
+    # (one step's) and profiled (one period of the layer pattern's).
+    NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+    MLX_SPEC_PROFILE_DECODE=1 timeout 300 "$NCU" --csv --profile-from-start off --clock-control none \
+        --cache-control none --kernel-name "regex:${STALLS_KERNELS:-post_attention|decode_attention|attention_heads}" \
+        --launch-skip "${STALLS_SKIP:-144}" --launch-count "${STALLS_COUNT:-18}" \
+        --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$,gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed" \
+        "$BIN" generate --device gpu --random-weights --model "$ROOT/configs/${STALLS_MODEL:-gemma-4-12b}.json" --dtype bf16 \
+        --prompt-ids "$(seq -s, 2 513)" --max-tokens 4 --ignore-eos --json >"$RES/stalls.csv" 2>"$RES/stalls.err"
+    python3 "$ROOT/bench/gpu/stalls.py" "$RES/stalls.csv" "${STALLS_MODEL:-gemma-4-12b} bf16 decode kernels" \
+        | tee -a "$RES/stalls.md" || tail -n 5 "$RES/stalls.err"
+    row "warp stalls of ${STALLS_MODEL:-gemma-4-12b}'s decode kernels (Nsight Compute) | printed above, kept in stalls.md"
 fi
 
 if want verify-profile; then
