@@ -185,25 +185,36 @@ pub fn generate(
         None
     };
 
-    while let Some(next) = pending.take() {
-        if tokens.len() + 1 < req.max_tokens {
-            let index = tokens.len() as u64 + 1;
-            pending = Some(queue_step(model, &mut cache, &next, &req.sampling, index)?);
+    let decoding = (|| -> Result<()> {
+        while let Some(next) = pending.take() {
+            if tokens.len() + 1 < req.max_tokens {
+                let index = tokens.len() as u64 + 1;
+                pending = Some(queue_step(model, &mut cache, &next, &req.sampling, index)?);
+            }
+            let token = read_token(&next)?;
+            if tokens.is_empty() {
+                prefill_seconds = start.elapsed().as_secs_f64();
+                decode_start = Instant::now();
+            }
+            if !req.ignore_eos && req.stop_ids.contains(&token) {
+                stop_token = Some(token);
+                break;
+            }
+            tokens.push(token);
+            on_token(token)?;
+            if tokens.len() == req.max_tokens {
+                break;
+            }
         }
-        let token = read_token(&next)?;
-        if tokens.is_empty() {
-            prefill_seconds = start.elapsed().as_secs_f64();
-            decode_start = Instant::now();
-        }
-        if !req.ignore_eos && req.stop_ids.contains(&token) {
-            stop_token = Some(token);
-            break;
-        }
-        tokens.push(token);
-        on_token(token)?;
-        if tokens.len() == req.max_tokens {
-            break;
-        }
+        Ok(())
+    })();
+    // A stop token (or an error) leaves the step after it queued on the device. Waiting for
+    // it (at most one step) leaves no work in flight behind the call, so a process that exits
+    // right after does not tear MLX down under a running step.
+    let drained = pending.take().map(|queued| queued.eval());
+    decoding?;
+    if let Some(result) = drained {
+        result?;
     }
 
     let decode_seconds = if tokens.len() > 1 || stop_token.is_some() {
