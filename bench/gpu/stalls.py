@@ -18,6 +18,8 @@ import re
 import sys
 from collections import defaultdict
 
+from profile_step import TIME, number
+
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(.*)_per_issue_active\.ratio$")
 SUMMARY = {
     "gpu__time_duration.sum": "duration (µs)",
@@ -25,12 +27,6 @@ SUMMARY = {
     "sm__warps_active.avg.pct_of_peak_sustained_active": "warps resident (% of peak)",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM throughput (% of peak)",
 }
-TIME = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-
-
-def number(text):
-    return float(text.replace(",", ""))
-
 
 def kind(name):
     """A kernel's name without its signature: one instantiation (template arguments, which

@@ -168,14 +168,14 @@ impl Compiles {
     }
 
     fn take_one_of(&self, limit: usize) {
-        let mut counts = self.counts();
-        while counts.running >= limit {
-            counts = self
-                .changed
-                .wait(counts)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-        }
-        counts.running += 1;
+        self.counts_once(|c| c.running < limit).running += 1;
+    }
+
+    /// The counts, once `ready` holds of them.
+    fn counts_once(&self, ready: impl Fn(&CompileCounts) -> bool) -> MutexGuard<'_, CompileCounts> {
+        self.changed
+            .wait_while(self.counts(), |c| !ready(c))
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn finished(&self) {
@@ -191,13 +191,7 @@ impl Compiles {
     }
 
     fn wait_for_none(&self) {
-        let mut counts = self.counts();
-        while counts.unfinished > 0 {
-            counts = self
-                .changed
-                .wait(counts)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-        }
+        drop(self.counts_once(|c| c.unfinished == 0));
     }
 }
 
@@ -481,15 +475,18 @@ impl Nvrtc {
             bail!("NVRTC gave no symbol for {}", symbol.to_string_lossy());
         }
         let mangled = CStr::from_ptr(mangled).to_string_lossy().into_owned();
-        let (size_of, get) = if self.makes_cubin {
-            (self.cubin_size, self.cubin)
+        let (size_of, get, what) = if self.makes_cubin {
+            (self.cubin_size, self.cubin, "CUBIN")
         } else {
-            (self.ptx_size, self.ptx)
+            (self.ptx_size, self.ptx, "PTX")
         };
         let mut size = 0usize;
-        check(size_of(program, &mut size), "nvrtcGetCUBINSize")?;
+        check(size_of(program, &mut size), &format!("nvrtcGet{what}Size"))?;
         let mut image = vec![0u8; size];
-        check(get(program, image.as_mut_ptr().cast()), "nvrtcGetCUBIN")?;
+        check(
+            get(program, image.as_mut_ptr().cast()),
+            &format!("nvrtcGet{what}"),
+        )?;
         if !self.makes_cubin {
             // PTX comes with its terminating NUL, which MLX's file does not hold.
             while image.last() == Some(&0) {
