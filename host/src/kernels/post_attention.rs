@@ -1136,7 +1136,11 @@ pub fn serves_attending(
     let staged = h.max(z).max(n).max(p);
     let attention_floats =
         attention.share_slots() + WARPS_PER_BLOCK * attention.head_dim() as usize;
-    serves(h, z, n, p, dtype) && attention_floats * 4 <= staged * e
+    // NVRTC gives the kernel over a per-layer input and heads of 512 (E4B's full layers)
+    // 132-134 registers a thread (`bench/gpu/compile_check.sh`): one block a multiprocessor,
+    // too few for the grid-wide barriers. Those layers keep the attention kernel.
+    let resident = !(p > 0 && attention.head_dim() > 256);
+    resident && serves(h, z, n, p, dtype) && attention_floats * 4 <= staged * e
 }
 
 /// Pieces of 16 bytes a lane copies of each of its two output rows while the grid attends
