@@ -1196,7 +1196,17 @@ fn launch(
     let timed = STAGE_TIMES.load(Ordering::Relaxed);
     let (row, hidden, width, per_layer_width) = ([1, h], [h], [n], [p.max(1)]);
     let clock = [8 + blocks];
-    let mut inputs = vec![
+    // Fixed arrays, the first `count` entries of each used: this runs for every layer of every
+    // decode step, so no allocation a call. An attending call adds decode attention's inputs,
+    // outputs and template arguments; a timed call its clock, last.
+    let attended = match attention_output {
+        AttentionOutput::Attended(a) => Some(a),
+        AttentionOutput::Given(_) => None,
+    };
+    let attention_inputs = attended.map_or([x; 5], |a| {
+        [&a.q, &a.keys, &a.values, &a.visible, &a.counters]
+    });
+    let all_inputs = [
         x,
         z,
         wo,
@@ -1225,16 +1235,50 @@ fn launch(
         pg_b,
         pp_s,
         pp_b,
+        attention_inputs[0],
+        attention_inputs[1],
+        attention_inputs[2],
+        attention_inputs[3],
+        attention_inputs[4],
     ];
-    let mut outputs: Vec<(&[i32], Dtype)> = vec![
-        (&row[..], dtype),
+    let inputs = &all_inputs[..INPUTS.len() + if attended.is_some() { 5 } else { 0 }];
+    let partial_shape =
+        attended.map_or([1, 1], |a| [a.heads() * a.splits as i32, a.head_dim() + 2]);
+    let zout_shape = [1, zw];
+    let mut outputs = [(&row[..], dtype); 9];
+    outputs[1..6].copy_from_slice(&[
         (&hidden[..], Dtype::Float32),
         (&width[..], dtype),
         (&hidden[..], Dtype::Float32),
         (&per_layer_width[..], dtype),
         (&hidden[..], Dtype::Float32),
-    ];
-    let mut template = vec![
+    ]);
+    let mut output_count = 6;
+    if attended.is_some() {
+        outputs[6] = (&partial_shape[..], Dtype::Float32);
+        outputs[7] = (&zout_shape[..], dtype);
+        output_count = 8;
+    }
+    if timed {
+        outputs[output_count] = (&clock[..], Dtype::Uint64);
+        output_count += 1;
+    }
+    let outputs = &outputs[..output_count];
+    // Two rows a warp, 32 lanes, 16 bytes a piece.
+    let prefetch = match attended {
+        Some(_) if output_rows_prefetched() && bits == 0 && row_pairs() => {
+            let lane_pieces = (zw as usize * element_bytes(dtype).unwrap_or(4)).div_ceil(16 * 32);
+            PREFETCH_PIECES.min(lane_pieces as i32)
+        }
+        _ => 0,
+    };
+    let prefetch_bytes = prefetch as usize * 2 * 32 * 16 * WARPS_PER_BLOCK;
+    let [ad, group_of_heads, splits, slots, wide, fixed_chunk] = match attended {
+        Some(a) => a.template_args(),
+        // Unused: the kernel that takes them is not called.
+        None => std::array::from_fn(|_| (c"AD", TemplateArg::Int(0))),
+    };
+    let template = [
         (c"T", TemplateArg::Dtype(dtype)),
         (c"H", TemplateArg::Int(h)),
         (c"Z", TemplateArg::Int(zw)),
@@ -1245,37 +1289,22 @@ fn launch(
         (c"IN_PLACE", TemplateArg::Bool(affine4_in_place())),
         (c"PAIRS", TemplateArg::Bool(row_pairs())),
         (c"EARLY", TemplateArg::Bool(per_layer_rows_early())),
+        ad,
+        group_of_heads,
+        splits,
+        slots,
+        wide,
+        fixed_chunk,
+        (c"PREFETCH", TemplateArg::Int(prefetch)),
     ];
-    let partial_shape;
-    let zout_shape = [1, zw];
-    let mut prefetch_bytes = 0;
-    if let AttentionOutput::Attended(a) = attention_output {
-        inputs.extend([&a.q, &a.keys, &a.values, &a.visible, &a.counters]);
-        partial_shape = [a.heads() * a.splits as i32, a.head_dim() + 2];
-        outputs.push((&partial_shape[..], Dtype::Float32));
-        outputs.push((&zout_shape[..], dtype));
-        template.extend(a.template_args());
-        let prefetch = if output_rows_prefetched() && bits == 0 && row_pairs() {
-            let lane_pieces = (zw as usize * element_bytes(dtype).unwrap_or(4)).div_ceil(16 * 32);
-            PREFETCH_PIECES.min(lane_pieces as i32)
-        } else {
-            0
-        };
-        template.push((c"PREFETCH", TemplateArg::Int(prefetch)));
-        // Two rows a warp, 32 lanes, 16 bytes a piece.
-        prefetch_bytes = prefetch as usize * 2 * 32 * 16 * WARPS_PER_BLOCK;
-    }
-    // The timed kernel's extra output last (no allocation a call).
-    if timed {
-        outputs.push((&clock[..], Dtype::Uint64));
-    }
+    let template = &template[..if attended.is_some() { 17 } else { 10 }];
     let run = |kernel: &super::CudaKernel| {
         kernel.apply(
-            &inputs,
-            &outputs,
+            inputs,
+            outputs,
             (blocks * THREADS, 1, 1),
             (THREADS, 1, 1),
-            &template,
+            template,
         )
     };
     let mut out = match (attention_output, timed) {
