@@ -42,7 +42,8 @@
 #              (default: the default set, then the attention-heads and product kernels over 4-bit rows)
 #   host       where a pipelined E4B decode step's time goes, with and without our fused kernels
 #              (HOST_SETS: the --fused-kernels sets), also with one CUDA graph per step
-#   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16
+#   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16 (LARGE_MODELS: "31b", "26b-a4b"
+#              or both, the default)
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
 #   opcost     host time per operation: MLX's add, RMSNorm and product vs our fused kernels
@@ -656,8 +657,13 @@ if want host; then
 fi
 
 if want large; then
-    bench "mlx-spec 31B bf16" --model "$ROOT/configs/gemma-4-31b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 32 --repeats 1
-    bench "mlx-spec 26B-A4B bf16 (MoE)" --model "$ROOT/configs/gemma-4-26b-a4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 32 --repeats 1
+    # LARGE_MODELS: which of the two (default both; "31b" alone fits a call with room).
+    if [[ " ${LARGE_MODELS:-31b 26b-a4b} " == *" 31b "* ]]; then
+        bench "mlx-spec 31B bf16" --model "$ROOT/configs/gemma-4-31b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+    fi
+    if [[ " ${LARGE_MODELS:-31b 26b-a4b} " == *" 26b-a4b "* ]]; then
+        bench "mlx-spec 26B-A4B bf16 (MoE)" --model "$ROOT/configs/gemma-4-26b-a4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 32 --repeats 1
+    fi
 fi
 
 if want spec; then

@@ -1597,7 +1597,9 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
 /// `bench --stage-times`: the post-attention kernel's stages, timed on the device during
 /// pipelined decode, by kind of layer (attention width, per-layer input or not).
 fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
-    use mlx_spec::kernels::post_attention::{set_stage_times, take_stage_times, STAGES};
+    use mlx_spec::kernels::post_attention::{
+        set_stage_times, take_stage_times, BLOCK_EVENTS, STAGES,
+    };
     if !on_cuda() {
         bail!("--stage-times: the post-attention kernel runs on a CUDA GPU only (--device gpu with the CUDA libmlx)");
     }
@@ -1610,6 +1612,8 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
         ramp_sum: f64,
         /// Of the first stage, the attention's (calls that attended first).
         attention_sum: Option<f64>,
+        /// Each block event's first, median and last block, summed over the calls.
+        event_sums: Vec<[f64; 3]>,
     }
     let mut kinds: Vec<Kind> = Vec::new();
     for round in 0..=args.repeats {
@@ -1629,9 +1633,17 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
             let us = clock.stage_us()?;
             let ramp = clock.start_spread_us()?;
             let attention = clock.attention_us()?;
+            let events: Vec<[f64; 3]> = clock
+                .block_events_us()?
+                .iter()
+                .map(|e| [e.first, e.median, e.last])
+                .collect();
             match kinds.iter_mut().find(|k| k.key == key) {
                 Some(kind) => {
                     kind.calls += 1;
+                    for (sum, event) in kind.event_sums.iter_mut().zip(&events) {
+                        sum.iter_mut().zip(event).for_each(|(s, e)| *s += e);
+                    }
                     kind.stage_sums
                         .iter_mut()
                         .zip(&us)
@@ -1647,6 +1659,7 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
                     stage_sums: us,
                     ramp_sum: ramp,
                     attention_sum: attention,
+                    event_sums: events,
                 }),
             }
         }
@@ -1663,27 +1676,42 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
             let calls = kind.calls as f64;
             let means: Vec<f64> = kind.stage_sums.iter().map(|s| s / calls).collect();
             let attention = kind.attention_sum.map(|s| s / calls);
+            let events: Vec<[f64; 3]> = kind
+                .event_sums
+                .iter()
+                .map(|e| e.map(|us| us / calls))
+                .collect();
             (
                 kind.key,
                 kind.calls,
                 means,
                 kind.ramp_sum / calls,
                 attention,
+                events,
             )
         })
         .collect();
     if args.json {
         let kinds: Vec<_> = rows
             .iter()
-            .map(|((width, ple), calls, means, spread, attention)| {
+            .map(|((width, ple), calls, means, spread, attention, events)| {
                 let stages: serde_json::Map<String, serde_json::Value> = STAGES
                     .iter()
                     .zip(means)
                     .map(|(name, us)| (name.to_string(), json!(us)))
                     .collect();
+                // Events in order (two are named "leave"), each with its spread over blocks.
+                let events: Vec<_> = BLOCK_EVENTS
+                    .iter()
+                    .zip(events)
+                    .map(|(name, [first, median, last])| {
+                        json!({"event": name, "first_us": first, "median_us": median, "last_us": last})
+                    })
+                    .collect();
                 json!({"attention_width": width, "per_layer_input": ple, "calls": calls,
                        "stage_us": stages, "total_us": means.iter().sum::<f64>(),
-                       "block_start_spread_us": spread, "attention_us": attention})
+                       "block_start_spread_us": spread, "attention_us": attention,
+                       "block_events": events})
             })
             .collect();
         println!("{}", json!({ "post_attention_stage_times": kinds }));
@@ -1693,7 +1721,7 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
             STAGES.join(" | ")
         );
         println!("|---|---|{}---|---|---|", "---|".repeat(STAGES.len()));
-        for ((width, ple), calls, means, spread, attention) in &rows {
+        for ((width, ple), calls, means, spread, attention, _) in &rows {
             let cells: Vec<String> = (0..STAGES.len())
                 .map(|i| means.get(i).map_or("-".into(), |us| format!("{us:.1} µs")))
                 .collect();
@@ -1705,6 +1733,28 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
                 attention.map_or("-".into(), |us| format!("{us:.1} µs"))
             );
         }
+        // Where the stages' time goes block by block: how far apart the blocks finish a stage
+        // (its slowest block sets the barrier) and how long leaving a barrier takes.
+        println!();
+        println!("| layer (attention width) | {} |", BLOCK_EVENTS.join(" | "));
+        println!("|---|{}", "---|".repeat(BLOCK_EVENTS.len()));
+        for ((width, ple), _, _, _, _, events) in &rows {
+            let cells: Vec<String> = (0..BLOCK_EVENTS.len())
+                .map(|i| {
+                    events.get(i).map_or("-".into(), |[first, median, last]| {
+                        format!("{first:.1} / {median:.1} / {last:.1}")
+                    })
+                })
+                .collect();
+            println!(
+                "| {width}{} | {} |",
+                if *ple { ", per-layer input" } else { "" },
+                cells.join(" | ")
+            );
+        }
+        println!(
+            "(µs after block 0 started, of the first / median / last block, mean over the calls)"
+        );
     }
     Ok(())
 }

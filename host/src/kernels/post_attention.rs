@@ -64,14 +64,19 @@ pub(crate) const BARRIER_HEADER: &str = r#"
 // opens the next generation, which the others wait for, reading it atomically every 64 ns.
 // With `stamp`, the last block to arrive writes the device clock there (ns): when the stage
 // before the barrier finished across the grid (the stage timing of `bench --stage-times`).
+// With `arrived`, each block writes its own clock there as its warps are all done with the
+// stage, and `gridDim.x` slots further on as it leaves the barrier (`--stage-times`' anatomy
+// of the barrier: how far apart blocks arrive, how long the last one's news takes).
 __device__ inline unsigned long long device_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-__device__ inline void grid_barrier(unsigned int* bar, unsigned long long* stamp = nullptr) {
+__device__ inline void grid_barrier(unsigned int* bar, unsigned long long* stamp = nullptr,
+                                    unsigned long long* arrived = nullptr) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (arrived != nullptr) arrived[0] = device_ns();
     unsigned int* generation = bar + 1;
     const unsigned int mine = atomicAdd(generation, 0u);
     __threadfence();
@@ -89,6 +94,7 @@ __device__ inline void grid_barrier(unsigned int* bar, unsigned long long* stamp
       }
     }
     __threadfence();
+    if (arrived != nullptr) arrived[gridDim.x] = device_ns();
   }
   __syncthreads();
 }
@@ -273,7 +279,8 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
                                        unsigned int* bar, T* g, float* o2, T* out,
                                        bool loaded, const T* early_gate,
                                        const T* early_proj,
-                                       unsigned long long* stamps = nullptr) {
+                                       unsigned long long* stamps = nullptr,
+                                       unsigned long long* arrived = nullptr) {
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * (BLOCK_THREADS / 32);
   const int first = blockIdx.x * (BLOCK_THREADS / 32) + (threadIdx.x >> 5);
@@ -305,7 +312,7 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
     }
   }
   __threadfence();
-  grid_barrier(bar, stamps);
+  grid_barrier(bar, stamps, arrived);
 
   stage_written<T, P>(g, buf);
   chunk_sums<T, P, BITS>(buf, sums);
@@ -325,7 +332,8 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
     product_rows<T, P, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
   }
   __threadfence();
-  grid_barrier(bar, stamps != nullptr ? stamps + 1 : nullptr);
+  grid_barrier(bar, stamps != nullptr ? stamps + 1 : nullptr,
+               arrived != nullptr ? arrived + 2 * gridDim.x : nullptr);
 
   if (blockIdx.x * BLOCK_THREADS >= H) return;
   const float r2 = product_rms<H>(o2, red);
@@ -355,7 +363,8 @@ const SOURCE: &str = r#"
   const float s = static_cast<float>(scale[0]);
   // STAGE_TIMES (`bench --stage-times`): the device clock as block 0 starts, then as each
   // stage finishes across the grid (written by the last block at each barrier); from slot 8
-  // on, as each block starts (how long the grid takes to get going).
+  // on, rows of one slot a block (BLOCK_ROWS of them): as each block starts, as it has its
+  // first input staged, then as it arrives at and leaves each barrier (grid_barrier).
 #if STAGE_TIMES
   unsigned long long* const stamps = reinterpret_cast<unsigned long long*>(stage_ns);
   if (threadIdx.x == 0) {
@@ -364,8 +373,13 @@ const SOURCE: &str = r#"
     if (blockIdx.x == 0) stamps[0] = now;
   }
 #define STAGE_STAMP(i) (stamps + (i))
+#define BLOCK_ROW(row) (stamps + 8 + (row) * gridDim.x + blockIdx.x)
+#define BLOCK_STAMP(row) \
+  if (threadIdx.x == 0) *BLOCK_ROW(row) = device_ns()
 #else
 #define STAGE_STAMP(i) nullptr
+#define BLOCK_ROW(row) nullptr
+#define BLOCK_STAMP(row)
 #endif
 
   // WITH_ATTENTION (`set_attention_in_post_attention`): the layer's decode attention first,
@@ -420,6 +434,7 @@ const SOURCE: &str = r#"
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
 #if WITH_ATTENTION
   stage_written<T, Z>(zout, buf);
+  BLOCK_STAMP(1);
   chunk_sums<T, Z, BITS>(buf, sums);
   if constexpr (PF > 0) {
     // The first pair of rows from the copies and the rest of memory, summed as
@@ -445,11 +460,12 @@ const SOURCE: &str = r#"
   }
 #else
   stage_input<T, Z, false>(z, z, buf, red);
+  BLOCK_STAMP(1);
   chunk_sums<T, Z, BITS>(buf, sums);
   product_rows<T, Z, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
 #endif
   __threadfence();
-  grid_barrier(bar, STAGE_STAMP(1));
+  grid_barrier(bar, STAGE_STAMP(1), BLOCK_ROW(2));
   const float r0 = product_rms<H>(o0, red);
   for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
     x1s[i] = closed<T, false>(__ldcg(o0 + i), r0, x[i], post_attention_norm[i], s);
@@ -472,7 +488,7 @@ const SOURCE: &str = r#"
     }
   }
   __threadfence();
-  grid_barrier(bar, STAGE_STAMP(2));
+  grid_barrier(bar, STAGE_STAMP(2), BLOCK_ROW(4));
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
@@ -490,7 +506,7 @@ const SOURCE: &str = r#"
                                reinterpret_cast<const T*>(pp));
     }
   }
-  grid_barrier(bar, STAGE_STAMP(3));
+  grid_barrier(bar, STAGE_STAMP(3), BLOCK_ROW(6));
 
   // 3. h = x1 + rms_norm(o, post_norm): the output without a per-layer input (times the
   // layer scalar; the blocks write it in turns), else every block keeps all of h.
@@ -510,9 +526,11 @@ const SOURCE: &str = r#"
     // times the layer scalar.
     per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS>(
         hs, buf, sums, red, pg, pg_s, pg_b, per_layer, ple_offset[0], pp, pp_s, pp_b,
-        post_norm_2, s, bar, g, o2, out, early, buf, early_proj, STAGE_STAMP(4));
+        post_norm_2, s, bar, g, o2, out, early, buf, early_proj, STAGE_STAMP(4), BLOCK_ROW(8));
   }
 #undef STAGE_STAMP
+#undef BLOCK_ROW
+#undef BLOCK_STAMP
 "#;
 
 /// Blocks per streaming multiprocessor, by default. The kernel's shared memory (at most
@@ -642,9 +660,42 @@ pub const STAGES: [&str; 5] = [
     "per-layer input projection",
 ];
 
+/// Rows of one slot a block in a timed call's clock, after its first 8 slots: as the block
+/// starts, as it has staged its first input, then as it arrives at and leaves each of the
+/// (at most five) barriers.
+const BLOCK_ROWS: usize = 12;
+
+/// The per-block events of a timed call, in the order of its clock's rows, as
+/// [`StageClock::block_events_us`] reports them; a call without a per-layer input has the
+/// first [`BLOCK_EVENTS_WITHOUT_PER_LAYER_INPUT`].
+pub const BLOCK_EVENTS: [&str; 11] = [
+    "attention output staged",
+    "arrive after the attention output product",
+    "leave",
+    "arrive after gate and up",
+    "leave",
+    "arrive after down",
+    "leave",
+    "arrive after the per-layer input gate",
+    "leave",
+    "arrive after the per-layer input projection",
+    "leave",
+];
+
+/// Of [`BLOCK_EVENTS`], those of a call without a per-layer input.
+pub const BLOCK_EVENTS_WITHOUT_PER_LAYER_INPUT: usize = 7;
+
+/// When the blocks of a grid met one event, in µs after block 0 started.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockSpread {
+    pub first: f64,
+    pub median: f64,
+    pub last: f64,
+}
+
 /// One timed call's clock: its attention width (which kind of layer), whether it has a
 /// per-layer input, and its array of device times (ns: block 0's start, then the end of each
-/// stage, two unused slots, then each block's start).
+/// stage, two unused slots, then [`BLOCK_ROWS`] rows of one slot a block).
 pub struct StageClock {
     pub attention_width: i32,
     pub per_layer_input: bool,
@@ -681,12 +732,53 @@ impl StageClock {
     /// Microseconds from the first block's start to the last one's: the grid's ramp, part of
     /// the first stage's time. Evaluates the call's clock.
     pub fn start_spread_us(&self) -> Result<f64> {
-        self.clock.eval()?;
-        let starts = self.clock.as_slice::<u64>().get(8..).unwrap_or(&[]);
+        let starts = self.block_row(0)?;
         match (starts.iter().min(), starts.iter().max()) {
             (Some(first), Some(last)) => Ok(last.saturating_sub(*first) as f64 / 1e3),
             _ => bail!("the stage clock holds no block's start"),
         }
+    }
+
+    /// For each event of [`BLOCK_EVENTS`] the call has, when its blocks met it: the first,
+    /// the median and the last block, in µs after block 0 started. Evaluates the call's clock.
+    pub fn block_events_us(&self) -> Result<Vec<BlockSpread>> {
+        let start = {
+            self.clock.eval()?;
+            self.clock.as_slice::<u64>()[0]
+        };
+        let events = if self.per_layer_input {
+            BLOCK_EVENTS.len()
+        } else {
+            BLOCK_EVENTS_WITHOUT_PER_LAYER_INPUT
+        };
+        (1..=events)
+            .map(|row| {
+                let mut us: Vec<f64> = self
+                    .block_row(row)?
+                    .iter()
+                    .map(|ns| ns.saturating_sub(start) as f64 / 1e3)
+                    .collect();
+                if us.is_empty() {
+                    bail!("the stage clock holds no block");
+                }
+                us.sort_by(f64::total_cmp);
+                Ok(BlockSpread {
+                    first: us[0],
+                    median: us[us.len() / 2],
+                    last: us[us.len() - 1],
+                })
+            })
+            .collect()
+    }
+
+    /// Row `row` of the per-block rows: one device time a block.
+    fn block_row(&self, row: usize) -> Result<&[u64]> {
+        self.clock.eval()?;
+        let ns = self.clock.as_slice::<u64>();
+        let blocks = ns.len().saturating_sub(8) / BLOCK_ROWS;
+        ns.get(8 + row * blocks..8 + (row + 1) * blocks)
+            .filter(|_| blocks > 0)
+            .ok_or_else(|| anyhow!("the stage clock holds no row {row} of its blocks"))
     }
 }
 
@@ -1195,7 +1287,7 @@ fn launch(
     };
     let timed = STAGE_TIMES.load(Ordering::Relaxed);
     let (row, hidden, width, per_layer_width) = ([1, h], [h], [n], [p.max(1)]);
-    let clock = [8 + blocks];
+    let clock = [8 + BLOCK_ROWS as i32 * blocks];
     // Fixed arrays, the first `count` entries of each used: this runs for every layer of every
     // decode step, so no allocation a call. An attending call adds decode attention's inputs,
     // outputs and template arguments; a timed call its clock, last.
@@ -1341,15 +1433,22 @@ mod tests {
     #[test]
     fn stage_times_are_the_differences_of_the_clock() {
         // Start, then the ends of the five stages, in ns (two unused slots).
-        // Then three blocks' starts.
-        let ns = [
+        // Then three blocks' rows: their starts, then each later event.
+        let mut ns = vec![
             1_000u64, 4_500, 30_500, 43_000, 46_000, 48_500, 0, 0, 1_000, 2_250, 1_500,
         ];
+        for row in 1..BLOCK_ROWS as u64 {
+            // Block b meets event `row` at 1 000 (row + b) ns after block 0's start, but
+            // block 1 is 5 µs late for the first barrier.
+            ns.extend(
+                (0..3).map(|b| 1_000 + 1_000 * (row + b) + 5_000 * (b == 1 && row == 2) as u64),
+            );
+        }
         let clock = |per_layer_input| StageClock {
             attention_width: 2048,
             per_layer_input,
             attending: false,
-            clock: Array::from_slice(&ns, &[11]),
+            clock: Array::from_slice(&ns, &[ns.len() as i32]),
         };
         assert_eq!(
             clock(true).stage_us().unwrap(),
@@ -1360,6 +1459,39 @@ mod tests {
         // The last block started 1.25 µs after the first.
         assert_eq!(clock(true).start_spread_us().unwrap(), 1.25);
         assert_eq!(STAGES.len(), 5);
+        let events = clock(true).block_events_us().unwrap();
+        assert_eq!(events.len(), BLOCK_EVENTS.len());
+        assert_eq!(
+            events[0],
+            BlockSpread {
+                first: 1.0,
+                median: 2.0,
+                last: 3.0
+            }
+        );
+        // The late block is the last to arrive, and the median block is block 2.
+        assert_eq!(
+            events[1],
+            BlockSpread {
+                first: 2.0,
+                median: 4.0,
+                last: 8.0
+            }
+        );
+        assert_eq!(events[10].last, 13.0);
+        assert_eq!(
+            clock(false).block_events_us().unwrap().len(),
+            BLOCK_EVENTS_WITHOUT_PER_LAYER_INPUT
+        );
+        // A clock cut short is an error, not a slice past its end.
+        let short = StageClock {
+            attention_width: 2048,
+            per_layer_input: true,
+            attending: false,
+            clock: Array::from_slice(&ns[..8], &[8]),
+        };
+        assert!(short.block_events_us().is_err());
+        assert!(short.start_spread_us().is_err());
     }
 
     #[test]
