@@ -1302,6 +1302,24 @@ fn compare_fused(
                 },
             ),
             variant(
+                "rows copied ahead",
+                default_set,
+                default_name,
+                Tuning {
+                    rows_copied_ahead: 4,
+                    ..default
+                },
+            ),
+            variant(
+                "rows copied ahead (8 pieces)",
+                default_set,
+                default_name,
+                Tuning {
+                    rows_copied_ahead: 8,
+                    ..default
+                },
+            ),
+            variant(
                 "rows touched first",
                 products_set,
                 products_name,
@@ -1515,6 +1533,14 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
         Tuning {
             attention_in_post_attention: true,
             output_rows_prefetched: true,
+            ..default
+        },
+        Tuning {
+            rows_copied_ahead: 4,
+            ..default
+        },
+        Tuning {
+            rows_copied_ahead: 8,
             ..default
         },
     ];

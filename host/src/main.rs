@@ -211,7 +211,10 @@ struct ModelArgs {
     /// step's attention as the first stage of the post-attention kernel instead of a kernel of
     /// its own: the same values, one launch a layer fewer), `output-rows-prefetched` (with
     /// it, each warp copies the first pieces of its attention-output rows into shared memory
-    /// while the grid attends; dense weights).
+    /// while the grid attends; dense weights), `rows-copied-ahead` (the post-attention kernel's
+    /// warps copy the first 4 pieces a lane of their first rows of each product into shared
+    /// memory before the wait that comes before it: the attention output's staging, each
+    /// grid-wide barrier; dense weights), `rows-copied-ahead-8` (the same with 8 pieces).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
     /// A forward whose result the host reads at once (a verify window) goes
@@ -255,6 +258,9 @@ enum KernelVariantArg {
     BufferSizedAttentionShares,
     AttentionInPostAttention,
     OutputRowsPrefetched,
+    RowsCopiedAhead,
+    #[value(name = "rows-copied-ahead-8")]
+    RowsCopiedAhead8,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -334,6 +340,13 @@ impl ModelArgs {
             attention_in_post_attention: variants
                 .contains(&KernelVariantArg::AttentionInPostAttention),
             output_rows_prefetched: variants.contains(&KernelVariantArg::OutputRowsPrefetched),
+            rows_copied_ahead: if variants.contains(&KernelVariantArg::RowsCopiedAhead8) {
+                8
+            } else if variants.contains(&KernelVariantArg::RowsCopiedAhead) {
+                4
+            } else {
+                0
+            },
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep

@@ -244,6 +244,8 @@ pub struct Tuning {
     pub attention_in_post_attention: bool,
     /// [`post_attention::set_output_rows_prefetched`].
     pub output_rows_prefetched: bool,
+    /// [`post_attention::set_rows_copied_ahead`]: pieces a lane, 0 for none.
+    pub rows_copied_ahead: i32,
 }
 
 impl Tuning {
@@ -268,6 +270,7 @@ impl Tuning {
             aligned_attention_shares: decode_attention::aligned_shares(),
             attention_in_post_attention: post_attention::attention_in_post_attention(),
             output_rows_prefetched: post_attention::output_rows_prefetched(),
+            rows_copied_ahead: post_attention::rows_copied_ahead(),
         }
     }
 
@@ -275,7 +278,7 @@ impl Tuning {
     /// post-attention kernel's row pairs, loads in flight, which block finishes the attention
     /// heads, weight lines requested early, where the step's integers live and how they reach
     /// the kernels, what stands in for inputs a kernel does not read, weight rows loaded before
-    /// their input) put to fixed values: two tunings with equal `value_settings` compute the
+    /// their input, rows copied ahead of a wait) put to fixed values: two tunings with equal `value_settings` compute the
     /// same values bit for bit, with the same kernels.
     pub fn value_settings(self) -> Tuning {
         Tuning {
@@ -292,6 +295,7 @@ impl Tuning {
             per_layer_rows_early: false,
             attention_in_post_attention: false,
             output_rows_prefetched: false,
+            rows_copied_ahead: 0,
             ..self
         }
     }
@@ -315,6 +319,7 @@ impl Tuning {
         decode_attention::set_aligned_shares(self.aligned_attention_shares);
         post_attention::set_attention_in_post_attention(self.attention_in_post_attention);
         post_attention::set_output_rows_prefetched(self.output_rows_prefetched);
+        post_attention::set_rows_copied_ahead(self.rows_copied_ahead)?;
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

@@ -47,7 +47,7 @@
 //! into L2, 16 loads in flight a lane, three blocks a multiprocessor.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
@@ -265,6 +265,67 @@ __device__ inline void copy_early_rows(T* gate, T* proj, const T* pg, const T* p
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+// AHEAD (`set_rows_copied_ahead`, dense rows): the first PF pieces a lane of two rows of the
+// product after a wait, copied into this warp's part of dynamic shared memory (`to`: PF
+// pieces a lane of the first row, then of the second) before the wait, so that those bytes
+// are on their way while the block waits at a barrier or stages the product's input. A lane
+// copies only what it reads itself (rows_dot_ahead), so it waits for its own copies alone.
+template <typename T, int K, int PF>
+__device__ inline void copy_rows_ahead(uint4* to, const T* row0, const T* row1) {
+  constexpr int CHUNKS = K * (int)sizeof(T) / 16;
+  const int lane = threadIdx.x & 31;
+  const uint4* a = reinterpret_cast<const uint4*>(row0);
+  const uint4* b = reinterpret_cast<const uint4*>(row1);
+#pragma unroll
+  for (int i = 0; i < PF; i++) {
+    const int c = lane + 32 * i;
+    if (c < CHUNKS) {
+      copy_async_16(to + i * 32 + lane, a + c);
+      copy_async_16(to + (PF + i) * 32 + lane, b + c);
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// The dots of two rows with xs, as rows_dot<T, K, 2> sums them (the same pieces in the same
+// order, so the same bits), the first PF pieces a lane taken from copy_rows_ahead's copies
+// where this lane made them (`copied`), the rest loaded as rows_dot loads them.
+template <typename T, int K, int PF>
+__device__ inline void rows_dot_ahead(const uint4* from, bool copied, const T* row0,
+                                      const T* row1, const T* xs, float* out) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNKS = K / VEC;
+  const int lane = threadIdx.x & 31;
+  const uint4* rows[2] = {reinterpret_cast<const uint4*>(row0),
+                          reinterpret_cast<const uint4*>(row1)};
+  const uint4* x4 = reinterpret_cast<const uint4*>(xs);
+  float acc[2] = {0.f, 0.f};
+  int i = 0;
+  if (copied) {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#pragma unroll
+    for (; i < PF; i++) {
+      const int c = lane + 32 * i;
+      if (c < CHUNKS) {
+        const uint4 xc = x4[c];
+#pragma unroll
+        for (int r = 0; r < 2; r++) acc[r] = piece_dot<T>(from[(r * PF + i) * 32 + lane], xc, acc[r]);
+      }
+    }
+  }
+#pragma unroll 4
+  for (int c = lane + 32 * i; c < CHUNKS; c += 32) {
+    uint4 wc[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) wc[r] = __ldg(rows[r] + c);
+    const uint4 xc = x4[c];
+#pragma unroll
+    for (int r = 0; r < 2; r++) acc[r] = piece_dot<T>(wc[r], xc, acc[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; r++) out[r] = warp_sum(acc[r]);
+}
+
 // A layer's per-layer-input block, every block of the grid resident: g = gelu_tanh(W_in h) *
 // v (v: this layer's P values, per_layer[v0 ...]), a grid-wide barrier, o2 = W_proj g, a
 // barrier, then out = (h + rms_norm(o2, pn)) * s, the blocks writing it in turns. hs: h
@@ -382,6 +443,27 @@ const SOURCE: &str = r#"
 #define BLOCK_STAMP(row)
 #endif
 
+  // ROWS_AHEAD (`set_rows_copied_ahead`, dense rows in pairs, not attending): before each
+  // product that follows a wait, each warp copies the first AHEAD pieces a lane of its first
+  // two rows of it into dynamic shared memory (copy_rows_ahead): at the kernel's start, while
+  // the attention output is staged, and after each fence that publishes a stage, while the
+  // grid meets. Thread 0 fences inside the barrier, and its fence would wait for copies of
+  // its own, so it loads those rows as it goes.
+#if ROWS_AHEAD
+  static_assert(BITS == 0 && PAIRS && !WITH_ATTENTION, "rows copied ahead: dense pairs only");
+  extern __shared__ __align__(16) unsigned char ahead_shared[];
+  uint4* const ahead = reinterpret_cast<uint4*>(ahead_shared) + (threadIdx.x >> 5) * 2 * AHEAD * 32;
+  const bool copies_ahead = threadIdx.x != 0;
+  const T* const wo_ahead = reinterpret_cast<const T*>(wo);
+  const T* const wg_ahead = reinterpret_cast<const T*>(wg);
+  const T* const wu_ahead = reinterpret_cast<const T*>(wu);
+  const T* const wd_ahead = reinterpret_cast<const T*>(wd);
+  const int second = first + warps < H ? first + warps : first;
+  if (first < H) {
+    copy_rows_ahead<T, Z, AHEAD>(ahead, wo_ahead + (size_t)first * Z, wo_ahead + (size_t)second * Z);
+  }
+#endif
+
   // WITH_ATTENTION (`set_attention_in_post_attention`): the layer's decode attention first,
   // the blocks taking its (head, share) blocks in turn, then a grid-wide barrier; z is its
   // output, `zout`. PREFETCH (dense rows, in pairs): meanwhile each warp copies the first
@@ -462,9 +544,30 @@ const SOURCE: &str = r#"
   stage_input<T, Z, false>(z, z, buf, red);
   BLOCK_STAMP(1);
   chunk_sums<T, Z, BITS>(buf, sums);
+#if ROWS_AHEAD
+  // The first pair from the copies (every thread made its own here: no fence since), then
+  // the pairs after it, if any.
+  if (first < H) {
+    float d[2];
+    rows_dot_ahead<T, Z, AHEAD>(ahead, true, wo_ahead + (size_t)first * Z,
+                                wo_ahead + (size_t)second * Z, buf, d);
+    if (lane == 0) {
+      o0[first] = static_cast<float>(static_cast<T>(d[0]));
+      if (second != first) o0[second] = static_cast<float>(static_cast<T>(d[1]));
+    }
+  }
+  product_rows<T, Z, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first + 2 * warps, warps);
+#else
   product_rows<T, Z, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
 #endif
+#endif
   __threadfence();
+#if ROWS_AHEAD
+  // This warp's gate and up rows `first`, while the grid meets.
+  if (first < N && copies_ahead) {
+    copy_rows_ahead<T, H, AHEAD>(ahead, wg_ahead + (size_t)first * H, wu_ahead + (size_t)first * H);
+  }
+#endif
   grid_barrier(bar, STAGE_STAMP(1), BLOCK_ROW(2));
   const float r0 = product_rms<H>(o0, red);
   for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
@@ -475,25 +578,58 @@ const SOURCE: &str = r#"
   // 1. a = gelu_tanh(W_gate x') * (W_up x'), x' = rms_norm(x1, pre_norm).
   stage_input<T, H, true>(x1s, pre_norm, buf, red);
   chunk_sums<T, H, BITS>(buf, sums);
-  for (int r = first; r < N; r += warps) {
+  // a[r] from the gate and up rows' dots d.
+  auto gate_up_out = [&](int r, const float* d) {
+    if (lane == 0) {
+      const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[0]))));
+      a[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(static_cast<T>(d[1])));
+    }
+  };
+  int gate_first = first;
+#if ROWS_AHEAD
+  if (first < N) {
+    float d[2];
+    rows_dot_ahead<T, H, AHEAD>(ahead, copies_ahead, wg_ahead + (size_t)first * H,
+                                wu_ahead + (size_t)first * H, buf, d);
+    gate_up_out(first, d);
+  }
+  gate_first = first + warps;
+#endif
+  for (int r = gate_first; r < N; r += warps) {
     const void* ws[2] = {wg, wu};
     const T* ss[2] = {wg_s, wu_s};
     const T* bs[2] = {wg_b, wu_b};
     const int rs[2] = {r, r};
     float d[2];
     weight_dot<T, H, 2, BITS, G, IN_PLACE>(ws, ss, bs, rs, buf, sums, d);
-    if (lane == 0) {
-      const T act = static_cast<T>(gelu_tanh(static_cast<float>(static_cast<T>(d[0]))));
-      a[r] = static_cast<T>(static_cast<float>(act) * static_cast<float>(static_cast<T>(d[1])));
-    }
+    gate_up_out(r, d);
   }
   __threadfence();
+#if ROWS_AHEAD
+  // This warp's first pair of down rows, while the grid meets.
+  if (first < H && copies_ahead) {
+    copy_rows_ahead<T, N, AHEAD>(ahead, wd_ahead + (size_t)first * N, wd_ahead + (size_t)second * N);
+  }
+#endif
   grid_barrier(bar, STAGE_STAMP(2), BLOCK_ROW(4));
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
   chunk_sums<T, N, BITS>(buf, sums);
+#if ROWS_AHEAD
+  if (first < H) {
+    float d[2];
+    rows_dot_ahead<T, N, AHEAD>(ahead, copies_ahead, wd_ahead + (size_t)first * N,
+                                wd_ahead + (size_t)second * N, buf, d);
+    if (lane == 0) {
+      o[first] = static_cast<float>(static_cast<T>(d[0]));
+      if (second != first) o[second] = static_cast<float>(static_cast<T>(d[1]));
+    }
+  }
+  product_rows<T, N, BITS, G, IN_PLACE, PAIRS>(wd, wd_s, wd_b, buf, sums, o, H, first + 2 * warps, warps);
+#else
   product_rows<T, N, BITS, G, IN_PLACE, PAIRS>(wd, wd_s, wd_b, buf, sums, o, H, first, warps);
+#endif
   __threadfence();
   // EARLY: the per-layer-input rows, copied while the grid meets (see copy_early_rows).
   bool early = false;
@@ -581,9 +717,10 @@ pub(crate) const INPUTS: &[&str] = &[
 /// The attending kernel's inputs after [`INPUTS`]: decode attention's.
 const ATTENTION_INPUTS: &[&str] = &["q", "k", "v", "visible", "head_counter"];
 
-/// The kernel's header, with or without its stage clock (`STAGE_TIMES`), and with or without
-/// decode attention as its first stage (`WITH_ATTENTION`).
-pub(crate) fn header(stage_times: bool, attending: bool) -> &'static str {
+/// The kernel's header, with or without its stage clock (`STAGE_TIMES`), with or without
+/// decode attention as its first stage (`WITH_ATTENTION`), and with or without rows copied
+/// ahead of each wait (`ROWS_AHEAD`, [`set_rows_copied_ahead`]).
+pub(crate) fn header(stage_times: bool, attending: bool, ahead: bool) -> &'static str {
     let attention = if attending {
         super::decode_attention::HEADER
     } else {
@@ -591,8 +728,8 @@ pub(crate) fn header(stage_times: bool, attending: bool) -> &'static str {
     };
     Box::leak(
         format!(
-            "#define STAGE_TIMES {}\n#define WITH_ATTENTION {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{BARRIER_HEADER}{attention}",
-            stage_times as i32, attending as i32
+            "#define STAGE_TIMES {}\n#define WITH_ATTENTION {}\n#define ROWS_AHEAD {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{BARRIER_HEADER}{attention}",
+            stage_times as i32, attending as i32, ahead as i32
         )
         .into_boxed_str(),
     )
@@ -610,7 +747,7 @@ fn inputs(attending: bool) -> &'static [&'static str] {
 thread_local! {
     static KERNELS: RefCell<PerEpsilon> = RefCell::new(
         PerEpsilon::new("post_attention", INPUTS, &["out", "o0", "a", "o", "g", "o2"], SOURCE)
-            .with_header(header(false, false)),
+            .with_header(header(false, false, false)),
     );
     // Its own name: MLX finds compiled kernels by name and template arguments.
     static KERNELS_TIMED: RefCell<PerEpsilon> = RefCell::new(
@@ -620,7 +757,7 @@ thread_local! {
             &["out", "o0", "a", "o", "g", "o2", "stage_ns"],
             SOURCE,
         )
-        .with_header(header(true, false)),
+        .with_header(header(true, false, false)),
     );
     // Attending first (`set_attention_in_post_attention`), one kernel per amount of dynamic
     // shared memory (the output rows' copies).
@@ -629,14 +766,30 @@ thread_local! {
         inputs(true),
         &["out", "o0", "a", "o", "g", "o2", "partial", "zout"],
         SOURCE,
-        header(false, true),
+        header(false, true, false),
     ));
     static KERNELS_ATTENDING_TIMED: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
         "post_attention_attending_timed",
         inputs(true),
         &["out", "o0", "a", "o", "g", "o2", "partial", "zout", "stage_ns"],
         SOURCE,
-        header(true, true),
+        header(true, true, false),
+    ));
+    // Rows copied ahead (`set_rows_copied_ahead`), one kernel per amount of dynamic shared
+    // memory (the copies).
+    static KERNELS_AHEAD: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
+        "post_attention_ahead",
+        INPUTS,
+        &["out", "o0", "a", "o", "g", "o2"],
+        SOURCE,
+        header(false, false, true),
+    ));
+    static KERNELS_AHEAD_TIMED: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
+        "post_attention_ahead_timed",
+        INPUTS,
+        &["out", "o0", "a", "o", "g", "o2", "stage_ns"],
+        SOURCE,
+        header(true, false, true),
     ));
     // The stage clocks of the timed calls since the last `take_stage_times`.
     static STAGE_CLOCKS: RefCell<Vec<StageClock>> = const { RefCell::new(Vec::new()) };
@@ -1062,6 +1215,31 @@ pub fn output_rows_prefetched() -> bool {
     OUTPUT_ROWS_PREFETCHED.load(Ordering::Relaxed)
 }
 
+static ROWS_COPIED_AHEAD: AtomicI32 = AtomicI32::new(0);
+
+/// The settings [`set_rows_copied_ahead`] takes: pieces of 16 bytes a lane (32 KB and 64 KB
+/// of shared memory a block), or 0 for none.
+pub const ROWS_COPIED_AHEAD_CHOICES: [i32; 3] = [0, 4, 8];
+
+/// Over dense rows in pairs, without attention in the kernel: before each product that
+/// follows a wait (the kernel's start while the attention output is staged, and each
+/// grid-wide barrier of the feed-forward block), each warp copies the first `pieces` pieces
+/// a lane of its first two rows of that product into dynamic shared memory, so that those
+/// bytes are on their way while the block waits; their weights do not depend on what the
+/// block waits for. Changes no value (the same sums in the same order). 0 turns it off.
+pub fn set_rows_copied_ahead(pieces: i32) -> Result<()> {
+    if !ROWS_COPIED_AHEAD_CHOICES.contains(&pieces) {
+        bail!("rows copied ahead must be one of {ROWS_COPIED_AHEAD_CHOICES:?} pieces a lane, got {pieces}");
+    }
+    ROWS_COPIED_AHEAD.store(pieces, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The current [`set_rows_copied_ahead`] setting.
+pub fn rows_copied_ahead() -> i32 {
+    ROWS_COPIED_AHEAD.load(Ordering::Relaxed)
+}
+
 static ROW_PAIRS: AtomicBool = AtomicBool::new(true);
 
 /// Makes each warp take two rows at a time in the stages of one product (the attention's
@@ -1365,10 +1543,30 @@ fn launch(
         _ => 0,
     };
     let prefetch_bytes = prefetch as usize * 2 * 32 * 16 * WARPS_PER_BLOCK;
-    let [ad, group_of_heads, splits, slots, wide, fixed_chunk] = match attended {
-        Some(a) => a.template_args(),
-        // Unused: the kernel that takes them is not called.
-        None => std::array::from_fn(|_| (c"AD", TemplateArg::Int(0))),
+    let ahead = match attended {
+        None if bits == 0 && row_pairs() => rows_copied_ahead(),
+        _ => 0,
+    };
+    let ahead_bytes = ahead as usize * 2 * 32 * 16 * WARPS_PER_BLOCK;
+    // After the first ten: an attending call's seven, or rows copied ahead's one.
+    let [e0, e1, e2, e3, e4, e5, e6] = match attended {
+        Some(a) => {
+            let [ad, group_of_heads, splits, slots, wide, fixed_chunk] = a.template_args();
+            [
+                ad,
+                group_of_heads,
+                splits,
+                slots,
+                wide,
+                fixed_chunk,
+                (c"PREFETCH", TemplateArg::Int(prefetch)),
+            ]
+        }
+        // Unused but the first (when copying ahead): no kernel that takes them is called.
+        None => std::array::from_fn(|i| match i {
+            0 => (c"AHEAD", TemplateArg::Int(ahead)),
+            _ => (c"AD", TemplateArg::Int(0)),
+        }),
     };
     let template = [
         (c"T", TemplateArg::Dtype(dtype)),
@@ -1381,15 +1579,19 @@ fn launch(
         (c"IN_PLACE", TemplateArg::Bool(affine4_in_place())),
         (c"PAIRS", TemplateArg::Bool(row_pairs())),
         (c"EARLY", TemplateArg::Bool(per_layer_rows_early())),
-        ad,
-        group_of_heads,
-        splits,
-        slots,
-        wide,
-        fixed_chunk,
-        (c"PREFETCH", TemplateArg::Int(prefetch)),
+        e0,
+        e1,
+        e2,
+        e3,
+        e4,
+        e5,
+        e6,
     ];
-    let template = &template[..if attended.is_some() { 17 } else { 10 }];
+    let template = &template[..match (attended, ahead) {
+        (Some(_), _) => 17,
+        (None, 0) => 10,
+        (None, _) => 11,
+    }];
     let run = |kernel: &super::CudaKernel| {
         kernel.apply(
             inputs,
@@ -1400,6 +1602,12 @@ fn launch(
         )
     };
     let mut out = match (attention_output, timed) {
+        (AttentionOutput::Given(_), false) if ahead > 0 => {
+            KERNELS_AHEAD.with(|k| run(k.borrow_mut().get(ahead_bytes, eps)?))
+        }
+        (AttentionOutput::Given(_), true) if ahead > 0 => {
+            KERNELS_AHEAD_TIMED.with(|k| run(k.borrow_mut().get(ahead_bytes, eps)?))
+        }
         (AttentionOutput::Given(_), false) => KERNELS.with(|k| run(k.borrow_mut().get(eps)?)),
         (AttentionOutput::Given(_), true) => {
             KERNELS_TIMED.with(|k| run(k.borrow_mut().get(eps)?))
@@ -1492,6 +1700,25 @@ mod tests {
         };
         assert!(short.block_events_us().is_err());
         assert!(short.start_spread_us().is_err());
+    }
+
+    #[test]
+    fn rows_copied_ahead_takes_its_choices_only_and_changes_no_value() {
+        let before = rows_copied_ahead();
+        let err = set_rows_copied_ahead(5).unwrap_err().to_string();
+        assert!(err.contains("[0, 4, 8]") && err.contains("got 5"), "{err}");
+        assert_eq!(
+            rows_copied_ahead(),
+            before,
+            "a refused setting changes nothing"
+        );
+        set_rows_copied_ahead(8).unwrap();
+        let ahead = super::super::Tuning::current();
+        set_rows_copied_ahead(before).unwrap();
+        let not = super::super::Tuning::current();
+        assert_eq!(ahead.rows_copied_ahead, 8);
+        // The same values bit for bit: twins for `bench --compare-fused`'s token check.
+        assert_eq!(ahead.value_settings(), not.value_settings());
     }
 
     #[test]
