@@ -1550,8 +1550,10 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             for tuning in variants {
                 set_allowed(kernels);
                 tuning.apply()?;
-                for timed in [false, true] {
+                // Untimed, the stage clock, and the stage clock with each block's events.
+                for (timed, anatomy) in [(false, false), (true, false), (true, true)] {
                     mlx_spec::kernels::post_attention::set_stage_times(timed);
+                    mlx_spec::kernels::post_attention::set_stage_anatomy(anatomy);
                     let (_, calls) = capture_kernels(|| {
                         model.forward_ids(&token, &mut cache, LogitsFor::Last, false)
                     })?;
@@ -1595,6 +1597,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
     };
     let result = run();
     mlx_spec::kernels::post_attention::set_stage_times(false);
+    mlx_spec::kernels::post_attention::set_stage_anatomy(false);
     set_allowed(default_kernels);
     default.apply()?;
     result?;
@@ -1624,8 +1627,9 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
 /// pipelined decode, by kind of layer (attention width, per-layer input or not).
 fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
     use mlx_spec::kernels::post_attention::{
-        set_stage_times, take_stage_times, BLOCK_EVENTS, STAGES,
+        set_stage_anatomy, set_stage_times, take_stage_times, BLOCK_EVENTS, STAGES,
     };
+    set_stage_anatomy(args.stage_anatomy);
     if !on_cuda() {
         bail!("--stage-times: the post-attention kernel runs on a CUDA GPU only (--device gpu with the CUDA libmlx)");
     }
@@ -1761,6 +1765,9 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
         }
         // Where the stages' time goes block by block: how far apart the blocks finish a stage
         // (its slowest block sets the barrier) and how long leaving a barrier takes.
+        if !args.stage_anatomy {
+            return Ok(());
+        }
         println!();
         println!("| layer (attention width) | {} |", BLOCK_EVENTS.join(" | "));
         println!("|---|{}", "---|".repeat(BLOCK_EVENTS.len()));

@@ -497,6 +497,11 @@ struct BenchArgs {
     /// kernel of a step spends its time (CUDA GPU only).
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability"])]
     stage_times: bool,
+    /// With --stage-times: each block also records when it has staged its first input and
+    /// when it arrives at and leaves each grid-wide barrier (its own kernel, the stamps on
+    /// its critical path); prints the first, median and last block of each event.
+    #[arg(long, requires = "stage_times")]
+    stage_anatomy: bool,
     /// Instead of the decode measurements: write the full CUDA source of every fused kernel a
     /// decode step of this model calls, with each kernel set and each variant, into this folder
     /// as MLX 0.32 would compile it (`<kernel>-<hash>.cu`, listed in `kernels.tsv` with block

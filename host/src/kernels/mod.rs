@@ -972,7 +972,8 @@ impl PerSharedMemory {
         }
     }
 
-    /// The kernel for `eps` whose blocks get `shared` bytes.
+    /// The kernel for `eps` whose blocks get `shared` bytes (see [`dynamic_shared_bytes`]
+    /// for a kernel with static shared memory too).
     pub(crate) fn get(&mut self, shared: usize, eps: f32) -> Result<&CudaKernel> {
         let (name, inputs, outputs, source, header) = (
             self.name,
@@ -990,6 +991,23 @@ impl PerSharedMemory {
                     .with_shared_memory(shared as i32)
             })
             .get(eps)
+    }
+}
+
+/// The least dynamic shared memory a kernel is given when it asks for some. A CUDA kernel may
+/// take no more than 48 KB of static and dynamic shared memory together unless its
+/// maximum dynamic size is raised, and MLX 0.32 raises it only for requests above 48 000
+/// bytes: a kernel with 38.5 KB of static shared memory that asked for 32 KB more failed at
+/// launch ("cuGraphAddKernelNode ... invalid argument" on the H200). Asking for at least this
+/// much makes MLX raise the limit; the bytes above what the kernel uses are left idle.
+pub(crate) const DYNAMIC_SHARED_FLOOR: usize = 48 * 1024;
+
+/// What a kernel with static shared memory of its own asks for when it needs `bytes` of
+/// dynamic shared memory.
+pub(crate) fn dynamic_shared_bytes(bytes: usize) -> usize {
+    match bytes {
+        0 => 0,
+        b => b.max(DYNAMIC_SHARED_FLOOR),
     }
 }
 
@@ -1028,6 +1046,14 @@ __device__ inline float block_max(float v, float* red) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn dynamic_shared_memory_asked_for_is_enough_for_mlx_to_raise_the_limit() {
+        // MLX raises a kernel's dynamic limit above 48 000 bytes only.
+        assert_eq!(super::dynamic_shared_bytes(0), 0);
+        assert!(super::dynamic_shared_bytes(32 * 1024) > 48_000);
+        assert_eq!(super::dynamic_shared_bytes(64 * 1024), 64 * 1024);
+    }
+
     use super::*;
 
     #[test]

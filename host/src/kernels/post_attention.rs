@@ -424,8 +424,9 @@ const SOURCE: &str = r#"
   const float s = static_cast<float>(scale[0]);
   // STAGE_TIMES (`bench --stage-times`): the device clock as block 0 starts, then as each
   // stage finishes across the grid (written by the last block at each barrier); from slot 8
-  // on, rows of one slot a block (BLOCK_ROWS of them): as each block starts, as it has its
-  // first input staged, then as it arrives at and leaves each barrier (grid_barrier).
+  // on, as each block starts; with STAGE_TIMES 2 (`set_stage_anatomy`) that is the first of
+  // BLOCK_ROWS rows of one slot a block: then as it has its first input staged, and as it
+  // arrives at and leaves each barrier (grid_barrier).
 #if STAGE_TIMES
   unsigned long long* const stamps = reinterpret_cast<unsigned long long*>(stage_ns);
   if (threadIdx.x == 0) {
@@ -434,9 +435,14 @@ const SOURCE: &str = r#"
     if (blockIdx.x == 0) stamps[0] = now;
   }
 #define STAGE_STAMP(i) (stamps + (i))
+#if STAGE_TIMES > 1
 #define BLOCK_ROW(row) (stamps + 8 + (row) * gridDim.x + blockIdx.x)
 #define BLOCK_STAMP(row) \
   if (threadIdx.x == 0) *BLOCK_ROW(row) = device_ns()
+#else
+#define BLOCK_ROW(row) nullptr
+#define BLOCK_STAMP(row)
+#endif
 #else
 #define STAGE_STAMP(i) nullptr
 #define BLOCK_ROW(row) nullptr
@@ -717,10 +723,20 @@ pub(crate) const INPUTS: &[&str] = &[
 /// The attending kernel's inputs after [`INPUTS`]: decode attention's.
 const ATTENTION_INPUTS: &[&str] = &["q", "k", "v", "visible", "head_counter"];
 
+/// How much of the device clock a kernel records (`STAGE_TIMES` in its source).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Clocked {
+    No = 0,
+    /// Block 0's start, each stage's end across the grid, each block's start.
+    Stages = 1,
+    /// And each block's events ([`set_stage_anatomy`]).
+    Anatomy = 2,
+}
+
 /// The kernel's header, with or without its stage clock (`STAGE_TIMES`), with or without
 /// decode attention as its first stage (`WITH_ATTENTION`), and with or without rows copied
 /// ahead of each wait (`ROWS_AHEAD`, [`set_rows_copied_ahead`]).
-pub(crate) fn header(stage_times: bool, attending: bool, ahead: bool) -> &'static str {
+pub(crate) fn header(stage_times: Clocked, attending: bool, ahead: bool) -> &'static str {
     let attention = if attending {
         super::decode_attention::HEADER
     } else {
@@ -747,7 +763,7 @@ fn inputs(attending: bool) -> &'static [&'static str] {
 thread_local! {
     static KERNELS: RefCell<PerEpsilon> = RefCell::new(
         PerEpsilon::new("post_attention", INPUTS, &["out", "o0", "a", "o", "g", "o2"], SOURCE)
-            .with_header(header(false, false, false)),
+            .with_header(header(Clocked::No, false, false)),
     );
     // Its own name: MLX finds compiled kernels by name and template arguments.
     static KERNELS_TIMED: RefCell<PerEpsilon> = RefCell::new(
@@ -757,7 +773,16 @@ thread_local! {
             &["out", "o0", "a", "o", "g", "o2", "stage_ns"],
             SOURCE,
         )
-        .with_header(header(true, false, false)),
+        .with_header(header(Clocked::Stages, false, false)),
+    );
+    static KERNELS_ANATOMY: RefCell<PerEpsilon> = RefCell::new(
+        PerEpsilon::new(
+            "post_attention_anatomy",
+            INPUTS,
+            &["out", "o0", "a", "o", "g", "o2", "stage_ns"],
+            SOURCE,
+        )
+        .with_header(header(Clocked::Anatomy, false, false)),
     );
     // Attending first (`set_attention_in_post_attention`), one kernel per amount of dynamic
     // shared memory (the output rows' copies).
@@ -766,14 +791,14 @@ thread_local! {
         inputs(true),
         &["out", "o0", "a", "o", "g", "o2", "partial", "zout"],
         SOURCE,
-        header(false, true, false),
+        header(Clocked::No, true, false),
     ));
     static KERNELS_ATTENDING_TIMED: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
         "post_attention_attending_timed",
         inputs(true),
         &["out", "o0", "a", "o", "g", "o2", "partial", "zout", "stage_ns"],
         SOURCE,
-        header(true, true, false),
+        header(Clocked::Stages, true, false),
     ));
     // Rows copied ahead (`set_rows_copied_ahead`), one kernel per amount of dynamic shared
     // memory (the copies).
@@ -782,20 +807,36 @@ thread_local! {
         INPUTS,
         &["out", "o0", "a", "o", "g", "o2"],
         SOURCE,
-        header(false, false, true),
+        header(Clocked::No, false, true),
     ));
     static KERNELS_AHEAD_TIMED: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
         "post_attention_ahead_timed",
         INPUTS,
         &["out", "o0", "a", "o", "g", "o2", "stage_ns"],
         SOURCE,
-        header(true, false, true),
+        header(Clocked::Stages, false, true),
+    ));
+    static KERNELS_AHEAD_ANATOMY: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
+        "post_attention_ahead_anatomy",
+        INPUTS,
+        &["out", "o0", "a", "o", "g", "o2", "stage_ns"],
+        SOURCE,
+        header(Clocked::Anatomy, false, true),
     ));
     // The stage clocks of the timed calls since the last `take_stage_times`.
     static STAGE_CLOCKS: RefCell<Vec<StageClock>> = const { RefCell::new(Vec::new()) };
 }
 
 static STAGE_TIMES: AtomicBool = AtomicBool::new(false);
+static STAGE_ANATOMY: AtomicBool = AtomicBool::new(false);
+
+/// With [`set_stage_times`], whether each block also records when it has staged its first
+/// input and when it arrives at and leaves each grid-wide barrier
+/// ([`StageClock::block_events_us`]; `bench --stage-times --stage-anatomy`). Its own kernel,
+/// so that the plain stage clock can be told apart from what the extra stamps cost.
+pub fn set_stage_anatomy(on: bool) {
+    STAGE_ANATOMY.store(on, Ordering::Relaxed);
+}
 
 /// Sets whether the kernel also records the device clock as it starts and as each stage
 /// finishes across the grid (`bench --stage-times`), for [`take_stage_times`]. A diagnostic:
@@ -855,6 +896,8 @@ pub struct StageClock {
     /// Whether the call attended first ([`set_attention_in_post_attention`]): its first
     /// stage then includes the attention, whose end [`StageClock::attention_us`] gives.
     pub attending: bool,
+    /// Whether the call recorded each block's events ([`set_stage_anatomy`]).
+    pub anatomy: bool,
     clock: Array,
 }
 
@@ -893,8 +936,12 @@ impl StageClock {
     }
 
     /// For each event of [`BLOCK_EVENTS`] the call has, when its blocks met it: the first,
-    /// the median and the last block, in µs after block 0 started. Evaluates the call's clock.
+    /// the median and the last block, in µs after block 0 started; none for a call without
+    /// them ([`set_stage_anatomy`]). Evaluates the call's clock.
     pub fn block_events_us(&self) -> Result<Vec<BlockSpread>> {
+        if !self.anatomy {
+            return Ok(Vec::new());
+        }
         let start = {
             self.clock.eval()?;
             self.clock.as_slice::<u64>()[0]
@@ -928,7 +975,8 @@ impl StageClock {
     fn block_row(&self, row: usize) -> Result<&[u64]> {
         self.clock.eval()?;
         let ns = self.clock.as_slice::<u64>();
-        let blocks = ns.len().saturating_sub(8) / BLOCK_ROWS;
+        let rows = if self.anatomy { BLOCK_ROWS } else { 1 };
+        let blocks = ns.len().saturating_sub(8) / rows;
         ns.get(8 + row * blocks..8 + (row + 1) * blocks)
             .filter(|_| blocks > 0)
             .ok_or_else(|| anyhow!("the stage clock holds no row {row} of its blocks"))
@@ -1464,8 +1512,12 @@ fn launch(
         AttentionOutput::Attended(_) => unread_input(dtype),
     };
     let timed = STAGE_TIMES.load(Ordering::Relaxed);
+    // Per-block rows only in the kernels that write them (not attending).
+    let anatomy = timed
+        && STAGE_ANATOMY.load(Ordering::Relaxed)
+        && matches!(attention_output, AttentionOutput::Given(_));
     let (row, hidden, width, per_layer_width) = ([1, h], [h], [n], [p.max(1)]);
-    let clock = [8 + BLOCK_ROWS as i32 * blocks];
+    let clock = [8 + if anatomy { BLOCK_ROWS as i32 } else { 1 } * blocks];
     // Fixed arrays, the first `count` entries of each used: this runs for every layer of every
     // decode step, so no allocation a call. An attending call adds decode attention's inputs,
     // outputs and template arguments; a timed call its clock, last.
@@ -1547,7 +1599,8 @@ fn launch(
         None if bits == 0 && row_pairs() => rows_copied_ahead(),
         _ => 0,
     };
-    let ahead_bytes = ahead as usize * 2 * 32 * 16 * WARPS_PER_BLOCK;
+    // With the kernel's static shared memory, more than 48 KB a block.
+    let ahead_bytes = super::dynamic_shared_bytes(ahead as usize * 2 * 32 * 16 * WARPS_PER_BLOCK);
     // After the first ten: an attending call's seven, or rows copied ahead's one.
     let [e0, e1, e2, e3, e4, e5, e6] = match attended {
         Some(a) => {
@@ -1605,10 +1658,16 @@ fn launch(
         (AttentionOutput::Given(_), false) if ahead > 0 => {
             KERNELS_AHEAD.with(|k| run(k.borrow_mut().get(ahead_bytes, eps)?))
         }
+        (AttentionOutput::Given(_), true) if ahead > 0 && anatomy => {
+            KERNELS_AHEAD_ANATOMY.with(|k| run(k.borrow_mut().get(ahead_bytes, eps)?))
+        }
         (AttentionOutput::Given(_), true) if ahead > 0 => {
             KERNELS_AHEAD_TIMED.with(|k| run(k.borrow_mut().get(ahead_bytes, eps)?))
         }
         (AttentionOutput::Given(_), false) => KERNELS.with(|k| run(k.borrow_mut().get(eps)?)),
+        (AttentionOutput::Given(_), true) if anatomy => {
+            KERNELS_ANATOMY.with(|k| run(k.borrow_mut().get(eps)?))
+        }
         (AttentionOutput::Given(_), true) => {
             KERNELS_TIMED.with(|k| run(k.borrow_mut().get(eps)?))
         }
@@ -1626,6 +1685,7 @@ fn launch(
                     attention_width: zw,
                     per_layer_input: p > 0,
                     attending: matches!(attention_output, AttentionOutput::Attended(_)),
+                    anatomy,
                     clock,
                 })
             });
@@ -1656,6 +1716,7 @@ mod tests {
             attention_width: 2048,
             per_layer_input,
             attending: false,
+            anatomy: true,
             clock: Array::from_slice(&ns, &[ns.len() as i32]),
         };
         assert_eq!(
@@ -1696,10 +1757,21 @@ mod tests {
             attention_width: 2048,
             per_layer_input: true,
             attending: false,
+            anatomy: true,
             clock: Array::from_slice(&ns[..8], &[8]),
         };
         assert!(short.block_events_us().is_err());
         assert!(short.start_spread_us().is_err());
+        // Without the anatomy the clock holds the blocks' starts alone.
+        let plain = StageClock {
+            attention_width: 2048,
+            per_layer_input: true,
+            attending: false,
+            anatomy: false,
+            clock: Array::from_slice(&ns[..11], &[11]),
+        };
+        assert_eq!(plain.start_spread_us().unwrap(), 1.25);
+        assert!(plain.block_events_us().unwrap().is_empty());
     }
 
     #[test]
