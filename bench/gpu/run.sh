@@ -44,6 +44,9 @@
 #              (HOST_SETS: the --fused-kernels sets), also with one CUDA graph per step
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16 (LARGE_MODELS: "31b", "26b-a4b"
 #              or both, the default)
+#   graph-budget  decode of E4B, 12B and 31B (GRAPH_MODELS) with MLX's CUDA graphs cut at
+#              each input budget of GRAPH_BUDGETS (MB, MLX_MAX_MB_PER_BUFFER; default
+#              1000 4000 16000 100000), each its own process
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
 #   opcost     host time per operation: MLX's add, RMSNorm and product vs our fused kernels
@@ -666,6 +669,21 @@ if want large; then
     if [[ " ${LARGE_MODELS:-31b 26b-a4b} " == *" 26b-a4b "* ]]; then
         bench "mlx-spec 26B-A4B bf16 (MoE)" --model "$ROOT/configs/gemma-4-26b-a4b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 32 --repeats 1
     fi
+fi
+
+if want graph-budget; then
+    # How many bytes of inputs MLX lets one CUDA graph hold before it commits it
+    # (MLX_MAX_MB_PER_BUFFER, 1 000 MB by default on CUDA): a step reads its weights once, so
+    # the budget sets how many graphs a step is cut into. Each budget in GRAPH_BUDGETS (MB)
+    # for each model in GRAPH_MODELS (config names without gemma-4-), in turn, each its own
+    # process (MLX reads the variable once).
+    for model in ${GRAPH_MODELS:-e4b 12b 31b}; do
+        for mb in ${GRAPH_BUDGETS:-1000 4000 16000 100000}; do
+            BENCH_ENV="MLX_MAX_MB_PER_BUFFER=$mb" bench "mlx-spec ${model^^} bf16, graphs of up to $mb MB" \
+                --model "$ROOT/configs/gemma-4-$model.json" --dtype bf16 --prompt-tokens 512 \
+                --gen-tokens 64 --repeats "${GRAPH_REPEATS:-3}"
+        done
+    done
 fi
 
 if want spec; then
