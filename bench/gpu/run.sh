@@ -93,9 +93,7 @@
 #              single-token steps (they must be identical), then the 4-bit verify cost curve
 #   stage-times the post-attention kernel's stages (attention output, gate/up, down, the
 #              per-layer input's gate and projection) timed on the device during pipelined
-#              decode, E4B bf16 and 4-bit, 12B bf16 (`bench --stage-times`; with
-#              STAGE_TIMES_ARGS=--stage-anatomy also each block's arrival at and departure
-#              from every barrier)
+#              decode, E4B bf16 and 4-bit, 12B bf16 (`bench --stage-times`)
 #   stalls     the post-attention kernel (bf16, and 4-bit with affine4) and the default's
 #              feed-forward kernels in Nsight Compute's occupancy, scheduler and warp-state
 #              sections: why they run at the speed they do

@@ -1302,24 +1302,6 @@ fn compare_fused(
                 },
             ),
             variant(
-                "rows copied ahead",
-                default_set,
-                default_name,
-                Tuning {
-                    rows_copied_ahead: 4,
-                    ..default
-                },
-            ),
-            variant(
-                "rows copied ahead (8 pieces)",
-                default_set,
-                default_name,
-                Tuning {
-                    rows_copied_ahead: 8,
-                    ..default
-                },
-            ),
-            variant(
                 "rows touched first",
                 products_set,
                 products_name,
@@ -1535,14 +1517,6 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             output_rows_prefetched: true,
             ..default
         },
-        Tuning {
-            rows_copied_ahead: 4,
-            ..default
-        },
-        Tuning {
-            rows_copied_ahead: 8,
-            ..default
-        },
     ];
     let mut written: Vec<mlx_spec::kernels::CapturedKernel> = Vec::new();
     let mut run = || -> Result<()> {
@@ -1550,10 +1524,8 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             for tuning in variants {
                 set_allowed(kernels);
                 tuning.apply()?;
-                // Untimed, the stage clock, and the stage clock with each block's events.
-                for (timed, anatomy) in [(false, false), (true, false), (true, true)] {
+                for timed in [false, true] {
                     mlx_spec::kernels::post_attention::set_stage_times(timed);
-                    mlx_spec::kernels::post_attention::set_stage_anatomy(anatomy);
                     let (_, calls) = capture_kernels(|| {
                         model.forward_ids(&token, &mut cache, LogitsFor::Last, false)
                     })?;
@@ -1597,7 +1569,6 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
     };
     let result = run();
     mlx_spec::kernels::post_attention::set_stage_times(false);
-    mlx_spec::kernels::post_attention::set_stage_anatomy(false);
     set_allowed(default_kernels);
     default.apply()?;
     result?;
@@ -1626,10 +1597,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
 /// `bench --stage-times`: the post-attention kernel's stages, timed on the device during
 /// pipelined decode, by kind of layer (attention width, per-layer input or not).
 fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
-    use mlx_spec::kernels::post_attention::{
-        set_stage_anatomy, set_stage_times, take_stage_times, BLOCK_EVENTS, STAGES,
-    };
-    set_stage_anatomy(args.stage_anatomy);
+    use mlx_spec::kernels::post_attention::{set_stage_times, take_stage_times, STAGES};
     if !on_cuda() {
         bail!("--stage-times: the post-attention kernel runs on a CUDA GPU only (--device gpu with the CUDA libmlx)");
     }
@@ -1642,8 +1610,6 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
         ramp_sum: f64,
         /// Of the first stage, the attention's (calls that attended first).
         attention_sum: Option<f64>,
-        /// Each block event's first, median and last block, summed over the calls.
-        event_sums: Vec<[f64; 3]>,
     }
     let mut kinds: Vec<Kind> = Vec::new();
     for round in 0..=args.repeats {
@@ -1663,17 +1629,9 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
             let us = clock.stage_us()?;
             let ramp = clock.start_spread_us()?;
             let attention = clock.attention_us()?;
-            let events: Vec<[f64; 3]> = clock
-                .block_events_us()?
-                .iter()
-                .map(|e| [e.first, e.median, e.last])
-                .collect();
             match kinds.iter_mut().find(|k| k.key == key) {
                 Some(kind) => {
                     kind.calls += 1;
-                    for (sum, event) in kind.event_sums.iter_mut().zip(&events) {
-                        sum.iter_mut().zip(event).for_each(|(s, e)| *s += e);
-                    }
                     kind.stage_sums
                         .iter_mut()
                         .zip(&us)
@@ -1689,7 +1647,6 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
                     stage_sums: us,
                     ramp_sum: ramp,
                     attention_sum: attention,
-                    event_sums: events,
                 }),
             }
         }
@@ -1706,42 +1663,27 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
             let calls = kind.calls as f64;
             let means: Vec<f64> = kind.stage_sums.iter().map(|s| s / calls).collect();
             let attention = kind.attention_sum.map(|s| s / calls);
-            let events: Vec<[f64; 3]> = kind
-                .event_sums
-                .iter()
-                .map(|e| e.map(|us| us / calls))
-                .collect();
             (
                 kind.key,
                 kind.calls,
                 means,
                 kind.ramp_sum / calls,
                 attention,
-                events,
             )
         })
         .collect();
     if args.json {
         let kinds: Vec<_> = rows
             .iter()
-            .map(|((width, ple), calls, means, spread, attention, events)| {
+            .map(|((width, ple), calls, means, spread, attention)| {
                 let stages: serde_json::Map<String, serde_json::Value> = STAGES
                     .iter()
                     .zip(means)
                     .map(|(name, us)| (name.to_string(), json!(us)))
                     .collect();
-                // Events in order (two are named "leave"), each with its spread over blocks.
-                let events: Vec<_> = BLOCK_EVENTS
-                    .iter()
-                    .zip(events)
-                    .map(|(name, [first, median, last])| {
-                        json!({"event": name, "first_us": first, "median_us": median, "last_us": last})
-                    })
-                    .collect();
                 json!({"attention_width": width, "per_layer_input": ple, "calls": calls,
                        "stage_us": stages, "total_us": means.iter().sum::<f64>(),
-                       "block_start_spread_us": spread, "attention_us": attention,
-                       "block_events": events})
+                       "block_start_spread_us": spread, "attention_us": attention})
             })
             .collect();
         println!("{}", json!({ "post_attention_stage_times": kinds }));
@@ -1751,7 +1693,7 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
             STAGES.join(" | ")
         );
         println!("|---|---|{}---|---|---|", "---|".repeat(STAGES.len()));
-        for ((width, ple), calls, means, spread, attention, _) in &rows {
+        for ((width, ple), calls, means, spread, attention) in &rows {
             let cells: Vec<String> = (0..STAGES.len())
                 .map(|i| means.get(i).map_or("-".into(), |us| format!("{us:.1} µs")))
                 .collect();
@@ -1763,31 +1705,6 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
                 attention.map_or("-".into(), |us| format!("{us:.1} µs"))
             );
         }
-        // Where the stages' time goes block by block: how far apart the blocks finish a stage
-        // (its slowest block sets the barrier) and how long leaving a barrier takes.
-        if !args.stage_anatomy {
-            return Ok(());
-        }
-        println!();
-        println!("| layer (attention width) | {} |", BLOCK_EVENTS.join(" | "));
-        println!("|---|{}", "---|".repeat(BLOCK_EVENTS.len()));
-        for ((width, ple), _, _, _, _, events) in &rows {
-            let cells: Vec<String> = (0..BLOCK_EVENTS.len())
-                .map(|i| {
-                    events.get(i).map_or("-".into(), |[first, median, last]| {
-                        format!("{first:.1} / {median:.1} / {last:.1}")
-                    })
-                })
-                .collect();
-            println!(
-                "| {width}{} | {} |",
-                if *ple { ", per-layer input" } else { "" },
-                cells.join(" | ")
-            );
-        }
-        println!(
-            "(µs after block 0 started, of the first / median / last block, mean over the calls)"
-        );
     }
     Ok(())
 }

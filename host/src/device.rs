@@ -71,6 +71,7 @@ pub fn select(kind: DeviceKind) -> Result<()> {
     }
     if kind == DeviceKind::Gpu {
         keep_kernels_across_runs();
+        cut_graphs_at_measured_budget();
     }
     let device = match kind {
         DeviceKind::Cpu => Device::new(DeviceType::Cpu, 0),
@@ -131,6 +132,41 @@ fn keep_kernels_across_runs() {
              temporary folder (set {KERNEL_CACHE_VAR} to choose one)",
             dir.display()
         ),
+    }
+}
+
+/// MLX's variable naming how many megabytes of inputs one of its CUDA graphs (a Metal command
+/// buffer on macOS) may hold before MLX commits it.
+pub const GRAPH_BUDGET_VAR: &str = "MLX_MAX_MB_PER_BUFFER";
+
+/// The budget mlx-spec gives MLX's CUDA graphs where the user set none, in MB. A decode step
+/// reads every weight once, so the budget decides how many graphs a step is cut into: MLX's
+/// own 1 000 MB cuts a 12B step into about 24 and a 31B step into about 61, each with its
+/// update and launch on the host and a gap on the device. On an H200 (BENCHMARKS.md, "graphs
+/// of 4 000 MB") 4 000 MB decoded faster than 1 000 for E4B, 12B and 31B alike (by 0.4-1.5
+/// %), while 16 000 and 100 000 lost up to 14 % on E4B, whose host then hands the device its
+/// work too late.
+pub const GRAPH_BUDGET_MB: &str = "4000";
+
+/// The budget to set, given the variable's current value: none where the user chose one.
+pub fn graph_budget_to_set(current: Option<std::ffi::OsString>) -> Option<&'static str> {
+    match current {
+        Some(_) => None,
+        None => Some(GRAPH_BUDGET_MB),
+    }
+}
+
+/// Sets [`GRAPH_BUDGET_VAR`] to [`GRAPH_BUDGET_MB`] unless the user chose a budget, on Linux,
+/// where MLX's GPU back end is CUDA (on macOS its Metal command buffers keep MLX's own
+/// budget, not measured here). Must run before MLX records its first graph, which reads the
+/// variable once.
+fn cut_graphs_at_measured_budget() {
+    if !cfg!(target_os = "linux") {
+        return;
+    }
+    if let Some(mb) = graph_budget_to_set(std::env::var_os(GRAPH_BUDGET_VAR)) {
+        tracing::debug!("MLX's CUDA graphs hold up to {mb} MB of inputs ({GRAPH_BUDGET_VAR})");
+        std::env::set_var(GRAPH_BUDGET_VAR, mb);
     }
 }
 
@@ -232,6 +268,15 @@ mod tests {
     use super::*;
     use std::ffi::OsString;
     use std::path::PathBuf;
+
+    #[test]
+    fn a_graph_budget_the_user_set_is_kept() {
+        assert_eq!(graph_budget_to_set(None), Some(GRAPH_BUDGET_MB));
+        assert_eq!(graph_budget_to_set(Some(OsString::from("1000"))), None);
+        // An empty value is the user's too: left as it is.
+        assert_eq!(graph_budget_to_set(Some(OsString::new())), None);
+        assert!(GRAPH_BUDGET_MB.parse::<u32>().unwrap() > 1000);
+    }
 
     #[test]
     fn the_kernel_cache_goes_under_the_users_cache_directory_by_libmlx_version() {

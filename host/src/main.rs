@@ -211,10 +211,7 @@ struct ModelArgs {
     /// step's attention as the first stage of the post-attention kernel instead of a kernel of
     /// its own: the same values, one launch a layer fewer), `output-rows-prefetched` (with
     /// it, each warp copies the first pieces of its attention-output rows into shared memory
-    /// while the grid attends; dense weights), `rows-copied-ahead` (the post-attention kernel's
-    /// warps copy the first 4 pieces a lane of their first rows of each product into shared
-    /// memory before the wait that comes before it: the attention output's staging, each
-    /// grid-wide barrier; dense weights), `rows-copied-ahead-8` (the same with 8 pieces).
+    /// while the grid attends; dense weights).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
     /// A forward whose result the host reads at once (a verify window) goes
@@ -258,9 +255,6 @@ enum KernelVariantArg {
     BufferSizedAttentionShares,
     AttentionInPostAttention,
     OutputRowsPrefetched,
-    RowsCopiedAhead,
-    #[value(name = "rows-copied-ahead-8")]
-    RowsCopiedAhead8,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -340,13 +334,6 @@ impl ModelArgs {
             attention_in_post_attention: variants
                 .contains(&KernelVariantArg::AttentionInPostAttention),
             output_rows_prefetched: variants.contains(&KernelVariantArg::OutputRowsPrefetched),
-            rows_copied_ahead: if variants.contains(&KernelVariantArg::RowsCopiedAhead8) {
-                8
-            } else if variants.contains(&KernelVariantArg::RowsCopiedAhead) {
-                4
-            } else {
-                0
-            },
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep
@@ -497,11 +484,6 @@ struct BenchArgs {
     /// kernel of a step spends its time (CUDA GPU only).
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability"])]
     stage_times: bool,
-    /// With --stage-times: each block also records when it has staged its first input and
-    /// when it arrives at and leaves each grid-wide barrier (its own kernel, the stamps on
-    /// its critical path); prints the first, median and last block of each event.
-    #[arg(long, requires = "stage_times")]
-    stage_anatomy: bool,
     /// Instead of the decode measurements: write the full CUDA source of every fused kernel a
     /// decode step of this model calls, with each kernel set and each variant, into this folder
     /// as MLX 0.32 would compile it (`<kernel>-<hash>.cu`, listed in `kernels.tsv` with block

@@ -244,8 +244,6 @@ pub struct Tuning {
     pub attention_in_post_attention: bool,
     /// [`post_attention::set_output_rows_prefetched`].
     pub output_rows_prefetched: bool,
-    /// [`post_attention::set_rows_copied_ahead`]: pieces a lane, 0 for none.
-    pub rows_copied_ahead: i32,
 }
 
 impl Tuning {
@@ -270,7 +268,6 @@ impl Tuning {
             aligned_attention_shares: decode_attention::aligned_shares(),
             attention_in_post_attention: post_attention::attention_in_post_attention(),
             output_rows_prefetched: post_attention::output_rows_prefetched(),
-            rows_copied_ahead: post_attention::rows_copied_ahead(),
         }
     }
 
@@ -278,7 +275,7 @@ impl Tuning {
     /// post-attention kernel's row pairs, loads in flight, which block finishes the attention
     /// heads, weight lines requested early, where the step's integers live and how they reach
     /// the kernels, what stands in for inputs a kernel does not read, weight rows loaded before
-    /// their input, rows copied ahead of a wait) put to fixed values: two tunings with equal `value_settings` compute the
+    /// their input) put to fixed values: two tunings with equal `value_settings` compute the
     /// same values bit for bit, with the same kernels.
     pub fn value_settings(self) -> Tuning {
         Tuning {
@@ -295,7 +292,6 @@ impl Tuning {
             per_layer_rows_early: false,
             attention_in_post_attention: false,
             output_rows_prefetched: false,
-            rows_copied_ahead: 0,
             ..self
         }
     }
@@ -319,7 +315,6 @@ impl Tuning {
         decode_attention::set_aligned_shares(self.aligned_attention_shares);
         post_attention::set_attention_in_post_attention(self.attention_in_post_attention);
         post_attention::set_output_rows_prefetched(self.output_rows_prefetched);
-        post_attention::set_rows_copied_ahead(self.rows_copied_ahead)?;
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }
@@ -972,8 +967,7 @@ impl PerSharedMemory {
         }
     }
 
-    /// The kernel for `eps` whose blocks get `shared` bytes (see [`dynamic_shared_bytes`]
-    /// for a kernel with static shared memory too).
+    /// The kernel for `eps` whose blocks get `shared` bytes.
     pub(crate) fn get(&mut self, shared: usize, eps: f32) -> Result<&CudaKernel> {
         let (name, inputs, outputs, source, header) = (
             self.name,
@@ -991,23 +985,6 @@ impl PerSharedMemory {
                     .with_shared_memory(shared as i32)
             })
             .get(eps)
-    }
-}
-
-/// The least dynamic shared memory a kernel is given when it asks for some. A CUDA kernel may
-/// take no more than 48 KB of static and dynamic shared memory together unless its
-/// maximum dynamic size is raised, and MLX 0.32 raises it only for requests above 48 000
-/// bytes: a kernel with 38.5 KB of static shared memory that asked for 32 KB more failed at
-/// launch ("cuGraphAddKernelNode ... invalid argument" on the H200). Asking for at least this
-/// much makes MLX raise the limit; the bytes above what the kernel uses are left idle.
-pub(crate) const DYNAMIC_SHARED_FLOOR: usize = 48 * 1024;
-
-/// What a kernel with static shared memory of its own asks for when it needs `bytes` of
-/// dynamic shared memory.
-pub(crate) fn dynamic_shared_bytes(bytes: usize) -> usize {
-    match bytes {
-        0 => 0,
-        b => b.max(DYNAMIC_SHARED_FLOOR),
     }
 }
 
@@ -1046,14 +1023,6 @@ __device__ inline float block_max(float v, float* red) {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn dynamic_shared_memory_asked_for_is_enough_for_mlx_to_raise_the_limit() {
-        // MLX raises a kernel's dynamic limit above 48 000 bytes only.
-        assert_eq!(super::dynamic_shared_bytes(0), 0);
-        assert!(super::dynamic_shared_bytes(32 * 1024) > 48_000);
-        assert_eq!(super::dynamic_shared_bytes(64 * 1024), 64 * 1024);
-    }
-
     use super::*;
 
     #[test]
