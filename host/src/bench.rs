@@ -1179,7 +1179,7 @@ fn compare_fused(
     } else {
         // Variants that lost in several leases (barriers polling with acquire loads, L2
         // prefetch, 16 loads in flight in the post-attention kernel, three blocks a
-        // multiprocessor) are no longer measured; their figures
+        // multiprocessor, 32-slot attention shares) are no longer measured; their figures
         // are in BENCHMARKS.md. The default (the post-attention kernel with the output head)
         // comes first among our sets, then the five product kernels it replaces, then the
         // variants on top of the one they touch.
@@ -1263,27 +1263,6 @@ fn compare_fused(
                 },
             ),
             variant("narrow attention rounds", default_set, default_name, narrow),
-            // Smaller shares lost on E4B when its host was the bound; measured again where the
-            // device is (the 12B): two and four times the blocks for a head's slots (at 64
-            // slots a 12B sliding layer's 512 are 128 blocks, one wave at one a multiprocessor).
-            variant(
-                "64-slot attention shares",
-                default_set,
-                default_name,
-                Tuning {
-                    attention_share: 64,
-                    ..default
-                },
-            ),
-            variant(
-                "32-slot attention shares",
-                default_set,
-                default_name,
-                Tuning {
-                    attention_share: mlx_spec::kernels::decode_attention::ONE_ROUND_SHARE_SLOTS,
-                    ..default
-                },
-            ),
             variant(
                 "buffer-sized attention shares",
                 default_set,
