@@ -26,7 +26,7 @@
 #              with the driver's carveouts, one fixed carveout, or the device preferring shared
 #   gemv       GB/s of one-token products through cuBLAS (PyTorch, CUDA graph): the rate a
 #              product can reach with no host in the way
-#   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B and E4B 4-bit; verify cost curve
+#   mlx        prefill/decode of E4B (prompt 512 and 4096), 12B, E4B 4-bit and 31B; verify cost curve
 #   peer       transformers' Gemma4ForCausalLM decode on the E4B config (dynamic cache, then
 #              static cache + torch.compile; `peer-static`: the second alone). PEER_TIMEOUT
 #              bounds each in seconds (default 400).
@@ -308,6 +308,8 @@ if want mlx; then
     bench "mlx-spec E4B bf16, prompt 4096" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --prompt-tokens 4096 --gen-tokens 64 --repeats 1
     bench "mlx-spec 12B bf16" --model "$ROOT/configs/gemma-4-12b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
     bench "mlx-spec E4B 4-bit g64" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 --random-bits 4 --prompt-tokens 512 --gen-tokens 64 --repeats 2
+    # The largest dense shape: about 30 s on an H200 (61 GB of random weights drawn on it).
+    bench "mlx-spec 31B bf16" --model "$ROOT/configs/gemma-4-31b.json" --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 2
 fi
 
 if want sampling; then
