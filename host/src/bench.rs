@@ -1282,26 +1282,6 @@ fn compare_fused(
                 },
             ),
             variant(
-                "attention in post-attention",
-                default_set,
-                default_name,
-                Tuning {
-                    attention_in_post_attention: true,
-                    output_rows_prefetched: false,
-                    ..default
-                },
-            ),
-            variant(
-                "attention in post-attention, output rows prefetched",
-                default_set,
-                default_name,
-                Tuning {
-                    attention_in_post_attention: true,
-                    output_rows_prefetched: true,
-                    ..default
-                },
-            ),
-            variant(
                 "rows touched first",
                 products_set,
                 products_name,
@@ -1507,16 +1487,6 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
             aligned_attention_shares: !default.aligned_attention_shares,
             ..default
         },
-        Tuning {
-            attention_in_post_attention: true,
-            output_rows_prefetched: false,
-            ..default
-        },
-        Tuning {
-            attention_in_post_attention: true,
-            output_rows_prefetched: true,
-            ..default
-        },
     ];
     let mut written: Vec<mlx_spec::kernels::CapturedKernel> = Vec::new();
     let mut run = || -> Result<()> {
@@ -1608,8 +1578,6 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
         calls: usize,
         stage_sums: Vec<f64>,
         ramp_sum: f64,
-        /// Of the first stage, the attention's (calls that attended first).
-        attention_sum: Option<f64>,
     }
     let mut kinds: Vec<Kind> = Vec::new();
     for round in 0..=args.repeats {
@@ -1628,7 +1596,6 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
             let key = (clock.attention_width, clock.per_layer_input);
             let us = clock.stage_us()?;
             let ramp = clock.start_spread_us()?;
-            let attention = clock.attention_us()?;
             match kinds.iter_mut().find(|k| k.key == key) {
                 Some(kind) => {
                     kind.calls += 1;
@@ -1637,16 +1604,12 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
                         .zip(&us)
                         .for_each(|(s, u)| *s += u);
                     kind.ramp_sum += ramp;
-                    if let (Some(sum), Some(us)) = (kind.attention_sum.as_mut(), attention) {
-                        *sum += us;
-                    }
                 }
                 None => kinds.push(Kind {
                     key,
                     calls: 1,
                     stage_sums: us,
                     ramp_sum: ramp,
-                    attention_sum: attention,
                 }),
             }
         }
@@ -1662,20 +1625,13 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
         .map(|kind| {
             let calls = kind.calls as f64;
             let means: Vec<f64> = kind.stage_sums.iter().map(|s| s / calls).collect();
-            let attention = kind.attention_sum.map(|s| s / calls);
-            (
-                kind.key,
-                kind.calls,
-                means,
-                kind.ramp_sum / calls,
-                attention,
-            )
+            (kind.key, kind.calls, means, kind.ramp_sum / calls)
         })
         .collect();
     if args.json {
         let kinds: Vec<_> = rows
             .iter()
-            .map(|((width, ple), calls, means, spread, attention)| {
+            .map(|((width, ple), calls, means, spread)| {
                 let stages: serde_json::Map<String, serde_json::Value> = STAGES
                     .iter()
                     .zip(means)
@@ -1683,26 +1639,25 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
                     .collect();
                 json!({"attention_width": width, "per_layer_input": ple, "calls": calls,
                        "stage_us": stages, "total_us": means.iter().sum::<f64>(),
-                       "block_start_spread_us": spread, "attention_us": attention})
+                       "block_start_spread_us": spread})
             })
             .collect();
         println!("{}", json!({ "post_attention_stage_times": kinds }));
     } else {
         println!(
-            "| layer (attention width) | calls | {} | all stages | last block starts after the first | of the first stage, attention |",
+            "| layer (attention width) | calls | {} | all stages | last block starts after the first |",
             STAGES.join(" | ")
         );
-        println!("|---|---|{}---|---|---|", "---|".repeat(STAGES.len()));
-        for ((width, ple), calls, means, spread, attention) in &rows {
+        println!("|---|---|{}---|---|", "---|".repeat(STAGES.len()));
+        for ((width, ple), calls, means, spread) in &rows {
             let cells: Vec<String> = (0..STAGES.len())
                 .map(|i| means.get(i).map_or("-".into(), |us| format!("{us:.1} µs")))
                 .collect();
             println!(
-                "| {width}{} | {calls} | {} | {:.1} µs | {spread:.1} µs | {} |",
+                "| {width}{} | {calls} | {} | {:.1} µs | {spread:.1} µs |",
                 if *ple { ", per-layer input" } else { "" },
                 cells.join(" | "),
-                means.iter().sum::<f64>(),
-                attention.map_or("-".into(), |us| format!("{us:.1} µs"))
+                means.iter().sum::<f64>()
             );
         }
     }

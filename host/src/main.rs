@@ -207,11 +207,7 @@ struct ModelArgs {
     /// `buffer-sized-attention-shares` (decode attention splits a head's slots into a power of
     /// two of shares sized by the buffer, as first written; by default shares of a fixed size
     /// at fixed slots, so that a verify window's queries sum as decode steps do even when the
-    /// window made the cache grow; moves roundings), `attention-in-post-attention` (a decode
-    /// step's attention as the first stage of the post-attention kernel instead of a kernel of
-    /// its own: the same values, one launch a layer fewer), `output-rows-prefetched` (with
-    /// it, each warp copies the first pieces of its attention-output rows into shared memory
-    /// while the grid attends; dense weights).
+    /// window made the cache grow; moves roundings).
     #[arg(long, value_enum, value_delimiter = ',')]
     kernel_variants: Vec<KernelVariantArg>,
     /// A forward whose result the host reads at once (a verify window) goes
@@ -253,8 +249,6 @@ enum KernelVariantArg {
     WeightsAsStandIns,
     PerLayerRowsLate,
     BufferSizedAttentionShares,
-    AttentionInPostAttention,
-    OutputRowsPrefetched,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -331,9 +325,6 @@ impl ModelArgs {
             per_layer_rows_early: !variants.contains(&KernelVariantArg::PerLayerRowsLate),
             aligned_attention_shares: !variants
                 .contains(&KernelVariantArg::BufferSizedAttentionShares),
-            attention_in_post_attention: variants
-                .contains(&KernelVariantArg::AttentionInPostAttention),
-            output_rows_prefetched: variants.contains(&KernelVariantArg::OutputRowsPrefetched),
             ..mlx_spec::kernels::Tuning::current()
         };
         // Only the row count per warp and the loads in flight can be refused, and these keep

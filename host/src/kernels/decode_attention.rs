@@ -31,23 +31,7 @@ use mlx_rs::{Array, Dtype};
 
 use super::{step_ints, CudaKernel, TemplateArg, REDUCE_HEADER};
 
-pub(crate) const HEADER: &str = r#"
-// One block's share of decode attention: block `block` of the (head, share of the slots)
-// blocks of query `token` (a window of queries, `window_attention`, has each its own
-// visible slots, counters, shares and output row; one query is token 0), over `heads` query
-// heads. CHUNK slots a share. `scores` (CHUNK floats), `sums` (WARPS * D floats) and `red`
-// (32 floats) are the block's shared memory: the decode-attention kernel declares them, the
-// post-attention kernel that attends first (`post_attention::set_attention_in_post_attention`)
-// lends them from its staging buffer. The last of a head's blocks to finish writes the
-// head's row of `out`. KV_APART: a one-round share loads its value rows after scoring its
-// keys, not with them (a round trip more, half the registers: the post-attention kernel must
-// keep two blocks a multiprocessor); the same slots a warp, summed in the same order.
-template <typename T, int D, int GROUP, int WARPS, int SPLITS, int SLOTS, int CHUNK, bool WIDE,
-          int SLIDE, bool KV_APART = false>
-__device__ inline void attend_share(const int block, const int token, const int heads,
-                                    const T* q, const T* k, const T* v, const int* visible,
-                                    const unsigned int* counter, float* partial, T* out,
-                                    float* scores, float* sums, float* red) {
+const SOURCE: &str = r#"
   // A lane loads 16 bytes (VEC elements) at a time; a row of D elements is CH such chunks
   // per lane. A warp takes UNROLL slots at a time, so their loads overlap the reductions.
   // WIDE: a warp takes as many slots at once as its share of the block's slots (at most 16
@@ -56,6 +40,9 @@ __device__ inline void attend_share(const int block, const int token, const int 
   // for keys and again for values.
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CH = D / (32 * VEC);
+  // FIXED_CHUNK (`set_aligned_shares`): shares of that many slots at multiples of it, so that
+  // a query's grouping of its slots does not change when its buffer grows.
+  constexpr int CHUNK = FIXED_CHUNK > 0 ? FIXED_CHUNK : (SLOTS + SPLITS - 1) / SPLITS;
   constexpr int NARROW_UNROLL = CH > 2 ? 2 : 4;
   constexpr int WIDEST_UNROLL = 16 / CH > NARROW_UNROLL ? 16 / CH : NARROW_UNROLL;
   constexpr int WARP_SHARE = (CHUNK + WARPS - 1) / WARPS;
@@ -66,9 +53,16 @@ __device__ inline void attend_share(const int block, const int token, const int 
   // to memory), and before it knows which slots are visible: the visible range lives in
   // host-visible memory, a bus crossing slower than a trip to device memory.
   constexpr bool ONE_ROUND = CHUNK <= WARPS * UNROLL;
+  __shared__ float scores[MAX_CHUNK];
+  __shared__ float sums[WARPS * D];
+  __shared__ float red[32];
   __shared__ int seen[2];
-  const int head = block / SPLITS;
-  const int split = block % SPLITS;
+  // A window of queries (`window_attention`): query `token` of the window, each with its own
+  // visible slots, counters, shares and output row; one query is token 0.
+  const int token = blockIdx.y;
+  const int heads = gridDim.x / SPLITS;
+  const int head = blockIdx.x / SPLITS;
+  const int split = blockIdx.x % SPLITS;
   const int kv_head = head / GROUP;
   const int lo = split * CHUNK;
   const int hi = min(SLOTS, lo + CHUNK);
@@ -118,7 +112,7 @@ __device__ inline void attend_share(const int block, const int token, const int 
 #pragma unroll
       for (int j = 0; j < CH; j++) {
         krows[u][j] = s < hi ? k4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
-        if constexpr (!KV_APART) vrows[u][j] = s < hi ? v4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
+        vrows[u][j] = s < hi ? v4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
       }
     }
   }
@@ -205,18 +199,6 @@ __device__ inline void attend_share(const int block, const int token, const int 
     }
   };
   if constexpr (ONE_ROUND) {
-    if constexpr (KV_APART) {
-      // The value rows now, all of them in flight before any is used (a hidden slot's row is
-      // not read: its weight is 0).
-#pragma unroll
-      for (int u = 0; u < UNROLL; u++) {
-        const int s = round_base + u;
-        const bool weighed = s < hi && scores[s - lo] != 0.f;
-        const uint4* v4 = reinterpret_cast<const uint4*>(vb + (size_t)s * D);
-#pragma unroll
-        for (int j = 0; j < CH; j++) vrows[u][j] = weighed ? v4[lane + 32 * j] : make_uint4(0, 0, 0, 0);
-      }
-    }
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
       const int s = round_base + u;
@@ -247,7 +229,7 @@ __device__ inline void attend_share(const int block, const int token, const int 
     for (int x = 0; x < VEC; x++) sums[warp * D + (lane + 32 * j) * VEC + x] = acc[j * VEC + x];
   }
   __syncthreads();
-  float* mine = partial + ((size_t)token * (heads * SPLITS) + block) * (D + 2);
+  float* mine = partial + ((size_t)token * gridDim.x + blockIdx.x) * (D + 2);
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     float o = 0.f;
 #pragma unroll
@@ -272,7 +254,7 @@ __device__ inline void attend_share(const int block, const int token, const int 
   __threadfence();
   // Thread b reads share b's maximum and sum; every share is then weighted by
   // exp(its maximum - the head's), 0 for a share with nothing visible.
-  const float* ph = partial + ((size_t)token * (heads * SPLITS) + (size_t)head * SPLITS) * (D + 2);
+  const float* ph = partial + ((size_t)token * gridDim.x + (size_t)head * SPLITS) * (D + 2);
   const int b = threadIdx.x;
   const float share_max = b < SPLITS ? __ldcg(ph + b * (D + 2) + D) : -INFINITY;
   const float share_total = b < SPLITS ? __ldcg(ph + b * (D + 2) + D + 1) : 0.f;
@@ -287,19 +269,6 @@ __device__ inline void attend_share(const int block, const int token, const int 
     out[((size_t)token * heads + head) * D + i] = static_cast<T>(o * inv);
   }
   if (SPLITS > 1 && threadIdx.x == 0) done[head] = 0u;
-}
-"#;
-
-const SOURCE: &str = r#"
-  // FIXED_CHUNK (`set_aligned_shares`): shares of that many slots at multiples of it, so that
-  // a query's grouping of its slots does not change when its buffer grows.
-  constexpr int CHUNK = FIXED_CHUNK > 0 ? FIXED_CHUNK : (SLOTS + SPLITS - 1) / SPLITS;
-  __shared__ float scores[MAX_CHUNK];
-  __shared__ float sums[WARPS * D];
-  __shared__ float red[32];
-  attend_share<T, D, GROUP, WARPS, SPLITS, SLOTS, CHUNK, WIDE, SLIDE>(
-      blockIdx.x, blockIdx.y, gridDim.x / SPLITS, q, k, v, visible, counter, partial, out,
-      scores, sums, red);
 "#;
 
 const WARPS: i32 = 8;
@@ -379,12 +348,6 @@ thread_local! {
     static KERNEL: RefCell<Option<CudaKernel>> = const { RefCell::new(None) };
 }
 
-/// The reductions and [`HEADER`], the decode-attention kernel's header.
-fn kernel_header() -> &'static str {
-    static MADE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    MADE.get_or_init(|| format!("{REDUCE_HEADER}{HEADER}"))
-}
-
 /// How many blocks split the slots of one head: a power of two (few compiled variants as a
 /// buffer grows) giving each about [`DEFAULT_SHARE_SLOTS`] slots ([`set_share_slots`]); `None` when the kernel does not
 /// serve the shape: rows must split into 16-byte loads over a warp (`head_dim` a multiple of
@@ -436,121 +399,19 @@ pub fn decode_attention(
     splits: usize,
     counters: &Array,
 ) -> Result<Array> {
-    DecodeAttention::new(
-        q,
-        keys,
-        values,
-        visible,
-        visible_on_device,
-        splits,
-        counters,
-    )?
-    .run()
-}
-
-/// One query's [`decode_attention`], checked but not yet in the graph: either run alone
-/// ([`DecodeAttention::run`]) or as the first stage of the post-attention kernel
-/// ([`super::post_attention::post_attention_attending`]), which computes the same values.
-pub struct DecodeAttention {
-    pub(crate) q: Array,
-    pub(crate) keys: Array,
-    pub(crate) values: Array,
-    /// The visible slots, two int32 (host-visible, or the heads kernel's device copy).
-    pub(crate) visible: Array,
-    pub(crate) splits: usize,
-    pub(crate) counters: Array,
-}
-
-impl DecodeAttention {
-    /// Checks the call's arguments (see [`decode_attention`]).
-    pub fn new(
-        q: &Array,
-        keys: &Array,
-        values: &Array,
-        visible: std::ops::Range<usize>,
-        visible_on_device: Option<&Array>,
-        splits: usize,
-        counters: &Array,
-    ) -> Result<DecodeAttention> {
-        let (heads, slots) = (q.shape()[1], keys.shape()[2]);
-        if counters.size() < heads as usize || counters.dtype() != Dtype::Uint32 {
-            bail!("decode_attention needs {heads} uint32 counters, got {counters:?}");
-        }
-        if visible.end > slots as usize || visible.start > visible.end {
-            bail!("decode_attention: slots {visible:?} outside a buffer of {slots}");
-        }
-        let visible = match visible_on_device {
-            Some(copy) if copy.dtype() == Dtype::Int32 && copy.size() >= 2 => copy.clone(),
-            Some(copy) => bail!("decode_attention: visible slots in {copy:?}, not int32 x 2"),
-            None => step_ints(&[visible.start as i32, visible.end as i32])?,
-        };
-        Ok(DecodeAttention {
-            q: q.clone(),
-            keys: keys.clone(),
-            values: values.clone(),
-            visible,
-            splits,
-            counters: counters.clone(),
-        })
+    let (heads, slots) = (q.shape()[1], keys.shape()[2]);
+    if counters.size() < heads as usize || counters.dtype() != Dtype::Uint32 {
+        bail!("decode_attention needs {heads} uint32 counters, got {counters:?}");
     }
-
-    /// The attention kernel alone: `[1, heads * D]`.
-    pub fn run(&self) -> Result<Array> {
-        let (q, k, v) = (&self.q, &self.keys, &self.values);
-        launch(q, k, v, &self.visible, 1, 0, self.splits, &self.counters)
+    if visible.end > slots as usize || visible.start > visible.end {
+        bail!("decode_attention: slots {visible:?} outside a buffer of {slots}");
     }
-
-    /// Query heads.
-    pub fn heads(&self) -> i32 {
-        self.q.shape()[1]
-    }
-
-    /// Elements of a head.
-    pub fn head_dim(&self) -> i32 {
-        self.q.shape()[self.q.ndim() - 1]
-    }
-
-    /// The output's width, heads times their size.
-    pub fn width(&self) -> i32 {
-        self.heads() * self.head_dim()
-    }
-
-    /// Slots a block's share takes (the kernel's `CHUNK`).
-    pub fn share_slots(&self) -> usize {
-        share_of(self.keys.shape()[2], self.splits as i32) as usize
-    }
-
-    /// The template arguments of the attention stage, named as the post-attention kernel
-    /// names them (the head size `AD`, to keep `D` free).
-    pub(crate) fn template_args(&self) -> [(&'static std::ffi::CStr, TemplateArg); 6] {
-        let (kv_heads, slots) = (self.keys.shape()[1], self.keys.shape()[2]);
-        [
-            (c"AD", TemplateArg::Int(self.head_dim())),
-            (c"GROUP", TemplateArg::Int(self.heads() / kv_heads)),
-            (c"SPLITS", TemplateArg::Int(self.splits as i32)),
-            (c"SLOTS", TemplateArg::Int(slots)),
-            (c"WIDE", TemplateArg::Bool(wide_rounds())),
-            (c"FIXED_CHUNK", TemplateArg::Int(fixed_chunk(slots))),
-        ]
-    }
-}
-
-/// The kernel's `FIXED_CHUNK` for a buffer of `slots`: the aligned share size, 0 for shares
-/// sized by the buffer.
-fn fixed_chunk(slots: i32) -> i32 {
-    if aligned_shares() {
-        aligned_split(slots as usize).0 as i32
-    } else {
-        0
-    }
-}
-
-/// The kernel's `CHUNK`: slots a share takes.
-fn share_of(slots: i32, splits: i32) -> i32 {
-    match fixed_chunk(slots) {
-        0 => (slots + splits - 1) / splits.max(1),
-        fixed => fixed,
-    }
+    let visible = match visible_on_device {
+        Some(copy) if copy.dtype() == Dtype::Int32 && copy.size() >= 2 => copy.clone(),
+        Some(copy) => bail!("decode_attention: visible slots in {copy:?}, not int32 x 2"),
+        None => step_ints(&[visible.start as i32, visible.end as i32])?,
+    };
+    launch(q, keys, values, &visible, 1, 0, splits, counters)
 }
 
 /// Attention of a window of queries (`q`: `[T, heads, D]`, a verify window's, at consecutive
@@ -634,7 +495,11 @@ fn launch(
     let heads = q.shape()[1];
     let d = q.shape()[q.ndim() - 1];
     let (kv_heads, slots) = (keys.shape()[1], keys.shape()[2]);
-    let fixed_chunk = fixed_chunk(slots);
+    let fixed_chunk = if aligned_shares() {
+        aligned_split(slots as usize).0 as i32
+    } else {
+        0
+    };
     let splits = splits as i32;
     KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();
@@ -644,7 +509,7 @@ fn launch(
                 &["q", "k", "v", "visible", "counter"],
                 &["partial", "out"],
                 SOURCE,
-                kernel_header(),
+                REDUCE_HEADER,
             )?);
         }
         let kernel = slot.as_ref().expect("just built");

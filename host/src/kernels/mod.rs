@@ -240,10 +240,6 @@ pub struct Tuning {
     pub per_layer_rows_early: bool,
     /// [`decode_attention::set_aligned_shares`] (moves roundings).
     pub aligned_attention_shares: bool,
-    /// [`post_attention::set_attention_in_post_attention`].
-    pub attention_in_post_attention: bool,
-    /// [`post_attention::set_output_rows_prefetched`].
-    pub output_rows_prefetched: bool,
 }
 
 impl Tuning {
@@ -266,8 +262,6 @@ impl Tuning {
             unread_stand_ins: post_attention::unread_stand_ins(),
             per_layer_rows_early: post_attention::per_layer_rows_early(),
             aligned_attention_shares: decode_attention::aligned_shares(),
-            attention_in_post_attention: post_attention::attention_in_post_attention(),
-            output_rows_prefetched: post_attention::output_rows_prefetched(),
         }
     }
 
@@ -290,8 +284,6 @@ impl Tuning {
             step_ints_from_heads: false,
             unread_stand_ins: false,
             per_layer_rows_early: false,
-            attention_in_post_attention: false,
-            output_rows_prefetched: false,
             ..self
         }
     }
@@ -313,8 +305,6 @@ impl Tuning {
         post_attention::set_unread_stand_ins(self.unread_stand_ins);
         post_attention::set_per_layer_rows_early(self.per_layer_rows_early);
         decode_attention::set_aligned_shares(self.aligned_attention_shares);
-        post_attention::set_attention_in_post_attention(self.attention_in_post_attention);
-        post_attention::set_output_rows_prefetched(self.output_rows_prefetched);
         products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
         products::set_dense_loads(self.dense_loads)
     }

@@ -53,9 +53,8 @@ use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::affine4::HEADER as AFFINE4_HEADER;
-use super::decode_attention::DecodeAttention;
 use super::products::{device_array, element_bytes, HEADER as PRODUCTS_HEADER, THREADS};
-use super::{PerEpsilon, PerSharedMemory, TemplateArg};
+use super::{PerEpsilon, TemplateArg};
 
 /// Device helpers added to the products' ones.
 pub(crate) const BARRIER_HEADER: &str = r#"
@@ -368,86 +367,10 @@ const SOURCE: &str = r#"
 #define STAGE_STAMP(i) nullptr
 #endif
 
-  // WITH_ATTENTION (`set_attention_in_post_attention`): the layer's decode attention first,
-  // the blocks taking its (head, share) blocks in turn, then a grid-wide barrier; z is its
-  // output, `zout`. PREFETCH (dense rows, in pairs): meanwhile each warp copies the first
-  // pieces of its two rows of the output product into dynamic shared memory, so that the
-  // product after the barrier starts with them at hand instead of a trip to memory.
-#if WITH_ATTENTION
-  constexpr int PF = BITS == 0 && PAIRS ? (PREFETCH < lane_pieces<T, Z>() ? PREFETCH
-                                                                          : lane_pieces<T, Z>())
-                                        : 0;
-  extern __shared__ __align__(16) unsigned char attending_shared[];
-  // This warp's copies: PF pieces a lane of its first row, then of its second.
-  const uint4* const prefetched =
-      reinterpret_cast<const uint4*>(attending_shared) + (threadIdx.x >> 5) * 2 * PF * 32;
-  const T* const wo_rows = reinterpret_cast<const T*>(wo);
-  const int wo_second = first + warps < H ? first + warps : first;
-  if constexpr (PF > 0) {
-    if (first < H) {
-      constexpr int CHUNKS = Z * (int)sizeof(T) / 16;
-      const uint4* r0 = reinterpret_cast<const uint4*>(wo_rows + (size_t)first * Z);
-      const uint4* r1 = reinterpret_cast<const uint4*>(wo_rows + (size_t)wo_second * Z);
-      uint4* to = const_cast<uint4*>(prefetched);
-#pragma unroll
-      for (int i = 0; i < PF; i++) {
-        const int c = lane + 32 * i;
-        if (c < CHUNKS) {
-          copy_async_16(to + i * 32 + lane, r0 + c);
-          copy_async_16(to + (PF + i) * 32 + lane, r1 + c);
-        }
-      }
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
-  {
-    constexpr int ACHUNK = FIXED_CHUNK > 0 ? FIXED_CHUNK : (SLOTS + SPLITS - 1) / SPLITS;
-    static_assert((ACHUNK + WARPS * AD) * 4 <= STAGED * (int)sizeof(T),
-                  "the attention's scores and sums must fit the staging buffer");
-    float* const scores = reinterpret_cast<float*>(buf);
-    for (int b = blockIdx.x; b < (Z / AD) * SPLITS; b += gridDim.x) {
-      attend_share<T, AD, GROUP, WARPS, SPLITS, SLOTS, ACHUNK, WIDE, 0, true>(
-          b, 0, Z / AD, q, k, v, visible, head_counter, partial, zout, scores, scores + ACHUNK,
-          red);
-      // The next share reuses the scores and sums.
-      __syncthreads();
-    }
-  }
-  __threadfence();
-  grid_barrier(bar, STAGE_STAMP(6));
-#endif
-
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
-#if WITH_ATTENTION
-  stage_written<T, Z>(zout, buf);
-  chunk_sums<T, Z, BITS>(buf, sums);
-  if constexpr (PF > 0) {
-    // The first pair of rows from the copies and the rest of memory, summed as
-    // product_rows sums them; then the pairs after it, if any.
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    if (first < H) {
-      const uint4* r0 = reinterpret_cast<const uint4*>(wo_rows + (size_t)first * Z);
-      const uint4* r1 = reinterpret_cast<const uint4*>(wo_rows + (size_t)wo_second * Z);
-      float d[2];
-      rows_dot_loaded<T, Z, 2>(
-          [&](int i, int r) {
-            return i < PF ? prefetched[(r * PF + i) * 32 + lane] : __ldg((r == 0 ? r0 : r1) + lane + 32 * i);
-          },
-          buf, d);
-      if (lane == 0) {
-        o0[first] = static_cast<float>(static_cast<T>(d[0]));
-        if (wo_second != first) o0[wo_second] = static_cast<float>(static_cast<T>(d[1]));
-      }
-    }
-    product_rows<T, Z, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first + 2 * warps, warps);
-  } else {
-    product_rows<T, Z, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
-  }
-#else
   stage_input<T, Z, false>(z, z, buf, red);
   chunk_sums<T, Z, BITS>(buf, sums);
   product_rows<T, Z, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
-#endif
   __threadfence();
   grid_barrier(bar, STAGE_STAMP(1));
   const float r0 = product_rms<H>(o0, red);
@@ -560,39 +483,21 @@ pub(crate) const INPUTS: &[&str] = &[
     "pp_b",
 ];
 
-/// The attending kernel's inputs after [`INPUTS`]: decode attention's.
-const ATTENTION_INPUTS: &[&str] = &["q", "k", "v", "visible", "head_counter"];
-
-/// The kernel's header, with or without its stage clock (`STAGE_TIMES`), and with or without
-/// decode attention as its first stage (`WITH_ATTENTION`).
-pub(crate) fn header(stage_times: bool, attending: bool) -> &'static str {
-    let attention = if attending {
-        super::decode_attention::HEADER
-    } else {
-        ""
-    };
+/// The kernel's header, with or without its stage clock (`STAGE_TIMES`).
+pub(crate) fn header(stage_times: bool) -> &'static str {
     Box::leak(
         format!(
-            "#define STAGE_TIMES {}\n#define WITH_ATTENTION {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{BARRIER_HEADER}{attention}",
-            stage_times as i32, attending as i32
+            "#define STAGE_TIMES {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{BARRIER_HEADER}",
+            stage_times as i32
         )
         .into_boxed_str(),
     )
 }
 
-/// [`INPUTS`] and, when attending, [`ATTENTION_INPUTS`].
-fn inputs(attending: bool) -> &'static [&'static str] {
-    if attending {
-        Box::leak([INPUTS, ATTENTION_INPUTS].concat().into_boxed_slice())
-    } else {
-        INPUTS
-    }
-}
-
 thread_local! {
     static KERNELS: RefCell<PerEpsilon> = RefCell::new(
         PerEpsilon::new("post_attention", INPUTS, &["out", "o0", "a", "o", "g", "o2"], SOURCE)
-            .with_header(header(false, false)),
+            .with_header(header(false)),
     );
     // Its own name: MLX finds compiled kernels by name and template arguments.
     static KERNELS_TIMED: RefCell<PerEpsilon> = RefCell::new(
@@ -602,24 +507,8 @@ thread_local! {
             &["out", "o0", "a", "o", "g", "o2", "stage_ns"],
             SOURCE,
         )
-        .with_header(header(true, false)),
+        .with_header(header(true)),
     );
-    // Attending first (`set_attention_in_post_attention`), one kernel per amount of dynamic
-    // shared memory (the output rows' copies).
-    static KERNELS_ATTENDING: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
-        "post_attention_attending",
-        inputs(true),
-        &["out", "o0", "a", "o", "g", "o2", "partial", "zout"],
-        SOURCE,
-        header(false, true),
-    ));
-    static KERNELS_ATTENDING_TIMED: RefCell<PerSharedMemory> = RefCell::new(PerSharedMemory::new(
-        "post_attention_attending_timed",
-        inputs(true),
-        &["out", "o0", "a", "o", "g", "o2", "partial", "zout", "stage_ns"],
-        SOURCE,
-        header(true, true),
-    ));
     // The stage clocks of the timed calls since the last `take_stage_times`.
     static STAGE_CLOCKS: RefCell<Vec<StageClock>> = const { RefCell::new(Vec::new()) };
 }
@@ -648,9 +537,6 @@ pub const STAGES: [&str; 5] = [
 pub struct StageClock {
     pub attention_width: i32,
     pub per_layer_input: bool,
-    /// Whether the call attended first ([`set_attention_in_post_attention`]): its first
-    /// stage then includes the attention, whose end [`StageClock::attention_us`] gives.
-    pub attending: bool,
     clock: Array,
 }
 
@@ -665,17 +551,6 @@ impl StageClock {
         Ok((1..=stages)
             .map(|i| ns[i].saturating_sub(ns[i - 1]) as f64 / 1e3)
             .collect())
-    }
-
-    /// Microseconds from block 0's start to the end of the attention across the grid, for a
-    /// call that attended first (else `None`). Evaluates the call's clock.
-    pub fn attention_us(&self) -> Result<Option<f64>> {
-        if !self.attending {
-            return Ok(None);
-        }
-        self.clock.eval()?;
-        let ns = self.clock.as_slice::<u64>();
-        Ok(Some(ns[6].saturating_sub(ns[0]) as f64 / 1e3))
     }
 
     /// Microseconds from the first block's start to the last one's: the grid's ramp, part of
@@ -937,39 +812,6 @@ pub fn per_layer_rows_early() -> bool {
     PER_LAYER_ROWS_EARLY.load(Ordering::Relaxed)
 }
 
-static ATTENTION_IN_POST_ATTENTION: AtomicBool = AtomicBool::new(false);
-
-/// Makes a decode step's attention the first stage of the post-attention kernel (its blocks
-/// take the attention's (head, share) blocks in turn, then meet at a grid-wide barrier) in
-/// place of a kernel of its own, for the rest of the process: one launch a layer fewer, and
-/// the memory, nearly idle while the attention runs, free for the output rows' copies
-/// ([`set_output_rows_prefetched`]). The same values as the two kernels (the same shares,
-/// slots a warp and sums, value rows loaded after the keys' scores: half the registers, so
-/// that two blocks a multiprocessor stay resident); `bench --compare-fused` measures both.
-pub fn set_attention_in_post_attention(on: bool) {
-    ATTENTION_IN_POST_ATTENTION.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_attention_in_post_attention`] setting.
-pub fn attention_in_post_attention() -> bool {
-    ATTENTION_IN_POST_ATTENTION.load(Ordering::Relaxed)
-}
-
-static OUTPUT_ROWS_PREFETCHED: AtomicBool = AtomicBool::new(false);
-
-/// With [`set_attention_in_post_attention`], over dense rows in pairs: each warp copies the
-/// first [`PREFETCH_PIECES`] pieces a lane of its two rows of the attention's output product
-/// into dynamic shared memory (64 KB a block) while the grid attends, so the product after
-/// the barrier starts from them. Changes no value (the same sums in the same order).
-pub fn set_output_rows_prefetched(on: bool) {
-    OUTPUT_ROWS_PREFETCHED.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_output_rows_prefetched`] setting.
-pub fn output_rows_prefetched() -> bool {
-    OUTPUT_ROWS_PREFETCHED.load(Ordering::Relaxed)
-}
-
 static ROW_PAIRS: AtomicBool = AtomicBool::new(true);
 
 /// Makes each warp take two rows at a time in the stages of one product (the attention's
@@ -1059,113 +901,19 @@ pub fn post_attention(
     scale: &Array,
     barrier: &Array,
 ) -> Result<Array> {
-    let zw = z.shape()[z.ndim() - 1];
-    if z.shape() != [1, zw] || z.dtype() != x.dtype() {
-        bail!(
-            "post_attention: the attention output is {:?} {:?}, expected [1, {zw}] {:?}",
-            z.shape(),
-            z.dtype(),
-            x.dtype()
-        );
-    }
-    launch(x, AttentionOutput::Given(z), eps, w, ple, scale, barrier)
-}
-
-/// [`post_attention`] with the layer's decode attention as the kernel's first stage
-/// ([`set_attention_in_post_attention`]): the same values, one launch fewer. Check
-/// [`serves_attending`] first.
-pub fn post_attention_attending(
-    x: &Array,
-    attention: &DecodeAttention,
-    eps: f32,
-    w: &PostAttention,
-    ple: Option<&PerLayerInput>,
-    scale: &Array,
-    barrier: &Array,
-) -> Result<Array> {
-    if attention.q.dtype() != x.dtype() {
-        bail!(
-            "post_attention_attending: queries of {:?} for a hidden state of {:?}",
-            attention.q.dtype(),
-            x.dtype()
-        );
-    }
-    launch(
-        x,
-        AttentionOutput::Attended(attention),
-        eps,
-        w,
-        ple,
-        scale,
-        barrier,
-    )
-}
-
-/// Where the kernel's attention output comes from.
-#[derive(Clone, Copy)]
-enum AttentionOutput<'a> {
-    /// An input (the decode-attention kernel's output).
-    Given(&'a Array),
-    /// Its own first stage.
-    Attended(&'a DecodeAttention),
-}
-
-impl AttentionOutput<'_> {
-    fn width(&self) -> i32 {
-        match self {
-            AttentionOutput::Given(z) => z.shape()[z.ndim() - 1],
-            AttentionOutput::Attended(a) => a.width(),
-        }
-    }
-}
-
-/// Whether [`post_attention_attending`] serves `attention` in a layer of hidden size `h`,
-/// feed-forward width `n` and per-layer width `p`: [`serves`], and the attention's scores and
-/// sums fit the block's staging buffer, which lends them.
-pub fn serves_attending(
-    h: usize,
-    n: usize,
-    p: usize,
-    attention: &DecodeAttention,
-    dtype: Dtype,
-) -> bool {
-    let z = attention.width() as usize;
-    let Some(e) = element_bytes(dtype) else {
-        return false;
-    };
-    let staged = h.max(z).max(n).max(p);
-    let attention_floats =
-        attention.share_slots() + WARPS_PER_BLOCK * attention.head_dim() as usize;
-    // NVRTC gives the kernel over a per-layer input and heads of 512 (E4B's full layers)
-    // 132-134 registers a thread (`bench/gpu/compile_check.sh`): one block a multiprocessor,
-    // too few for the grid-wide barriers. Those layers keep the attention kernel.
-    let resident = !(p > 0 && attention.head_dim() > 256);
-    resident && serves(h, z, n, p, dtype) && attention_floats * 4 <= staged * e
-}
-
-/// Pieces of 16 bytes a lane copies of each of its two output rows while the grid attends
-/// ([`set_output_rows_prefetched`]): half a 12B sliding layer's row, all of E4B's.
-const PREFETCH_PIECES: i32 = 8;
-
-#[allow(clippy::too_many_arguments)]
-fn launch(
-    x: &Array,
-    attention_output: AttentionOutput,
-    eps: f32,
-    w: &PostAttention,
-    ple: Option<&PerLayerInput>,
-    scale: &Array,
-    barrier: &Array,
-) -> Result<Array> {
     let dtype = x.dtype();
     let h = x.shape()[x.ndim() - 1];
-    let zw = attention_output.width();
+    let zw = z.shape()[z.ndim() - 1];
     let n = w.gate.rows();
-    if x.shape() != [1, h] {
-        bail!(
-            "post_attention: the hidden state is {:?} {dtype:?}, expected [1, {h}]",
-            x.shape()
-        );
+    for (a, what) in [(x, "the hidden state"), (z, "the attention output")] {
+        let width = a.shape()[a.ndim() - 1];
+        if a.shape() != [1, width] || a.dtype() != dtype {
+            bail!(
+                "post_attention: {what} is {:?} {:?}, expected [1, {width}] {dtype:?}",
+                a.shape(),
+                a.dtype()
+            );
+        }
     }
     let (bits, group, p) = layer_layout("post_attention", w, ple, h, zw, dtype)?;
     if !serves(h as usize, zw as usize, n as usize, p as usize, dtype) {
@@ -1188,150 +936,84 @@ fn launch(
     let [wd, wd_s, wd_b] = w.down.inputs();
     let [pg, pg_s, pg_b] = pg.inputs();
     let [pp, pp_s, pp_b] = pp.inputs();
-    let z = match attention_output {
-        AttentionOutput::Given(z) => z,
-        // Never read: the attention's output is the kernel's own `zout`.
-        AttentionOutput::Attended(_) => unread_input(dtype),
-    };
     let timed = STAGE_TIMES.load(Ordering::Relaxed);
     let (row, hidden, width, per_layer_width) = ([1, h], [h], [n], [p.max(1)]);
     let clock = [8 + blocks];
-    // Fixed arrays, the first `count` entries of each used: this runs for every layer of every
-    // decode step, so no allocation a call. An attending call adds decode attention's inputs,
-    // outputs and template arguments; a timed call its clock, last.
-    let attended = match attention_output {
-        AttentionOutput::Attended(a) => Some(a),
-        AttentionOutput::Given(_) => None,
-    };
-    let attention_inputs = attended.map_or([x; 5], |a| {
-        [&a.q, &a.keys, &a.values, &a.visible, &a.counters]
-    });
-    let all_inputs = [
-        x,
-        z,
-        wo,
-        w.post_attention_norm,
-        w.pre_norm,
-        wg,
-        wu,
-        wd,
-        w.post_norm,
-        pg,
-        values,
-        offset,
-        pp,
-        post_norm_2,
-        scale,
-        barrier,
-        wo_s,
-        wo_b,
-        wg_s,
-        wg_b,
-        wu_s,
-        wu_b,
-        wd_s,
-        wd_b,
-        pg_s,
-        pg_b,
-        pp_s,
-        pp_b,
-        attention_inputs[0],
-        attention_inputs[1],
-        attention_inputs[2],
-        attention_inputs[3],
-        attention_inputs[4],
-    ];
-    let inputs = &all_inputs[..INPUTS.len() + if attended.is_some() { 5 } else { 0 }];
-    let partial_shape =
-        attended.map_or([1, 1], |a| [a.heads() * a.splits as i32, a.head_dim() + 2]);
-    let zout_shape = [1, zw];
-    let mut outputs = [(&row[..], dtype); 9];
-    outputs[1..6].copy_from_slice(&[
+    // The timed kernel's extra output last (no allocation a call).
+    let all_outputs = [
+        (&row[..], dtype),
         (&hidden[..], Dtype::Float32),
         (&width[..], dtype),
         (&hidden[..], Dtype::Float32),
         (&per_layer_width[..], dtype),
         (&hidden[..], Dtype::Float32),
-    ]);
-    let mut output_count = 6;
-    if attended.is_some() {
-        outputs[6] = (&partial_shape[..], Dtype::Float32);
-        outputs[7] = (&zout_shape[..], dtype);
-        output_count = 8;
-    }
-    if timed {
-        outputs[output_count] = (&clock[..], Dtype::Uint64);
-        output_count += 1;
-    }
-    let outputs = &outputs[..output_count];
-    // Two rows a warp, 32 lanes, 16 bytes a piece.
-    let prefetch = match attended {
-        Some(_) if output_rows_prefetched() && bits == 0 && row_pairs() => {
-            let lane_pieces = (zw as usize * element_bytes(dtype).unwrap_or(4)).div_ceil(16 * 32);
-            PREFETCH_PIECES.min(lane_pieces as i32)
-        }
-        _ => 0,
-    };
-    let prefetch_bytes = prefetch as usize * 2 * 32 * 16 * WARPS_PER_BLOCK;
-    let [ad, group_of_heads, splits, slots, wide, fixed_chunk] = match attended {
-        Some(a) => a.template_args(),
-        // Unused: the kernel that takes them is not called.
-        None => std::array::from_fn(|_| (c"AD", TemplateArg::Int(0))),
-    };
-    let template = [
-        (c"T", TemplateArg::Dtype(dtype)),
-        (c"H", TemplateArg::Int(h)),
-        (c"Z", TemplateArg::Int(zw)),
-        (c"N", TemplateArg::Int(n)),
-        (c"P", TemplateArg::Int(p)),
-        (c"BITS", TemplateArg::Int(bits)),
-        (c"G", TemplateArg::Int(group)),
-        (c"IN_PLACE", TemplateArg::Bool(affine4_in_place())),
-        (c"PAIRS", TemplateArg::Bool(row_pairs())),
-        (c"EARLY", TemplateArg::Bool(per_layer_rows_early())),
-        ad,
-        group_of_heads,
-        splits,
-        slots,
-        wide,
-        fixed_chunk,
-        (c"PREFETCH", TemplateArg::Int(prefetch)),
+        (&clock[..], Dtype::Uint64),
     ];
-    let template = &template[..if attended.is_some() { 17 } else { 10 }];
-    let run = |kernel: &super::CudaKernel| {
-        kernel.apply(
-            inputs,
+    let outputs = &all_outputs[..if timed { 7 } else { 6 }];
+    let kernels = if timed { &KERNELS_TIMED } else { &KERNELS };
+    kernels.with(|cell| {
+        let mut kernels = cell.borrow_mut();
+        let kernel = kernels.get(eps)?;
+        let mut out = kernel.apply(
+            &[
+                x,
+                z,
+                wo,
+                w.post_attention_norm,
+                w.pre_norm,
+                wg,
+                wu,
+                wd,
+                w.post_norm,
+                pg,
+                values,
+                offset,
+                pp,
+                post_norm_2,
+                scale,
+                barrier,
+                wo_s,
+                wo_b,
+                wg_s,
+                wg_b,
+                wu_s,
+                wu_b,
+                wd_s,
+                wd_b,
+                pg_s,
+                pg_b,
+                pp_s,
+                pp_b,
+            ],
             outputs,
             (blocks * THREADS, 1, 1),
             (THREADS, 1, 1),
-            template,
-        )
-    };
-    let mut out = match (attention_output, timed) {
-        (AttentionOutput::Given(_), false) => KERNELS.with(|k| run(k.borrow_mut().get(eps)?)),
-        (AttentionOutput::Given(_), true) => {
-            KERNELS_TIMED.with(|k| run(k.borrow_mut().get(eps)?))
+            &[
+                (c"T", TemplateArg::Dtype(dtype)),
+                (c"H", TemplateArg::Int(h)),
+                (c"Z", TemplateArg::Int(zw)),
+                (c"N", TemplateArg::Int(n)),
+                (c"P", TemplateArg::Int(p)),
+                (c"BITS", TemplateArg::Int(bits)),
+                (c"G", TemplateArg::Int(group)),
+                (c"IN_PLACE", TemplateArg::Bool(affine4_in_place())),
+                (c"PAIRS", TemplateArg::Bool(row_pairs())),
+                (c"EARLY", TemplateArg::Bool(per_layer_rows_early())),
+            ],
+        )?;
+        if timed {
+            if let Some(clock) = out.pop() {
+                STAGE_CLOCKS.with(|c| {
+                    c.borrow_mut().push(StageClock {
+                        attention_width: zw,
+                        per_layer_input: p > 0,
+                        clock,
+                    })
+                });
+            }
         }
-        (AttentionOutput::Attended(_), false) => {
-            KERNELS_ATTENDING.with(|k| run(k.borrow_mut().get(prefetch_bytes, eps)?))
-        }
-        (AttentionOutput::Attended(_), true) => {
-            KERNELS_ATTENDING_TIMED.with(|k| run(k.borrow_mut().get(prefetch_bytes, eps)?))
-        }
-    }?;
-    if timed {
-        if let Some(clock) = out.pop() {
-            STAGE_CLOCKS.with(|c| {
-                c.borrow_mut().push(StageClock {
-                    attention_width: zw,
-                    per_layer_input: p > 0,
-                    attending: matches!(attention_output, AttentionOutput::Attended(_)),
-                    clock,
-                })
-            });
-        }
-    }
-    Ok(out.swap_remove(0))
+        Ok(out.swap_remove(0))
+    })
 }
 
 #[cfg(test)]
@@ -1348,7 +1030,6 @@ mod tests {
         let clock = |per_layer_input| StageClock {
             attention_width: 2048,
             per_layer_input,
-            attending: false,
             clock: Array::from_slice(&ns, &[11]),
         };
         assert_eq!(

@@ -322,7 +322,7 @@ thread_local! {
         Box::leak(
             format!(
                 "{}{ROWS_DOT_WINDOW}{AFFINE4_WINDOW_HEADER}{WINDOW_HEADER}",
-                header(false, false)
+                header(false)
             )
             .into_boxed_str()
         ),

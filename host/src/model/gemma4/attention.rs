@@ -17,28 +17,11 @@ use crate::kernels::attention_heads::{
     attention_heads, serves as heads_kernel_serves, CacheSlot, HeadShape, HeadWeights,
 };
 use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
-use crate::kernels::decode_attention::{splits_for, window_attention, DecodeAttention};
+use crate::kernels::decode_attention::{decode_attention, splits_for, window_attention};
 use crate::kernels::post_attention::Weight;
 use crate::kernels::products::{new_counters, normed_products, serves_token};
 use crate::kernels::window_attention_heads::{self, window_attention_heads};
 use crate::kernels::Fused;
-
-/// What a layer's attention gives: its output, or (for a decode step the post-attention
-/// kernel attends in, `Attention::forward`'s `defer`) the decode attention still to run.
-pub enum Attended {
-    Output(Array),
-    Pending(DecodeAttention),
-}
-
-impl Attended {
-    /// The attention's output, `[T, heads * head_dim]`, running a pending attention alone.
-    pub fn into_output(self) -> Result<Array> {
-        match self {
-            Attended::Output(out) => Ok(out),
-            Attended::Pending(call) => call.run(),
-        }
-    }
-}
 
 /// K/V projections, present only on KV-owning layers.
 struct KvProjections {
@@ -188,9 +171,7 @@ impl Attention {
     /// returns the heads' output `[T, heads * head_dim]`, before `o_proj` (the layer fuses that
     /// product with its residual update). A KV-owning layer appends its new K/V to `cache` and
     /// returns the view it attended over so sharers can reuse it; a sharer passes the donor's
-    /// view in `shared`. With `defer`, a decode step's attention that the decode-attention
-    /// kernel would compute is returned as [`Attended::Pending`], for the post-attention
-    /// kernel to compute as its first stage.
+    /// view in `shared`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -201,13 +182,10 @@ impl Attention {
         shared: Option<&KvView>,
         window: usize,
         fused: Fused,
-        defer: bool,
-    ) -> Result<(Attended, Option<KvView>)> {
+    ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[0];
         if let Some(weights) = self.window_head_weights(x, cache.is_some(), fused) {
-            let (out, view) =
-                self.window_forward(x, input_norm, offset, &weights, cache, shared, window)?;
-            return Ok((Attended::Output(out), view));
+            return self.window_forward(x, input_norm, offset, &weights, cache, shared, window);
         }
         let (q, view, produced, visible_on_device) =
             match self.fused_head_weights(x, cache.is_some(), fused) {
@@ -228,24 +206,18 @@ impl Attention {
                 .then(|| splits_for(slots, self.head_dim as usize, q.dtype()))
                 .flatten();
             let out = match splits {
-                Some(splits) => {
-                    let call = DecodeAttention::new(
-                        &q,
-                        &view.keys,
-                        &view.values,
-                        view.first_query_slots.clone(),
-                        visible_on_device.as_ref(),
-                        splits,
-                        &self.attention_counters,
-                    )?;
-                    if defer {
-                        return Ok((Attended::Pending(call), produced));
-                    }
-                    call.run()?
-                }
+                Some(splits) => decode_attention(
+                    &q,
+                    &view.keys,
+                    &view.values,
+                    view.first_query_slots.clone(),
+                    visible_on_device.as_ref(),
+                    splits,
+                    &self.attention_counters,
+                )?,
                 None => buffer_attention(&q, &view, slot_mask, self.num_kv_heads, self.head_dim)?,
             };
-            return Ok((Attended::Output(out), produced));
+            return Ok((out, produced));
         }
         // Long windows (prefill chunks): MLX's attention over the visible keys.
         let mask = attention_mask(self.kind, offset, t as usize, &view, window)?;
@@ -263,7 +235,7 @@ impl Attention {
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[t, self.num_heads * self.head_dim])?;
-        Ok((Attended::Output(out), produced))
+        Ok((out, produced))
     }
 
     /// The weights [`attention_heads`] needs, when it serves this call: one token, both

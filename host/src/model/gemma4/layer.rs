@@ -8,16 +8,14 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use super::activation::gated_gelu;
-use super::attention::{Attended, Attention};
+use super::attention::Attention;
 use super::cache::{KvView, LayerKv};
 use super::config::Gemma4Config;
 use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
 use crate::kernels::per_layer_input::{self, per_layer_input};
-use crate::kernels::post_attention::{
-    self, post_attention, post_attention_attending, PerLayerInput, PostAttention,
-};
+use crate::kernels::post_attention::{self, post_attention, PerLayerInput, PostAttention};
 use crate::kernels::products::{
     device_array, gated_product, new_counter, product_residual, serves_token, GateUp,
 };
@@ -297,7 +295,7 @@ impl DecoderLayer {
     fn one_kernel_after_attention(
         &self,
         x: &Array,
-        attended: &Attended,
+        z: &Array,
         per_layer: Option<(&Array, usize)>,
         fused: Fused,
     ) -> Result<Option<Array>> {
@@ -305,13 +303,7 @@ impl DecoderLayer {
         if !(fused.post_attention || fused.affine4 || fused.window) || self.moe.is_some() {
             return Ok(None);
         }
-        // The attention's tokens and width.
-        let (z_tokens, zw) = match attended {
-            Attended::Output(z) if z.ndim() == 2 => (z.shape()[0], z.shape()[1]),
-            Attended::Output(_) => return Ok(None),
-            Attended::Pending(call) => (1, call.width()),
-        };
-        if x.ndim() != 2 || x.shape()[0] != z_tokens {
+        if x.ndim() != 2 || z.ndim() != 2 || x.shape()[0] != z.shape()[0] {
             return Ok(None);
         }
         let tokens = x.shape()[0] as usize;
@@ -340,7 +332,7 @@ impl DecoderLayer {
             }
             _ => return Ok(None),
         };
-        let (h, n) = (x.shape()[1], gate.rows());
+        let (h, zw, n) = (x.shape()[1], z.shape()[1], gate.rows());
         let p = ple.as_ref().map_or(0, |v| v.gate.rows());
         // One layout for all: dense, or (when allowed) 4-bit in one group size.
         // (Arrays, not vectors: this runs for every layer of every forward.)
@@ -388,23 +380,6 @@ impl DecoderLayer {
             down,
             post_norm: &self.post_feedforward_norm,
         };
-        let z = match attended {
-            Attended::Pending(call) => {
-                if !post_attention::serves_attending(h, n, p, call, x.dtype()) {
-                    return Ok(None);
-                }
-                return Ok(Some(post_attention_attending(
-                    x,
-                    call,
-                    self.eps,
-                    &weights,
-                    ple.as_ref(),
-                    &self.layer_scalar_device,
-                    &self.post_attention_barrier,
-                )?));
-            }
-            Attended::Output(z) => z,
-        };
         let out = if tokens > 1 {
             window_post_attention(
                 x,
@@ -442,14 +417,7 @@ impl DecoderLayer {
         per_layer: Option<(&Array, usize)>,
         fused: Fused,
     ) -> Result<(Array, Option<KvView>)> {
-        // A decode step's attention may run inside the post-attention kernel; should that
-        // kernel not serve the layer after all, it runs alone below.
-        let defer = fused.attention
-            && (fused.post_attention || fused.affine4)
-            && post_attention::attention_in_post_attention()
-            && x.shape()[0] == 1
-            && self.moe.is_none();
-        let (attended, view) = self.attention.forward(
+        let (attn, view) = self.attention.forward(
             x,
             &self.input_norm,
             offset,
@@ -457,12 +425,10 @@ impl DecoderLayer {
             shared,
             self.window,
             fused,
-            defer,
         )?;
-        if let Some(out) = self.one_kernel_after_attention(x, &attended, per_layer, fused)? {
+        if let Some(out) = self.one_kernel_after_attention(x, &attn, per_layer, fused)? {
             return Ok((out, view));
         }
-        let attn = attended.into_output()?;
         let x = self.closing_product(
             x,
             &attn,
