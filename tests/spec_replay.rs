@@ -8,8 +8,8 @@ use mlx_rs::Dtype;
 use mlx_spec::generate::{generate, GenerateRequest};
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model};
 use mlx_spec::sampler::SamplingParams;
-use mlx_spec::spec::replay::ReplayDrafter;
-use mlx_spec::spec::{generate_speculative, SpecOptions, SpecStats};
+use mlx_spec::speculative::replay::ReplayDrafter;
+use mlx_spec::speculative::{generate_speculative, SpecOptions, SpecStats};
 
 fn request() -> GenerateRequest {
     GenerateRequest {

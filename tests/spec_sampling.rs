@@ -17,7 +17,7 @@ use mlx_rs::Dtype;
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
 
 use mlx_spec::sampler::{sample_on_device, SamplingParams};
-use mlx_spec::spec::{accept_walk, Verified, Walk, WalkLimits};
+use mlx_spec::speculative::{accept_walk, Verified, Walk, WalkLimits};
 
 const DRAWS: u64 = 20_000;
 const GAMMA: usize = 3;

@@ -13,7 +13,7 @@ use mlx_spec::generate::{generate, greedy_step, greedy_token, prefill, GenerateR
 use mlx_spec::model::gemma4::{Gemma4Model, LogitsFor};
 use mlx_spec::plugins::{self, instantiate, Registry};
 use mlx_spec::sampler::SamplingParams;
-use mlx_spec::spec::{generate_speculative, SpecOptions};
+use mlx_spec::speculative::{generate_speculative, SpecOptions};
 use mlx_spec::tokenizer::ChatMessage;
 
 use crate::{load_model, parse_overrides, read_config, BenchArgs};
@@ -101,7 +101,7 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
         fitted_draft_length: !args.spec.recent_draft_length,
     };
     let (mut plain_rates, mut spec_rates) = (Vec::new(), Vec::new());
-    let mut totals = mlx_spec::spec::SpecStats::default();
+    let mut totals = mlx_spec::speculative::SpecStats::default();
     for round in 0..=args.repeats {
         let (mut plain_s, mut spec_s, mut generated) = (0.0, 0.0, 0usize);
         for prompt in &prompts {
@@ -248,7 +248,7 @@ fn explain_mismatch(
 /// outputs checked equal.
 fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
     use mlx_spec::model::gemma4::handoff::{handoff_layers, set_handoff_layers};
-    use mlx_spec::spec::replay::{expected_acceptance_length, ReplayDrafter};
+    use mlx_spec::speculative::replay::{expected_acceptance_length, ReplayDrafter};
     if args.replay_draft_lengths.contains(&0) {
         bail!("--replay-draft-lengths: every length must be at least 1");
     }
@@ -283,7 +283,7 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
     }
     // Per case: spec rates, then the last round's counters.
     let mut spec_rates = vec![Vec::new(); cases.len()];
-    let mut last_stats = vec![mlx_spec::spec::SpecStats::default(); cases.len()];
+    let mut last_stats = vec![mlx_spec::speculative::SpecStats::default(); cases.len()];
     // Per case: the slowest drafted round of the measured rounds, seconds.
     let mut slowest = vec![0.0f64; cases.len()];
     let mut plain_rates = Vec::new();

@@ -3,7 +3,7 @@
 //! The library holds everything the `mlx-spec` binary runs: the Gemma 4 target
 //! ([`model::gemma4`]), checkpoint loading ([`weights`]), the tokenizer and chat format
 //! ([`tokenizer`]), the sampler ([`sampler`]), device selection ([`device`]), plain
-//! generation ([`generate`]), drafter plugins ([`plugins`]), the verify loop ([`spec`]) and
+//! generation ([`generate`]), drafter plugins ([`plugins`]), the verify loop ([`speculative`]) and
 //! mlx-spec's own CUDA kernels for the decode step ([`kernels`]).
 
 pub mod deploy;
@@ -14,7 +14,7 @@ pub mod kernels;
 pub mod model;
 pub mod plugins;
 pub mod sampler;
-pub mod spec;
+pub mod speculative;
 pub mod tokenizer;
 pub mod weights;
 

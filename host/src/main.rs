@@ -18,7 +18,7 @@ use mlx_spec::model::gemma4::config::{Gemma4Config, QuantSpec};
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model};
 use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
 use mlx_spec::sampler::SamplingParams;
-use mlx_spec::spec::{generate_speculative, SpecOptions};
+use mlx_spec::speculative::{generate_speculative, SpecOptions};
 use mlx_spec::tokenizer::{stop_ids, ChatMessage, StreamDecoder, Tokenizer};
 
 mod bench;
