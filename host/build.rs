@@ -3,6 +3,8 @@
 //! * rpath: the patched mlx-sys reports where the prebuilt libmlx lives (`DEP_MLX_LIBDIR`);
 //!   a dependency's own link args never reach this binary, so the rpath is added here. It is a
 //!   RUNPATH, so `LD_LIBRARY_PATH` still wins (that is how the GPU build of libmlx is swapped in).
+//!   A second entry, `$ORIGIN/../lib/mlx-spec`, is where `scripts/install.sh` puts libmlx, so an
+//!   installed binary runs once the build tree is gone.
 //! * BLAS: the wheel's libmlx uses a reference BLAS for f32 matmul. Making this executable
 //!   depend on OpenBLAS first lets its `cblas_sgemm` win symbol lookup (about 10x faster).
 //!   `MLX_SPEC_BLAS=none` opts out; `MLX_SPEC_BLAS=/path/lib.so` picks another library.
@@ -13,6 +15,9 @@ fn main() {
     let target_os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     if let Ok(dir) = std::env::var("DEP_MLX_LIBDIR") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+        if target_os == "linux" {
+            println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/mlx-spec");
+        }
     }
     if target_os != "linux" || std::env::var_os("DEP_MLX_LIBDIR").is_none() {
         return;

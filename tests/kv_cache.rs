@@ -233,19 +233,21 @@ fn a_window_run_in_parts_equals_one_forward() {
 /// when the work is submitted changes.
 #[test]
 fn a_window_handed_over_in_groups_of_layers_equals_one_handed_over_whole() {
-    use mlx_spec::model::gemma4::handoff::set_handoff_layers;
-    let model = Gemma4Model::random(tiny_config(false), 5, Dtype::Float32, None).unwrap();
+    use mlx_spec::model::gemma4::RunSettings;
+    let mut model = Gemma4Model::random(tiny_config(false), 5, Dtype::Float32, None).unwrap();
     let (prompt, window) = (&PROMPT[..9], &PROMPT[9..]);
-    let run = |group: Option<usize>| {
+    let mut run = |group: Option<usize>| {
         let mut cache = model.new_cache();
         model
             .forward(prompt, &mut cache, LogitsFor::Last, false)
             .unwrap();
-        set_handoff_layers(group);
+        model.set_settings(RunSettings {
+            handoff_layers: group.unwrap_or(0),
+            ..model.settings()
+        });
         let out = model
             .forward_to_read(window, &mut cache, LogitsFor::All, false)
             .unwrap();
-        set_handoff_layers(None);
         // The next token after the window reads the window's cache rows.
         let next = model
             .forward(&[7], &mut cache, LogitsFor::Last, false)

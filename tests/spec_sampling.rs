@@ -246,6 +246,7 @@ fn run(
             top_p,
             min_p: 0.0,
             seed: seed * 7919 + 13,
+            ..Default::default()
         };
         *counts
             .entry(generate_two(target, kind, &sampling, walk))
@@ -257,6 +258,7 @@ fn run(
         top_p,
         min_p: 0.0,
         seed: 0,
+        ..Default::default()
     };
     chi_square(target, &counts, &reference)
 }

@@ -16,7 +16,8 @@ use mlx_spec::sampler::SamplingParams;
 use mlx_spec::speculative::{generate_speculative, SpecOptions};
 use mlx_spec::tokenizer::ChatMessage;
 
-use crate::{load_model, parse_overrides, read_config, BenchArgs};
+use crate::{load_model, parse_overrides, BenchArgs};
+use mlx_spec::load::read_config;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -246,8 +247,12 @@ fn explain_mismatch(
 /// each draft length, hit rate, way of sizing rounds (recent acceptance, or fitted to the
 /// measured costs) and hand-off of the verify window, side by side in every round, the
 /// outputs checked equal.
-fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
-    use mlx_spec::model::gemma4::handoff::{handoff_layers, set_handoff_layers};
+fn report_replayed_drafts(
+    model: &mut Gemma4Model,
+    prompt: &[u32],
+    args: &BenchArgs,
+) -> Result<()> {
+    use mlx_spec::model::gemma4::RunSettings;
     use mlx_spec::speculative::replay::{expected_acceptance_length, ReplayDrafter};
     if args.replay_draft_lengths.contains(&0) {
         bail!("--replay-draft-lengths: every length must be at least 1");
@@ -259,9 +264,9 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
         stop_ids: Vec::new(),
         ignore_eos: true,
     };
-    let configured = handoff_layers();
+    let configured = model.settings();
     let handoffs = if args.replay_handoffs.is_empty() {
-        vec![configured]
+        vec![configured.handoff_layers]
     } else {
         args.replay_handoffs.clone()
     };
@@ -305,11 +310,14 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
                 auto_off: true,
                 fitted_draft_length: case.fitted,
             };
-            set_handoff_layers(Some(case.handoff));
+            model.set_settings(RunSettings {
+                handoff_layers: case.handoff,
+                ..configured
+            });
             let start = Instant::now();
             let spec = generate_speculative(model, &request, Some(&provider), options, |_| Ok(()));
             let spec_s = start.elapsed().as_secs_f64();
-            set_handoff_layers(Some(configured));
+            model.set_settings(configured);
             let (spec_tokens, _, stats) = spec?;
             if spec_tokens != plain_tokens {
                 bail!(
@@ -396,13 +404,14 @@ fn report_replayed_drafts(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs)
 /// drawn on the device and on the host, alternated in one process: decode tokens a second,
 /// median over `--repeats` rounds after one warm-up round.
 fn report_sampling(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
-    use mlx_spec::sampler::{draw_place, set_draw_place, DrawPlace};
+    use mlx_spec::sampler::DrawPlace;
     let sampled = |temperature, top_k, top_p, min_p| SamplingParams {
         temperature,
         top_k,
         top_p,
         min_p,
         seed: 11,
+        draw: DrawPlace::Device,
     };
     let settings = [
         ("greedy", SamplingParams::default()),
@@ -424,25 +433,24 @@ fn report_sampling(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Res
             ways.iter().map(move |&host| (i, host))
         })
         .collect();
-    let configured = draw_place();
     let mut rates = vec![Vec::new(); cases.len()];
     for round in 0..=args.repeats {
         for (c, &(i, host)) in cases.iter().enumerate() {
             let request = GenerateRequest {
                 prompt_ids: prompt.to_vec(),
                 max_tokens: args.gen_tokens,
-                sampling: settings[i].1,
+                sampling: SamplingParams {
+                    draw: if host {
+                        DrawPlace::Host
+                    } else {
+                        DrawPlace::Device
+                    },
+                    ..settings[i].1
+                },
                 stop_ids: Vec::new(),
                 ignore_eos: true,
             };
-            set_draw_place(if host {
-                DrawPlace::Host
-            } else {
-                DrawPlace::Device
-            });
-            let result = generate(model, &request, |_| Ok(()));
-            set_draw_place(configured);
-            let (_, stats) = result?;
+            let (_, stats) = generate(model, &request, |_| Ok(()))?;
             if round > 0 {
                 rates[c].push(stats.decode_tokens_per_s);
             }
@@ -1817,10 +1825,13 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     if args.check_kernels {
         return run_check_kernels(&args);
     }
-    let loaded = load_model(&args.model)?;
-    let model = &loaded.model;
+    let mut loaded = load_model(&args.model)?;
     let weight_bytes = mlx_rs::memory::active_memory().unwrap_or(0);
-    let prompt = synthetic_prompt(model.config.vocab_size, args.prompt_tokens);
+    let prompt = synthetic_prompt(loaded.model.config.vocab_size, args.prompt_tokens);
+    if !args.replay_drafts.is_empty() {
+        return report_replayed_drafts(&mut loaded.model, &prompt, &args);
+    }
+    let model = &loaded.model;
     if let Some(runs) = args.repeatability {
         return report_repeatability(model, &prompt, runs, args.gen_tokens);
     }
@@ -1832,9 +1843,6 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     }
     if let Some(k) = args.verify_window {
         return report_verify_window(model, &prompt, k, &args);
-    }
-    if !args.replay_drafts.is_empty() {
-        return report_replayed_drafts(model, &prompt, &args);
     }
     if args.compare_sampling {
         return report_sampling(model, &prompt, &args);
@@ -1940,7 +1948,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
                 "stepwise_graph_build_ms": build_ms,
                 "pipelined_host_ms": json!({"build": host.build_ms, "submit": host.submit_ms, "wait": host.wait_ms}),
                 "fused_comparison": fused_comparison.iter().map(|f| json!({"kernels": f.name, "decode_tokens_per_s": f.tokens_per_s, "slowest_round_tokens_per_s": f.slowest_tokens_per_s, "fastest_round_tokens_per_s": f.fastest_tokens_per_s, "same_tokens_as_none": f.same_as_none, "first_step_logit_gap": f.logit_gap, "host_ms": {"build": f.host.build_ms, "submit": f.host.submit_ms, "wait": f.host.wait_ms}})).collect::<Vec<_>>(),
-                "handoff_layers": mlx_spec::model::gemma4::handoff::handoff_layers(),
+                "handoff_layers": model.settings().handoff_layers,
                 "verify_curve": curve.iter().map(|c| json!({"k": c.k, "ms": c.whole.total_ms, "build_ms": c.whole.build_ms,
                     "handed_over_ms": c.handed_over.total_ms, "handed_over_build_ms": c.handed_over.build_ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
@@ -2007,7 +2015,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
             };
             row("one forward, handed over whole", &|c| c.whole.total_ms);
             row("of it, building the graph", &|c| c.whole.build_ms);
-            let group = mlx_spec::model::gemma4::handoff::handoff_layers();
+            let group = model.settings().handoff_layers;
             row(
                 &format!("one forward, handed over {group} layers at a time"),
                 &|c| c.handed_over.total_ms,

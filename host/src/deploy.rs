@@ -3,13 +3,13 @@
 //!
 //! ```toml
 //! [model]
-//! path = "models/my-gemma"        # relative to this file; default: the repo's default model
+//! path = "models/my-gemma"        # relative to this file; default: mlx-spec's default model
 //! device = "cpu"                  # cpu | gpu
 //! dtype = "auto"                  # auto | f32 | bf16 | f16
 //! handoff_layers = 3              # optional: --handoff-layers (default: the device's)
 //!
 //! [plugins]
-//! dirs = ["plugins"]
+//! dirs = ["plugins"]              # relative to this file; default: mlx-spec's plugins folder
 //!
 //! [drafter]                       # optional: omit for plain decoding
 //! name = "ngram"

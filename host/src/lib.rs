@@ -11,6 +11,7 @@ pub mod device;
 pub mod diagnostics;
 pub mod generate;
 pub mod kernels;
+pub mod load;
 pub mod model;
 pub mod plugins;
 pub mod sampler;
@@ -18,22 +19,87 @@ pub mod speculative;
 pub mod tokenizer;
 pub mod weights;
 
-/// Where the repo keeps the default model: a small Gemma 4 trained on Python code
+/// The default model's folder under [`home`]: a small Gemma 4 trained on Python code
 /// (`models/gemma4-code-7m/README.md`).
 pub const DEFAULT_MODEL_DIR: &str = "models/gemma4-code-7m";
 
-/// The default model folder: next to the binary's repository checkout (`target/release/..`)
-/// when there is one, else relative to the working directory.
-pub fn default_model_path() -> std::path::PathBuf {
-    let beside_binary = std::env::current_exe().ok().and_then(|exe| {
-        exe.parent()?
-            .parent()?
-            .parent()
-            .map(|root| root.join(DEFAULT_MODEL_DIR))
+/// The variable that names mlx-spec's home folder, overriding where the binary looks.
+pub const HOME_VAR: &str = "MLX_SPEC_HOME";
+
+/// The folder holding mlx-spec's default model (`models/`) and drafter plugins (`plugins/`):
+/// `$MLX_SPEC_HOME` when set; else found from the executable: `PREFIX/share/mlx-spec` for a
+/// binary installed as `PREFIX/bin/mlx-spec` (`scripts/install.sh`), the checkout for a binary
+/// built in one (`target/<profile>/mlx-spec`); else the working directory. So the default
+/// model and plugins are found from any working directory.
+pub fn home() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os(HOME_VAR).filter(|v| !v.is_empty()) {
+        return dir.into();
+    }
+    let exe = std::env::current_exe()
+        .ok()
+        .and_then(|p| std::fs::canonicalize(p).ok());
+    exe.as_deref()
+        .and_then(home_beside_executable)
+        .unwrap_or_else(|| std::path::PathBuf::from("."))
+}
+
+/// The home of an executable at `exe`, if one of the known layouts holds a `models` or
+/// `plugins` folder.
+pub fn home_beside_executable(exe: &std::path::Path) -> Option<std::path::PathBuf> {
+    let bin = exe.parent()?;
+    let installed = bin.parent().map(|prefix| prefix.join("share").join("mlx-spec"));
+    // target/<profile>/mlx-spec, or target/<profile>/deps/<test binary> for the tests.
+    let checkout = bin.ancestors().find_map(|dir| {
+        (dir.file_name()? == "target")
+            .then(|| dir.parent())
+            .flatten()
+            .map(std::path::Path::to_path_buf)
     });
-    match beside_binary {
-        Some(p) if p.join("config.json").is_file() => p,
-        _ => std::path::PathBuf::from(DEFAULT_MODEL_DIR),
+    [installed, checkout]
+        .into_iter()
+        .flatten()
+        .find(|dir| dir.join("models").is_dir() || dir.join("plugins").is_dir())
+}
+
+/// The default model folder: [`DEFAULT_MODEL_DIR`] under [`home`].
+pub fn default_model_path() -> std::path::PathBuf {
+    home().join(DEFAULT_MODEL_DIR)
+}
+
+/// The default plugins directory: `plugins` under [`home`].
+pub fn default_plugins_dir() -> std::path::PathBuf {
+    home().join("plugins")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::home_beside_executable;
+
+    #[test]
+    fn home_is_found_beside_an_installed_or_a_built_binary() {
+        let root = tempfile::tempdir().unwrap();
+        let prefix = root.path().join("prefix");
+        std::fs::create_dir_all(prefix.join("bin")).unwrap();
+        std::fs::create_dir_all(prefix.join("share/mlx-spec/plugins")).unwrap();
+        assert_eq!(
+            home_beside_executable(&prefix.join("bin/mlx-spec")),
+            Some(prefix.join("share/mlx-spec"))
+        );
+        let checkout = root.path().join("checkout");
+        std::fs::create_dir_all(checkout.join("target/release/deps")).unwrap();
+        std::fs::create_dir_all(checkout.join("models")).unwrap();
+        assert_eq!(
+            home_beside_executable(&checkout.join("target/release/mlx-spec")),
+            Some(checkout.clone())
+        );
+        assert_eq!(
+            home_beside_executable(&checkout.join("target/release/deps/cli-0123")),
+            Some(checkout)
+        );
+        // A binary elsewhere, with neither folder beside it: no home.
+        let lone = root.path().join("lone/bin");
+        std::fs::create_dir_all(&lone).unwrap();
+        assert_eq!(home_beside_executable(&lone.join("mlx-spec")), None);
     }
 }
 

@@ -3,23 +3,22 @@
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 use mlx_rs::Dtype;
 use serde_json::json;
 
 use mlx_spec::deploy::{DeployConfig, DrawnOn};
-use mlx_spec::device::{self, DeviceKind};
+use mlx_spec::device::DeviceKind;
 use mlx_spec::generate::{generate, GenerateRequest};
-use mlx_spec::model::gemma4::config::{Gemma4Config, QuantSpec};
-use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model};
+use mlx_spec::load::{LoadOptions, LoadedModel, RandomWeights};
+use mlx_spec::model::gemma4::config::QuantSpec;
+use mlx_spec::model::gemma4::DtypeChoice;
 use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
-use mlx_spec::sampler::SamplingParams;
+use mlx_spec::sampler::{DrawPlace, SamplingParams};
 use mlx_spec::speculative::{generate_speculative, SpecOptions};
-use mlx_spec::tokenizer::{stop_ids, ChatMessage, StreamDecoder, Tokenizer};
+use mlx_spec::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
 mod bench;
 
@@ -56,8 +55,9 @@ enum Command {
 enum PluginsCommand {
     /// List the plugins of some directories with their status.
     List {
-        /// Directory holding plugin folders (repeatable).
-        #[arg(long = "plugins-dir", value_name = "DIR", required = true)]
+        /// Directory holding plugin folders (repeatable; default: the plugins beside the binary,
+        /// or under $MLX_SPEC_HOME).
+        #[arg(long = "plugins-dir", value_name = "DIR", default_values_os_t = vec![mlx_spec::default_plugins_dir()])]
         plugins_dirs: Vec<PathBuf>,
     },
     /// Check one plugin: a plugin.toml, or a folder holding one. Prints OK or why not.
@@ -70,7 +70,7 @@ struct SpecArgs {
     #[arg(long)]
     drafter: Option<String>,
     /// Directory holding drafter plugin folders (repeatable).
-    #[arg(long = "plugins-dir", value_name = "DIR", default_value = "plugins")]
+    #[arg(long = "plugins-dir", value_name = "DIR", default_values_os_t = vec![mlx_spec::default_plugins_dir()])]
     plugins_dirs: Vec<PathBuf>,
     /// Most tokens drafted per round (default: the drafter's `num_draft_tokens`, else 10). On a
     /// GPU a round keeps to one window of the window kernels (7 drafts); where they take no
@@ -232,6 +232,16 @@ enum SamplerArg {
     Host,
 }
 
+impl SamplerArg {
+    fn place(self) -> DrawPlace {
+        match self {
+            SamplerArg::Auto => DrawPlace::Auto,
+            SamplerArg::Device => DrawPlace::Device,
+            SamplerArg::Host => DrawPlace::Host,
+        }
+    }
+}
+
 /// `--fused-kernels`' default, also that of config-driven runs (`mlx-spec run`).
 const DEFAULT_FUSED_KERNELS: &str =
     "attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head,window";
@@ -300,17 +310,9 @@ impl ModelArgs {
         }
     }
 
-    /// Puts `--fused-kernels`, `--kernel-variants`, `--handoff-layers` and `--sampler` in force
-    /// for the process.
+    /// Puts `--fused-kernels` and `--kernel-variants` in force for the process.
     fn allow_fused_kernels(&self) {
         mlx_spec::kernels::set_allowed(self.fused());
-        mlx_spec::model::gemma4::handoff::set_handoff_layers(self.handoff_layers);
-        use mlx_spec::sampler::{set_draw_place, DrawPlace};
-        set_draw_place(match self.sampler {
-            SamplerArg::Auto => DrawPlace::Auto,
-            SamplerArg::Device => DrawPlace::Device,
-            SamplerArg::Host => DrawPlace::Host,
-        });
         let variants = &self.kernel_variants;
         let tuning = mlx_spec::kernels::Tuning {
             attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
@@ -535,112 +537,39 @@ fn init_logging(verbose: u8) {
         .init();
 }
 
-/// A loaded model plus what came with it.
-struct Loaded {
-    model: Gemma4Model,
-    tokenizer: Option<Tokenizer>,
-    stop_ids: Vec<u32>,
-    load_seconds: f64,
+impl ModelArgs {
+    /// The load these flags describe.
+    fn load_options(&self) -> Result<LoadOptions> {
+        let random_weights = if self.random_weights {
+            Some(RandomWeights {
+                seed: self.weights_seed,
+                quant: match &self.random_bits {
+                    Some(bits) => Some(QuantSpec {
+                        bits: bits.parse()?,
+                        group_size: self.random_group_size,
+                    }),
+                    None => None,
+                },
+            })
+        } else {
+            None
+        };
+        Ok(LoadOptions {
+            path: self.model.clone(),
+            device: self.device,
+            dtype: self.dtype.choice(),
+            random_weights,
+            kernels: self.fused(),
+            handoff_layers: self.handoff_layers,
+        })
+    }
 }
 
-/// The config of `path` (a config.json file, or a folder holding one): the folder, the
-/// file and the parsed config.
-fn read_config(path: &Path) -> Result<(PathBuf, PathBuf, Gemma4Config)> {
-    let (dir, config_path) = if path.is_file() {
-        (
-            path.parent().unwrap_or(Path::new(".")).to_path_buf(),
-            path.to_path_buf(),
-        )
-    } else {
-        (path.to_path_buf(), path.join("config.json"))
-    };
-    let text = std::fs::read_to_string(&config_path)
-        .with_context(|| format!("cannot read {}", config_path.display()))?;
-    let raw: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not valid JSON", config_path.display()))?;
-    let config = Gemma4Config::from_json(&raw)
-        .with_context(|| format!("invalid config {}", config_path.display()))?;
-    Ok((dir, config_path, config))
-}
-
-fn load_model(args: &ModelArgs) -> Result<Loaded> {
-    device::select(args.device)?;
+/// Loads the model `args` describe (the library's [`mlx_spec::load::load`]), with the
+/// process-wide settings the flags still carry put in force first.
+fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
     args.allow_fused_kernels();
-    let start = Instant::now();
-    let path = &args.model;
-    if args.random_weights {
-        let (dir, config_path, config) = read_config(path)?;
-        let dtype = match args.dtype.choice() {
-            DtypeChoice::Fixed(d) => d,
-            DtypeChoice::Auto => Dtype::Bfloat16,
-        };
-        let quant = match &args.random_bits {
-            Some(bits) => Some(QuantSpec {
-                bits: bits.parse()?,
-                group_size: args.random_group_size,
-            }),
-            None => None,
-        };
-        tracing::info!(
-            "building random weights for {} ({dtype:?}, quant {quant:?})",
-            config_path.display()
-        );
-        let stops = config.eos_token_ids.clone();
-        let model = Gemma4Model::random(config, args.weights_seed, dtype, quant)?;
-        return Ok(Loaded {
-            tokenizer: Tokenizer::from_dir(&dir, model.config.bos_token_id)?,
-            model,
-            stop_ids: stops,
-            load_seconds: start.elapsed().as_secs_f64(),
-        });
-    }
-
-    if !path.is_dir() {
-        bail!(
-            "model folder {} does not exist (pass --model DIR)",
-            path.display()
-        );
-    }
-    let bar = if std::io::stderr().is_terminal() {
-        let bar = ProgressBar::new(0);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "loading weights {bar:30} {bytes}/{total_bytes} {elapsed}",
-            )
-            .expect("static template"),
-        );
-        Some(bar)
-    } else {
-        None
-    };
-    let model = Gemma4Model::load(path, args.dtype.choice(), bar.clone())?;
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
-    let tokenizer = Tokenizer::from_dir(path, model.config.bos_token_id)?;
-    if let Some(tok) = &tokenizer {
-        if tok.vocab_size() > model.config.vocab_size {
-            tracing::warn!(
-                "tokenizer has {} tokens but the model only {}: ids past the model's vocabulary will be rejected",
-                tok.vocab_size(),
-                model.config.vocab_size
-            );
-        }
-    }
-    let stop_ids = stop_ids(path, &model.config.eos_token_ids)?;
-    tracing::info!(
-        "loaded {} ({} layers, {:?}) in {:.2}s",
-        path.display(),
-        model.config.num_layers,
-        model.dtype,
-        start.elapsed().as_secs_f64()
-    );
-    Ok(Loaded {
-        model,
-        tokenizer,
-        stop_ids,
-        load_seconds: start.elapsed().as_secs_f64(),
-    })
+    mlx_spec::load::load(&args.load_options()?)
 }
 
 /// Which drafter to use and how.
@@ -844,6 +773,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }),
         None => None,
     };
+    let draw = args.model.sampler.place();
     run_job(Job {
         model: args.model,
         input: &args.input,
@@ -854,6 +784,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             top_p: args.top_p,
             min_p: args.min_p,
             seed: args.seed,
+            draw,
         },
         ignore_eos: args.ignore_eos,
         drafter,
@@ -900,11 +831,20 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             top_p: s.top_p,
             min_p: s.min_p,
             seed: s.seed,
+            draw: match s.drawn_on {
+                DrawnOn::Auto => DrawPlace::Auto,
+                DrawnOn::Device => DrawPlace::Device,
+                DrawnOn::Host => DrawPlace::Host,
+            },
         },
         ignore_eos: false,
         drafter: cfg.drafter.as_ref().map(|d| DrafterChoice {
             name: d.name.clone(),
-            plugins_dirs: cfg.plugins.dirs.clone(),
+            plugins_dirs: if cfg.plugins.dirs.is_empty() {
+                vec![mlx_spec::default_plugins_dir()]
+            } else {
+                cfg.plugins.dirs.clone()
+            },
             num_draft_tokens: d.num_draft_tokens,
             overrides: d.config.clone(),
             auto_off: d.auto_off,

@@ -14,10 +14,8 @@
 //! does not wait for its logits to reach the host. [`SamplingParams::sample`] and
 //! [`SamplingParams::distribution`] compute on the host in float64: the exact distribution the
 //! tests measure the device against, the rejection sampling of drafters that return their own
-//! distributions, and, where [`draw_place`] says so (`--sampler host`, or top-p alone on the
+//! distributions, and, where [`SamplingParams::draw`] says so (`--sampler host`, or top-p alone on the
 //! CPU), the draws themselves, as the first versions drew.
-
-use std::sync::atomic::{AtomicU8, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
@@ -36,6 +34,8 @@ pub struct SamplingParams {
     /// Drop tokens less likely than `min_p` times the most likely one (0 = off).
     pub min_p: f32,
     pub seed: u64,
+    /// Where sampled tokens are drawn.
+    pub draw: DrawPlace,
 }
 
 impl Default for SamplingParams {
@@ -46,6 +46,7 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             seed: 0,
+            draw: DrawPlace::Auto,
         }
     }
 }
@@ -240,11 +241,12 @@ fn draw_rows(logits: &Array, params: &SamplingParams, uniforms: &Array) -> Resul
 }
 
 /// Where sampled tokens are drawn (`--sampler`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum DrawPlace {
     /// The device, except for top-p without top-k on the CPU: there the device is the host's
     /// own cores, and sorting the whole vocabulary every step costs more than waiting for the
     /// logits and sorting on the host only the head the nucleus needs (BENCHMARKS.md).
+    #[default]
     Auto,
     /// Always [`sample_on_device`].
     Device,
@@ -253,25 +255,9 @@ pub enum DrawPlace {
     Host,
 }
 
-static DRAW_PLACE: AtomicU8 = AtomicU8::new(DrawPlace::Auto as u8);
-
-/// Sets where sampled tokens are drawn for the rest of the process.
-pub fn set_draw_place(place: DrawPlace) {
-    DRAW_PLACE.store(place as u8, Ordering::Relaxed);
-}
-
-/// Where sampled tokens are drawn ([`set_draw_place`]).
-pub fn draw_place() -> DrawPlace {
-    match DRAW_PLACE.load(Ordering::Relaxed) {
-        x if x == DrawPlace::Device as u8 => DrawPlace::Device,
-        x if x == DrawPlace::Host as u8 => DrawPlace::Host,
-        _ => DrawPlace::Auto,
-    }
-}
-
-/// Whether a draw with `params` happens on the host under [`draw_place`].
+/// Whether a draw with `params` happens on the host (`params.draw`).
 fn draws_on_host(params: &SamplingParams) -> bool {
-    match draw_place() {
+    match params.draw {
         DrawPlace::Device => false,
         DrawPlace::Host => true,
         DrawPlace::Auto => {
@@ -283,7 +269,7 @@ fn draws_on_host(params: &SamplingParams) -> bool {
 }
 
 /// The tokens at emitted indices `first_index ..` of `[T, vocab]` logits (`[T]`, uint32), as
-/// every sampled path of the host draws them: [`sample_on_device`], or where [`draw_place`]
+/// every sampled path of the host draws them: [`sample_on_device`], or where `params.draw`
 /// says the host, each row's [`SamplingParams::sample`], after waiting for the logits.
 pub fn draw_tokens(logits: &Array, params: &SamplingParams, first_index: u64) -> Result<Array> {
     if params.is_greedy() || !draws_on_host(params) {
@@ -373,6 +359,7 @@ mod tests {
             top_p,
             min_p,
             seed: 7,
+            draw: DrawPlace::Auto,
         }
     }
 
@@ -572,23 +559,25 @@ mod tests {
 
     #[test]
     fn auto_draws_top_p_alone_on_the_cpu_host_and_the_rest_on_the_device() {
-        // Unit tests run on the CPU. Only this test changes the place, and the other tests call
-        // `sample_on_device` itself.
-        set_draw_place(DrawPlace::Auto);
+        // Unit tests run on the CPU.
         assert!(draws_on_host(&params(0.8, 0, 0.95, 0.0)));
         assert!(!draws_on_host(&params(0.8, 64, 0.95, 0.0)));
         assert!(!draws_on_host(&params(0.8, 0, 1.0, 0.1)));
         assert!(!draws_on_host(&params(1.0, 0, 1.0, 0.0)));
-        set_draw_place(DrawPlace::Device);
-        assert!(!draws_on_host(&params(0.8, 0, 0.95, 0.0)));
-        set_draw_place(DrawPlace::Host);
-        assert!(draws_on_host(&params(1.0, 0, 1.0, 0.0)));
+        let placed = |draw, p: SamplingParams| SamplingParams { draw, ..p };
+        assert!(!draws_on_host(&placed(
+            DrawPlace::Device,
+            params(0.8, 0, 0.95, 0.0)
+        )));
+        assert!(draws_on_host(&placed(
+            DrawPlace::Host,
+            params(1.0, 0, 1.0, 0.0)
+        )));
         // Drawn on the host, a row is the float64 sampler's own draw at its index.
         let logits: Vec<f32> = (0..30).map(|i| (i as f32 * 0.7).sin()).collect();
-        let p = params(0.9, 0, 1.0, 0.0);
+        let p = placed(DrawPlace::Host, params(0.9, 0, 1.0, 0.0));
         let drawn = draw_tokens(&Array::from_slice(&logits, &[1, 30]), &p, 4).unwrap();
         assert_eq!(drawn.as_slice::<u32>(), [p.sample(&logits, 4)]);
-        set_draw_place(DrawPlace::Auto);
     }
 
     #[test]

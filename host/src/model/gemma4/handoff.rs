@@ -10,34 +10,11 @@
 //! while the host builds the rest. The values are the same either way: only when the work is
 //! submitted changes.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// Layers a group on a GPU unless `--handoff-layers` says otherwise: a dense E4B window (42
-/// layers) goes out in 14 groups, each one more commit of a CUDA graph for MLX. Groups of 3
-/// were ahead of groups of 6 in 18 of 20 replayed cases on an H200 (by 1-10 %), behind once
-/// by a round that was slow in both of its runs and not seen again (BENCHMARKS.md).
+/// Layers a group on a GPU unless the load options say otherwise
+/// ([`super::RunSettings::handoff_layers`]): a dense E4B window (42 layers) goes out in 14
+/// groups, each one more commit of a CUDA graph for MLX. Groups of 3 were ahead of groups of 6
+/// in 18 of 20 replayed cases on an H200 (by 1-10 %; BENCHMARKS.md).
 pub const DEFAULT_GPU_HANDOFF_LAYERS: usize = 3;
-
-/// No setting made: [`DEFAULT_GPU_HANDOFF_LAYERS`] on a GPU, the whole forward at once
-/// elsewhere.
-const UNSET: usize = usize::MAX;
-
-static HANDOFF_LAYERS: AtomicUsize = AtomicUsize::new(UNSET);
-
-/// Sets the layers a group for the rest of the process; `Some(0)` hands each forward over
-/// whole, `None` restores the default of the device.
-pub fn set_handoff_layers(layers: Option<usize>) {
-    HANDOFF_LAYERS.store(layers.unwrap_or(UNSET), Ordering::Relaxed);
-}
-
-/// The layers a group for a forward read at once on the current default device (0: whole).
-pub fn handoff_layers() -> usize {
-    match HANDOFF_LAYERS.load(Ordering::Relaxed) {
-        UNSET if crate::device::default_is(mlx_rs::DeviceType::Gpu) => DEFAULT_GPU_HANDOFF_LAYERS,
-        UNSET => 0,
-        set => set,
-    }
-}
 
 /// Whether the output of layer `index` (0-based, of `num_layers`) ends a group of `group`
 /// layers and goes to the device before the next layer is built. The last layer never does:

@@ -81,6 +81,39 @@ pub struct Gemma4Model {
     softcap: Option<Array>,
     /// [`Gemma4Model::largest_exact_window`], worked out at first use.
     largest_window: std::sync::OnceLock<usize>,
+    /// How forwards run on this device, chosen at load.
+    settings: RunSettings,
+}
+
+/// How a loaded model runs its forwards: settings chosen once, at load, for the device the
+/// model was loaded on, and read by every forward (never process-wide state).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunSettings {
+    /// Which of mlx-spec's fused CUDA kernels a forward uses (none off a CUDA GPU).
+    pub kernels: crate::kernels::Fused,
+    /// Layers a group when a forward read at once goes to the device ([`handoff`]; 0: whole).
+    pub handoff_layers: usize,
+}
+
+impl RunSettings {
+    /// The defaults for MLX's current default device: on a CUDA GPU (a Linux build whose
+    /// default device is the GPU) the default kernel set and hand-off groups of
+    /// [`handoff::DEFAULT_GPU_HANDOFF_LAYERS`]; elsewhere MLX's operations, handed over whole.
+    pub fn for_default_device() -> RunSettings {
+        let gpu = crate::device::default_is(mlx_rs::DeviceType::Gpu);
+        RunSettings {
+            kernels: if gpu && cfg!(target_os = "linux") {
+                crate::kernels::Fused::allowed()
+            } else {
+                crate::kernels::Fused::default()
+            },
+            handoff_layers: if gpu {
+                handoff::DEFAULT_GPU_HANDOFF_LAYERS
+            } else {
+                0
+            },
+        }
+    }
 }
 
 /// Tensor name prefixes of the decoder in the layouts we know, most specific first.
@@ -211,7 +244,20 @@ impl Gemma4Model {
             final_norm,
             head,
             largest_window: std::sync::OnceLock::new(),
+            settings: RunSettings::for_default_device(),
         })
+    }
+
+    /// How this model's forwards run.
+    pub fn settings(&self) -> RunSettings {
+        self.settings
+    }
+
+    /// Changes how this model's forwards run (the loader applies the user's choices this
+    /// way). Fused kernels asked for off a CUDA GPU are ignored: only MLX's operations run
+    /// there.
+    pub fn set_settings(&mut self, settings: RunSettings) {
+        self.settings = settings;
     }
 
     /// Weight bytes one decode step reads: every weight except the rows of embedding tables
@@ -261,7 +307,7 @@ impl Gemma4Model {
         logits_for: LogitsFor,
         capture_hidden: bool,
     ) -> Result<ForwardOutput> {
-        let group = handoff::handoff_layers();
+        let group = self.settings.handoff_layers;
         self.forward_slice(ids, cache, logits_for, capture_hidden, group)
     }
 
@@ -325,7 +371,7 @@ impl Gemma4Model {
             );
         }
         let t = ids.shape()[1];
-        let fused = crate::kernels::Fused::for_next_forward();
+        let fused = self.kernels();
         // With the window kernels on (a GPU), a verify window (logits for every position)
         // longer than they take for this model runs as windows they take, one after the other,
         // so that every window computes what decode steps compute. A prompt (the last logits
@@ -505,7 +551,17 @@ impl Gemma4Model {
     /// a time, as decode steps. `None` where a window of any length runs whole (MLX's
     /// operations: the CPU, or the window kernels off).
     pub fn verify_window_limit(&self) -> Option<usize> {
-        self.window_limit_for(crate::kernels::Fused::for_next_forward())
+        self.window_limit_for(self.kernels())
+    }
+
+    /// The fused kernels the next forward uses: those of [`RunSettings`], or while the lab
+    /// records kernel sources without running them ([`crate::kernels::capture_kernels`]),
+    /// the lab's set whatever the device.
+    fn kernels(&self) -> crate::kernels::Fused {
+        if crate::kernels::capturing() {
+            return crate::kernels::Fused::allowed();
+        }
+        self.settings.kernels
     }
 
     /// [`Gemma4Model::verify_window_limit`] with the kernels `fused` allows.

@@ -1,0 +1,210 @@
+//! Loading a target model with everything that comes with it, from one value of options.
+//!
+//! The command line, the deploy config and the lab all describe a load as a [`LoadOptions`];
+//! [`load`] selects the device, reads the checkpoint (or builds seeded random weights of a
+//! config's shapes), the tokenizer and the stop tokens, and fixes how the model's forwards run
+//! on that device ([`RunSettings`]) once, at load.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use mlx_rs::Dtype;
+
+use crate::device::{self, DeviceKind};
+use crate::kernels::Fused;
+use crate::model::gemma4::config::{Gemma4Config, QuantSpec};
+use crate::model::gemma4::handoff::DEFAULT_GPU_HANDOFF_LAYERS;
+use crate::model::gemma4::{DtypeChoice, Gemma4Model, RunSettings};
+use crate::tokenizer::{stop_ids, Tokenizer};
+
+/// Seeded random weights of a config's shapes, in place of a checkpoint's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RandomWeights {
+    pub seed: u64,
+    /// Quantize them (affine, mlx-community layout).
+    pub quant: Option<QuantSpec>,
+}
+
+/// What to load and how it runs.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// A model folder (config.json + safetensors [+ tokenizer.json]); with `random_weights`,
+    /// a config.json file or a folder holding one.
+    pub path: PathBuf,
+    pub device: DeviceKind,
+    pub dtype: DtypeChoice,
+    pub random_weights: Option<RandomWeights>,
+    /// The fused CUDA kernels to use; they run only on a CUDA GPU.
+    pub kernels: Fused,
+    /// Layers a group when a verify window goes to the device (0: whole); `None`: the
+    /// device's default.
+    pub handoff_layers: Option<usize>,
+}
+
+impl LoadOptions {
+    /// The defaults for the model at `path`: the CPU, the checkpoint's dtype, the default
+    /// kernel set, the device's hand-off.
+    pub fn new(path: impl Into<PathBuf>) -> LoadOptions {
+        LoadOptions {
+            path: path.into(),
+            device: DeviceKind::Cpu,
+            dtype: DtypeChoice::Auto,
+            random_weights: None,
+            kernels: Fused::allowed(),
+            handoff_layers: None,
+        }
+    }
+}
+
+/// A loaded model plus what came with it.
+pub struct LoadedModel {
+    pub model: Gemma4Model,
+    /// `None` when the folder has no tokenizer.json (prompts then go in as ids).
+    pub tokenizer: Option<Tokenizer>,
+    /// Token ids that end a generation (config.json and generation_config.json).
+    pub stop_ids: Vec<u32>,
+    pub load_seconds: f64,
+}
+
+/// The config of `path` (a config.json file, or a folder holding one): the folder, the file
+/// and the parsed config.
+pub fn read_config(path: &Path) -> Result<(PathBuf, PathBuf, Gemma4Config)> {
+    let (dir, config_path) = if path.is_file() {
+        (
+            path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+            path.to_path_buf(),
+        )
+    } else {
+        (path.to_path_buf(), path.join("config.json"))
+    };
+    let text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("cannot read {}", config_path.display()))?;
+    let raw: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", config_path.display()))?;
+    let config = Gemma4Config::from_json(&raw)
+        .with_context(|| format!("invalid config {}", config_path.display()))?;
+    Ok((dir, config_path, config))
+}
+
+/// Selects the device, loads the model as `options` say, and fixes its [`RunSettings`].
+/// A progress bar shows the weights' bytes on a terminal.
+pub fn load(options: &LoadOptions) -> Result<LoadedModel> {
+    device::select(options.device)?;
+    let start = Instant::now();
+    let path = &options.path;
+    let (mut model, tokenizer, stop_ids) = match options.random_weights {
+        Some(random) => {
+            let (dir, config_path, config) = read_config(path)?;
+            let dtype = match options.dtype {
+                DtypeChoice::Fixed(d) => d,
+                DtypeChoice::Auto => Dtype::Bfloat16,
+            };
+            tracing::info!(
+                "building random weights for {} ({dtype:?}, quant {:?})",
+                config_path.display(),
+                random.quant
+            );
+            let stops = config.eos_token_ids.clone();
+            let model = Gemma4Model::random(config, random.seed, dtype, random.quant)?;
+            let tokenizer = Tokenizer::from_dir(&dir, model.config.bos_token_id)?;
+            (model, tokenizer, stops)
+        }
+        None => {
+            if !path.is_dir() {
+                bail!(
+                    "model folder {} does not exist (pass --model DIR)",
+                    path.display()
+                );
+            }
+            let bar = weights_progress_bar();
+            let model = Gemma4Model::load(path, options.dtype, bar.clone())?;
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            let tokenizer = Tokenizer::from_dir(path, model.config.bos_token_id)?;
+            if let Some(tok) = &tokenizer {
+                if tok.vocab_size() > model.config.vocab_size {
+                    tracing::warn!(
+                        "tokenizer has {} tokens but the model only {}: ids past the model's vocabulary will be rejected",
+                        tok.vocab_size(),
+                        model.config.vocab_size
+                    );
+                }
+            }
+            let stops = stop_ids(path, &model.config.eos_token_ids)?;
+            (model, tokenizer, stops)
+        }
+    };
+    model.set_settings(settings_for(options));
+    tracing::info!(
+        "loaded {} ({} layers, {:?}) in {:.2}s",
+        path.display(),
+        model.config.num_layers,
+        model.dtype,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        stop_ids,
+        load_seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// How a model loaded with `options` runs: the kernels asked for where they can run (a CUDA
+/// GPU: a Linux build on the GPU), none elsewhere; the hand-off asked for, else the device's.
+fn settings_for(options: &LoadOptions) -> RunSettings {
+    let gpu = options.device == DeviceKind::Gpu;
+    RunSettings {
+        kernels: if gpu && cfg!(target_os = "linux") {
+            options.kernels
+        } else {
+            Fused::default()
+        },
+        handoff_layers: options.handoff_layers.unwrap_or(if gpu {
+            DEFAULT_GPU_HANDOFF_LAYERS
+        } else {
+            0
+        }),
+    }
+}
+
+/// A bar of the weights' bytes, on a terminal only (logs and pipes get none).
+fn weights_progress_bar() -> Option<ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("loading weights {bar:30} {bytes}/{total_bytes} {elapsed}")
+            .expect("static template"),
+    );
+    Some(bar)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_run_only_on_a_gpu_and_hand_off_follows_the_device() {
+        let mut options = LoadOptions::new("unused");
+        options.kernels = Fused::every();
+        let cpu = settings_for(&options);
+        assert_eq!(cpu.kernels, Fused::default(), "no fused kernel on the CPU");
+        assert_eq!(cpu.handoff_layers, 0);
+        options.device = DeviceKind::Gpu;
+        let gpu = settings_for(&options);
+        assert_eq!(gpu.handoff_layers, DEFAULT_GPU_HANDOFF_LAYERS);
+        if cfg!(target_os = "linux") {
+            assert_eq!(gpu.kernels, Fused::every());
+        } else {
+            assert_eq!(gpu.kernels, Fused::default(), "Metal has no CUDA kernels");
+        }
+        options.handoff_layers = Some(0);
+        assert_eq!(settings_for(&options).handoff_layers, 0);
+    }
+}
