@@ -56,22 +56,26 @@ fi
 rm -rf "$SHARE/models/gemma4-code-7m"
 cp -R "$ROOT/models/gemma4-code-7m" "$SHARE/models/"
 
-# Each plugin folder as the host reads it: the manifest and the library beside it.
+# Each plugin folder as the host reads it: the manifest and, beside it, the library this
+# checkout built (else the copy already beside the manifest).
 for manifest in "$ROOT"/plugins/*/plugin.toml; do
     [[ -f "$manifest" ]] || continue
     src="$(dirname "$manifest")"
     name="$(basename "$src")"
     dest="$SHARE/plugins/$name"
+    lib="$(python3 -c 'import sys, tomllib, platform
+lib = tomllib.load(open(sys.argv[1], "rb"))["plugin"]["library"]
+print(lib if isinstance(lib, str) else lib.get("macos" if platform.system() == "Darwin" else "linux", ""))' "$manifest")"
     rm -rf "$dest"
     mkdir -p "$dest"
     cp "$manifest" "$dest/"
-    found=0
-    for lib in "$src"/*.so "$src"/*.dylib; do
-        [[ -f "$lib" ]] || continue
-        cp "$lib" "$dest/"
-        found=1
-    done
-    ((found)) || say "warning: plugin $name has no built library (run scripts/setup.sh)"
+    if [[ -n "$lib" && -f "$ROOT/target/release/$lib" ]]; then
+        cp "$ROOT/target/release/$lib" "$dest/"
+    elif [[ -n "$lib" && -f "$src/$lib" ]]; then
+        cp "$src/$lib" "$dest/"
+    else
+        say "warning: plugin $name has no built library (run scripts/setup.sh)"
+    fi
 done
 
 say "installed $PREFIX/bin/mlx-spec (model and plugins in $SHARE)"

@@ -23,9 +23,7 @@ fn the_installed_binary_runs_the_main_command_from_another_directory() {
         String::from_utf8_lossy(&install.stderr)
     );
     let share = prefix.path().join("share/mlx-spec");
-    assert!(share
-        .join("models/gemma4-code-7m/model.safetensors")
-        .is_file());
+    assert!(share.join("models/gemma4-code-7m/config.json").is_file());
     assert!(share.join("plugins/ngram/plugin.toml").is_file());
 
     let binary = prefix.path().join("bin/mlx-spec");

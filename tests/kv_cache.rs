@@ -243,7 +243,6 @@ fn a_window_handed_over_in_groups_of_layers_equals_one_handed_over_whole() {
             .unwrap();
         model.set_settings(RunSettings {
             handoff_layers: group.unwrap_or(0),
-            ..model.settings()
         });
         let out = model
             .forward_to_read(window, &mut cache, LogitsFor::All, false)
@@ -274,9 +273,15 @@ fn a_window_handed_over_in_groups_of_layers_equals_one_handed_over_whole() {
 /// time on a GPU.
 #[test]
 fn the_window_kernels_take_dense_and_4bit_models_but_not_moe() {
+    use mlx_spec::kernels::{CudaDecode, Fused};
+    let largest = |model: &Gemma4Model| {
+        CudaDecode::new(model, Fused::every())
+            .unwrap()
+            .largest_exact_window(model)
+    };
     // The fixture's heads of 32 are narrower than the heads kernels take: none.
     let narrow = Gemma4Model::random(tiny_config(false), 0, Dtype::Float32, None).unwrap();
-    assert_eq!(narrow.largest_exact_window(), 1);
+    assert_eq!(largest(&narrow), 1);
     let wide_heads_of = |moe| {
         let mut c = tiny_config(moe);
         for plan in c.layers.iter_mut() {
@@ -286,20 +291,20 @@ fn the_window_kernels_take_dense_and_4bit_models_but_not_moe() {
     };
     let wide_heads = || wide_heads_of(false);
     let dense = Gemma4Model::random(wide_heads(), 0, Dtype::Float32, None).unwrap();
-    assert_eq!(dense.largest_exact_window(), 8);
+    assert_eq!(largest(&dense), 8);
     let quantized = Some(QuantSpec {
         group_size: 32,
         bits: 4,
     });
     let packed = Gemma4Model::random(wide_heads(), 0, Dtype::Float32, quantized).unwrap();
-    assert_eq!(packed.largest_exact_window(), 8);
+    assert_eq!(largest(&packed), 8);
     // Other bit widths have no kernel.
     let eight_bits = Some(QuantSpec {
         group_size: 32,
         bits: 8,
     });
     let packed8 = Gemma4Model::random(wide_heads(), 0, Dtype::Float32, eight_bits).unwrap();
-    assert_eq!(packed8.largest_exact_window(), 1);
+    assert_eq!(largest(&packed8), 1);
     let moe = Gemma4Model::random(wide_heads_of(true), 0, Dtype::Float32, None).unwrap();
-    assert_eq!(moe.largest_exact_window(), 1);
+    assert_eq!(largest(&moe), 1);
 }

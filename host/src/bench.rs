@@ -247,11 +247,7 @@ fn explain_mismatch(
 /// each draft length, hit rate, way of sizing rounds (recent acceptance, or fitted to the
 /// measured costs) and hand-off of the verify window, side by side in every round, the
 /// outputs checked equal.
-fn report_replayed_drafts(
-    model: &mut Gemma4Model,
-    prompt: &[u32],
-    args: &BenchArgs,
-) -> Result<()> {
+fn report_replayed_drafts(model: &mut Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
     use mlx_spec::model::gemma4::RunSettings;
     use mlx_spec::speculative::replay::{expected_acceptance_length, ReplayDrafter};
     if args.replay_draft_lengths.contains(&0) {
@@ -312,7 +308,6 @@ fn report_replayed_drafts(
             };
             model.set_settings(RunSettings {
                 handoff_layers: case.handoff,
-                ..configured
             });
             let start = Instant::now();
             let spec = generate_speculative(model, &request, Some(&provider), options, |_| Ok(()));
@@ -512,12 +507,12 @@ struct CpuCheck {
 /// Greedy decode of `n` tokens after `prompt` on the default device, then on the CPU with the
 /// same weight arrays, so both runs compute the same function on the same values.
 fn check_against_cpu(
-    model: &Gemma4Model,
+    model: &mut Gemma4Model,
     prompt: &[u32],
     n: usize,
     device: DeviceKind,
 ) -> Result<CpuCheck> {
-    let run = || -> Result<(Vec<u32>, Vec<f32>)> {
+    let run = |model: &Gemma4Model| -> Result<(Vec<u32>, Vec<f32>)> {
         let mut cache = model.new_cache();
         let logits = prefill(model, &mut cache, prompt)?;
         let first = logits.as_dtype(Dtype::Float32)?;
@@ -526,7 +521,7 @@ fn check_against_cpu(
         let (tokens, _, _) = decode_step_by_step(model, &mut cache, &logits, n.saturating_sub(1))?;
         Ok((tokens, first))
     };
-    let (device_tokens, device_logits) = run()?;
+    let (device_tokens, device_logits) = run(model)?;
     use mlx_spec::kernels::{decode_attention::ONE_ROUND_SHARE_SLOTS, Tuning};
     let tuning = Tuning::current();
     Tuning {
@@ -534,7 +529,7 @@ fn check_against_cpu(
         ..tuning
     }
     .apply()?;
-    let other_shares = run();
+    let other_shares = run(model);
     tuning.apply()?;
     let (device_tokens_other_shares, _) = other_shares?;
     // A CUDA build of libmlx cannot JIT-compile fused CPU kernels (it has no host compiler
@@ -542,7 +537,14 @@ fn check_against_cpu(
     // SAFETY: plain global switches of libmlx, called between evaluations.
     unsafe { mlx_sys::mlx_disable_compile() };
     device::select(DeviceKind::Cpu)?;
-    let cpu = run();
+    // The model's way of running was fixed for the device at load: the CPU runs MLX's
+    // operations only (no fast path), handed over whole.
+    let device_settings = model.settings();
+    model.set_settings(mlx_spec::model::gemma4::RunSettings::default());
+    let fast_path = model.set_fast_path(None);
+    let cpu = run(model);
+    model.set_fast_path(fast_path);
+    model.set_settings(device_settings);
     unsafe { mlx_sys::mlx_enable_compile() };
     device::select(device)?;
     let (cpu_tokens, cpu_logits) = cpu?;
@@ -992,11 +994,11 @@ fn twin_of(
 /// Pipelined greedy decode with each set of fused kernels, the sets alternating round by
 /// round so that drifts of the machine's speed hit them alike.
 fn compare_fused(
-    model: &Gemma4Model,
+    model: &mut Gemma4Model,
     prompt: &[u32],
     args: &BenchArgs,
 ) -> Result<Vec<FusedSetResult>> {
-    use mlx_spec::kernels::{set_allowed, Fused, Tuning};
+    use mlx_spec::kernels::{CudaDecode, Fused, Tuning};
     let fused = |attention, products| Fused {
         attention,
         products,
@@ -1319,10 +1321,19 @@ fn compare_fused(
     let mut tokens = vec![Vec::new(); sets.len()];
     let mut first_step_logits = vec![Vec::new(); sets.len()];
     let repeats = args.repeats.max(3);
+    // The path the model was loaded with, put back after the comparison.
+    let configured = model.set_fast_path(None);
+    let on_cuda = cfg!(target_os = "linux") && device::default_is(mlx_rs::DeviceType::Gpu);
     let mut run_all = || -> Result<()> {
         for round in 0..=repeats {
             for (i, s) in sets.iter().enumerate() {
-                set_allowed(s.kernels);
+                // Off a CUDA GPU every set runs MLX's operations, as the loader would.
+                let fast = if on_cuda {
+                    Some(Box::new(CudaDecode::new(model, s.kernels)?) as Box<_>)
+                } else {
+                    None
+                };
+                model.set_fast_path(fast);
                 s.tuning.apply()?;
                 if round == 0 {
                     let (_, mut logits) = stepwise_logits(model, prompt, 1, None)?;
@@ -1346,6 +1357,7 @@ fn compare_fused(
         Ok(())
     };
     let result = run_all();
+    model.set_fast_path(configured);
     args.model.allow_fused_kernels();
     default.apply()?;
     result?;
@@ -1444,15 +1456,23 @@ fn decode_step_by_step(
 /// `bench --dump-kernel-sources`: one decode forward of `model` per kernel set and variant,
 /// its fused-kernel calls recorded ([`mlx_spec::kernels::capture_kernels`]); each distinct
 /// source written once.
-fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Path) -> Result<()> {
-    use mlx_spec::kernels::{capture_kernels, set_allowed, Fused, Tuning};
+fn dump_kernel_sources(
+    model: &mut Gemma4Model,
+    prompt: &[u32],
+    dir: &std::path::Path,
+) -> Result<()> {
+    use mlx_spec::kernels::{capture_kernels, CudaDecode, Fused, Tuning};
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut cache = model.new_cache();
     let logits = prefill(model, &mut cache, prompt)?;
     let token = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?.reshape(&[1, 1])?;
-    let default_kernels = Fused::allowed();
     let default = Tuning::current();
     let every = Fused::every();
+    let install = |model: &mut Gemma4Model, kernels: Fused| -> Result<()> {
+        let fast = CudaDecode::new(model, kernels)?;
+        model.set_fast_path(Some(Box::new(fast)));
+        Ok(())
+    };
     // Kernel sets: all of them (the post-attention kernel serves every layer it can), the
     // product kernels in its place (with and without the per-layer-input kernel), attention
     // alone (the attention-inputs kernel). Variants: each setting that changes a source.
@@ -1500,7 +1520,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
     let mut run = || -> Result<()> {
         for kernels in sets {
             for tuning in variants {
-                set_allowed(kernels);
+                install(model, kernels)?;
                 tuning.apply()?;
                 for timed in [false, true] {
                     mlx_spec::kernels::post_attention::set_stage_times(timed);
@@ -1521,7 +1541,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
         }
         // Verify windows of 2, 4 and 8 tokens (the window kernels), with the defaults and with
         // the window heads finished apart.
-        set_allowed(every);
+        install(model, every)?;
         for (apart, tokens) in [false, true]
             .into_iter()
             .flat_map(|a| [(a, 2), (a, 4), (a, 8)])
@@ -1547,7 +1567,7 @@ fn dump_kernel_sources(model: &Gemma4Model, prompt: &[u32], dir: &std::path::Pat
     };
     let result = run();
     mlx_spec::kernels::post_attention::set_stage_times(false);
-    set_allowed(default_kernels);
+    model.set_fast_path(None);
     default.apply()?;
     result?;
     let mut list = String::from("file\tkernel\tblock\tblocks\tdynamic_shared\n");
@@ -1831,7 +1851,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     if !args.replay_drafts.is_empty() {
         return report_replayed_drafts(&mut loaded.model, &prompt, &args);
     }
-    let model = &loaded.model;
+    let model = &mut loaded.model;
     if let Some(runs) = args.repeatability {
         return report_repeatability(model, &prompt, runs, args.gen_tokens);
     }

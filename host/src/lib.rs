@@ -47,7 +47,9 @@ pub fn home() -> std::path::PathBuf {
 /// `plugins` folder.
 pub fn home_beside_executable(exe: &std::path::Path) -> Option<std::path::PathBuf> {
     let bin = exe.parent()?;
-    let installed = bin.parent().map(|prefix| prefix.join("share").join("mlx-spec"));
+    let installed = bin
+        .parent()
+        .map(|prefix| prefix.join("share").join("mlx-spec"));
     // target/<profile>/mlx-spec, or target/<profile>/deps/<test binary> for the tests.
     let checkout = bin.ancestors().find_map(|dir| {
         (dir.file_name()? == "target")
@@ -69,6 +71,18 @@ pub fn default_model_path() -> std::path::PathBuf {
 /// The default plugins directory: `plugins` under [`home`].
 pub fn default_plugins_dir() -> std::path::PathBuf {
     home().join("plugins")
+}
+
+/// mlx-rs seeds its implicit random state from `mach_approximate_time`, a macOS-only symbol.
+/// Linux builds provide it here so that the binary links; the value only seeds a default
+/// RNG that mlx-spec never relies on (sampling keys are explicit).
+#[cfg(not(target_vendor = "apple"))]
+#[no_mangle]
+pub extern "C" fn mach_approximate_time() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -101,16 +115,4 @@ mod tests {
         std::fs::create_dir_all(&lone).unwrap();
         assert_eq!(home_beside_executable(&lone.join("mlx-spec")), None);
     }
-}
-
-/// mlx-rs seeds its implicit random state from `mach_approximate_time`, a macOS-only symbol.
-/// Linux builds provide it here so that the binary links; the value only seeds a default
-/// RNG that mlx-spec never relies on (sampling keys are explicit).
-#[cfg(not(target_vendor = "apple"))]
-#[no_mangle]
-pub extern "C" fn mach_approximate_time() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }

@@ -14,7 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mlx_rs::Dtype;
 
 use crate::device::{self, DeviceKind};
-use crate::kernels::Fused;
+use crate::kernels::{CudaDecode, Fused};
 use crate::model::gemma4::config::{Gemma4Config, QuantSpec};
 use crate::model::gemma4::handoff::DEFAULT_GPU_HANDOFF_LAYERS;
 use crate::model::gemma4::{DtypeChoice, Gemma4Model, RunSettings};
@@ -89,7 +89,8 @@ pub fn read_config(path: &Path) -> Result<(PathBuf, PathBuf, Gemma4Config)> {
     Ok((dir, config_path, config))
 }
 
-/// Selects the device, loads the model as `options` say, and fixes its [`RunSettings`].
+/// Selects the device, loads the model as `options` say, and fixes how it runs there: its
+/// [`RunSettings`] and, on a CUDA GPU, the fused kernels as its fast path.
 /// A progress bar shows the weights' bytes on a terminal.
 pub fn load(options: &LoadOptions) -> Result<LoadedModel> {
     device::select(options.device)?;
@@ -139,6 +140,10 @@ pub fn load(options: &LoadOptions) -> Result<LoadedModel> {
         }
     };
     model.set_settings(settings_for(options));
+    if uses_kernels(options) {
+        let fast = CudaDecode::new(&model, options.kernels)?;
+        model.set_fast_path(Some(Box::new(fast)));
+    }
     tracing::info!(
         "loaded {} ({} layers, {:?}) in {:.2}s",
         path.display(),
@@ -154,16 +159,19 @@ pub fn load(options: &LoadOptions) -> Result<LoadedModel> {
     })
 }
 
-/// How a model loaded with `options` runs: the kernels asked for where they can run (a CUDA
-/// GPU: a Linux build on the GPU), none elsewhere; the hand-off asked for, else the device's.
+/// Whether a model loaded with `options` runs mlx-spec's fused kernels: where they can run (a
+/// CUDA GPU: a Linux build on the GPU) and some are asked for.
+fn uses_kernels(options: &LoadOptions) -> bool {
+    options.device == DeviceKind::Gpu
+        && cfg!(target_os = "linux")
+        && options.kernels != Fused::default()
+}
+
+/// How a model loaded with `options` hands its forwards to the device: the hand-off asked
+/// for, else the device's.
 fn settings_for(options: &LoadOptions) -> RunSettings {
     let gpu = options.device == DeviceKind::Gpu;
     RunSettings {
-        kernels: if gpu && cfg!(target_os = "linux") {
-            options.kernels
-        } else {
-            Fused::default()
-        },
         handoff_layers: options.handoff_layers.unwrap_or(if gpu {
             DEFAULT_GPU_HANDOFF_LAYERS
         } else {
@@ -193,17 +201,17 @@ mod tests {
     fn kernels_run_only_on_a_gpu_and_hand_off_follows_the_device() {
         let mut options = LoadOptions::new("unused");
         options.kernels = Fused::every();
-        let cpu = settings_for(&options);
-        assert_eq!(cpu.kernels, Fused::default(), "no fused kernel on the CPU");
-        assert_eq!(cpu.handoff_layers, 0);
+        assert!(!uses_kernels(&options), "no fused kernel on the CPU");
+        assert_eq!(settings_for(&options).handoff_layers, 0);
         options.device = DeviceKind::Gpu;
-        let gpu = settings_for(&options);
-        assert_eq!(gpu.handoff_layers, DEFAULT_GPU_HANDOFF_LAYERS);
-        if cfg!(target_os = "linux") {
-            assert_eq!(gpu.kernels, Fused::every());
-        } else {
-            assert_eq!(gpu.kernels, Fused::default(), "Metal has no CUDA kernels");
-        }
+        assert_eq!(
+            settings_for(&options).handoff_layers,
+            DEFAULT_GPU_HANDOFF_LAYERS
+        );
+        // Metal has no CUDA kernels.
+        assert_eq!(uses_kernels(&options), cfg!(target_os = "linux"));
+        options.kernels = Fused::default();
+        assert!(!uses_kernels(&options), "none asked for");
         options.handoff_layers = Some(0);
         assert_eq!(settings_for(&options).handoff_layers, 0);
     }

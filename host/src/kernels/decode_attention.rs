@@ -277,6 +277,8 @@ const MAX_CHUNK: usize = 1024;
 /// Slots a block takes when there are enough of them, by default ([`set_share_slots`]
 /// changes it, for comparison).
 pub const DEFAULT_SHARE_SLOTS: usize = 128;
+// A compacted cache keeps each slot modulo the share size (see `SLOT_ALIGNMENT`).
+const _: () = assert!(DEFAULT_SHARE_SLOTS == crate::model::gemma4::cache::SLOT_ALIGNMENT);
 
 /// The largest share that takes the one-round path in half precision: eight warps at four
 /// slots each.

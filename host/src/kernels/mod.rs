@@ -41,6 +41,7 @@ pub mod affine4;
 pub mod attention_heads;
 pub mod attention_inputs;
 pub mod decode_attention;
+mod decode_path;
 pub mod kernel_cache;
 pub mod output_head;
 pub mod per_layer_input;
@@ -50,6 +51,8 @@ pub mod source_files;
 pub mod window_attention_heads;
 pub mod window_output_head;
 pub mod window_post_attention;
+
+pub use decode_path::CudaDecode;
 
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;

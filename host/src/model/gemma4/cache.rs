@@ -25,10 +25,11 @@ use super::config::{AttentionKind, Gemma4Config};
 /// Keys and values are allocated in multiples of this many positions.
 const GROWTH_STEP: usize = 256;
 
-/// A compaction keeps every position's slot modulo this many slots: the share size of the
-/// GPU's decode attention with aligned shares
-/// ([`crate::kernels::decode_attention::set_aligned_shares`]).
-pub const SLOT_ALIGNMENT: usize = crate::kernels::decode_attention::DEFAULT_SHARE_SLOTS;
+/// A compaction keeps every position's slot modulo this many slots, so that the GPU's decode
+/// attention, which sums a head's slots in shares of this size at fixed slots, sums a
+/// verify window's queries as it sums decode steps' even when the cache was compacted in
+/// between (the kernels check they agree: `crate::kernels::decode_attention`).
+pub const SLOT_ALIGNMENT: usize = 128;
 
 /// Default number of positions a sliding buffer keeps beyond the window, so any verify
 /// window up to this size can be rolled back.

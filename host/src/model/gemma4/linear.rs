@@ -6,8 +6,6 @@ use mlx_rs::ops::{dequantize, matmul, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 
 use super::config::{QuantConfig, QuantSpec};
-use crate::kernels::post_attention::Weight;
-use crate::kernels::Fused;
 use crate::weights::TensorSource;
 
 /// Packed affine-quantized weight: `w = scales * q + biases` per group of input elements.
@@ -51,47 +49,6 @@ impl Linear {
             Linear::Dense(d) => d.weight.nbytes(),
             Linear::Quantized(q) => q.packed.nbytes() + q.scales.nbytes() + q.biases.nbytes(),
         }
-    }
-
-    /// The `[out, in]` weight of a dense matrix (what the fused CUDA products read).
-    pub fn dense_weight(&self) -> Option<&Array> {
-        match self {
-            Linear::Dense(d) => Some(&d.weight),
-            Linear::Quantized(_) => None,
-        }
-    }
-
-    /// The matrix as the fused post-attention kernel reads it: dense, or 4-bit affine
-    /// (`None` for other bit widths).
-    pub fn kernel_weight(&self) -> Option<Weight<'_>> {
-        match self {
-            Linear::Dense(d) => Some(Weight::Dense(&d.weight)),
-            Linear::Quantized(q) if q.spec.bits == 4 => Some(Weight::Affine4 {
-                packed: &q.packed,
-                scales: &q.scales,
-                biases: &q.biases,
-            }),
-            Linear::Quantized(_) => None,
-        }
-    }
-
-    /// The matrix as the fused product kernels read it for an input `x` (`[1, K]`): dense,
-    /// or 4-bit affine in a group size they take when `fused.affine4_products` allows it;
-    /// `None` otherwise (MLX's product runs).
-    pub fn product_weight(&self, x: &Array, fused: Fused) -> Option<Weight<'_>> {
-        let weight = self.kernel_weight()?;
-        if weight.is_dense() {
-            return Some(weight);
-        }
-        // The flag first: this runs for every product of every step.
-        if !fused.affine4_products {
-            return None;
-        }
-        let k = x.shape()[x.ndim() - 1];
-        weight
-            .layout(weight.rows(), k, x.dtype(), "")
-            .is_ok()
-            .then_some(weight)
     }
 
     /// `x @ W.T`
@@ -234,42 +191,5 @@ impl Loader<'_> {
 
     pub fn embedding(&self, module: &str, rows: usize, dim: usize) -> Result<Embedding> {
         Ok(Embedding(self.linear(module, rows, dim)?))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_4bit_matrix_goes_to_the_fused_products_only_when_allowed_and_fitting() {
-        // [16, 64] in 4 bits, groups of 32.
-        let linear = Linear::Quantized(Quantized {
-            packed: Array::zeros::<u32>(&[16, 8]).unwrap(),
-            scales: Array::zeros::<f32>(&[16, 2]).unwrap(),
-            biases: Array::zeros::<f32>(&[16, 2]).unwrap(),
-            spec: QuantSpec {
-                group_size: 32,
-                bits: 4,
-            },
-        });
-        let x = Array::zeros::<f32>(&[1, 64]).unwrap();
-        let mut fused = Fused {
-            products: true,
-            ..Fused::default()
-        };
-        assert!(linear.product_weight(&x, fused).is_none(), "not allowed");
-        fused.affine4_products = true;
-        assert!(linear.product_weight(&x, fused).is_some());
-        let wrong_width = Array::zeros::<f32>(&[1, 128]).unwrap();
-        assert!(linear.product_weight(&wrong_width, fused).is_none());
-        let other_dtype = Array::zeros::<f32>(&[1, 64])
-            .unwrap()
-            .as_dtype(Dtype::Bfloat16)
-            .unwrap();
-        assert!(
-            linear.product_weight(&other_dtype, fused).is_none(),
-            "scales of another dtype"
-        );
     }
 }

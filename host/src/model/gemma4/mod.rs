@@ -10,6 +10,7 @@ pub mod activation;
 pub mod attention;
 pub mod cache;
 pub mod config;
+pub mod fast_path;
 pub mod handoff;
 pub mod layer;
 pub mod linear;
@@ -31,6 +32,7 @@ use norm::rms_norm;
 use crate::weights::{TensorSource, WeightStore};
 pub use cache::{KvView, ModelCache, TrimError, MAX_MASKED_WINDOW};
 pub use config::{AttentionKind, Gemma4Config};
+pub use fast_path::{FastPath, LayerCall};
 use layer::DecoderLayer;
 use linear::{Embedding, Linear, Loader};
 use ple::PerLayerEmbeddings;
@@ -79,40 +81,25 @@ pub struct Gemma4Model {
     /// `final_logit_softcapping` as a float32 scalar, made once: a scalar made from host data
     /// at every step would be one more host-written array the device reads.
     softcap: Option<Array>,
-    /// [`Gemma4Model::largest_exact_window`], worked out at first use.
-    largest_window: std::sync::OnceLock<usize>,
     /// How forwards run on this device, chosen at load.
     settings: RunSettings,
+    /// The faster way of running layers and the head on this device, chosen at load; `None`:
+    /// MLX's operations for everything.
+    fast_path: Option<Box<dyn FastPath>>,
 }
 
-/// How a loaded model runs its forwards: settings chosen once, at load, for the device the
-/// model was loaded on, and read by every forward (never process-wide state).
+/// How a loaded model hands its forwards to the device: chosen once, at load, for the device
+/// the model was loaded on, and read by every forward (never process-wide state).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunSettings {
-    /// Which of mlx-spec's fused CUDA kernels a forward uses (none off a CUDA GPU).
-    pub kernels: crate::kernels::Fused,
     /// Layers a group when a forward read at once goes to the device ([`handoff`]; 0: whole).
     pub handoff_layers: usize,
 }
 
-impl RunSettings {
-    /// The defaults for MLX's current default device: on a CUDA GPU (a Linux build whose
-    /// default device is the GPU) the default kernel set and hand-off groups of
-    /// [`handoff::DEFAULT_GPU_HANDOFF_LAYERS`]; elsewhere MLX's operations, handed over whole.
-    pub fn for_default_device() -> RunSettings {
-        let gpu = crate::device::default_is(mlx_rs::DeviceType::Gpu);
-        RunSettings {
-            kernels: if gpu && cfg!(target_os = "linux") {
-                crate::kernels::Fused::allowed()
-            } else {
-                crate::kernels::Fused::default()
-            },
-            handoff_layers: if gpu {
-                handoff::DEFAULT_GPU_HANDOFF_LAYERS
-            } else {
-                0
-            },
-        }
+impl Default for RunSettings {
+    /// Forwards handed over whole.
+    fn default() -> Self {
+        RunSettings { handoff_layers: 0 }
     }
 }
 
@@ -243,8 +230,8 @@ impl Gemma4Model {
             layers,
             final_norm,
             head,
-            largest_window: std::sync::OnceLock::new(),
-            settings: RunSettings::for_default_device(),
+            settings: RunSettings::default(),
+            fast_path: None,
         })
     }
 
@@ -253,11 +240,42 @@ impl Gemma4Model {
         self.settings
     }
 
-    /// Changes how this model's forwards run (the loader applies the user's choices this
-    /// way). Fused kernels asked for off a CUDA GPU are ignored: only MLX's operations run
-    /// there.
+    /// Changes how this model's forwards are handed to the device (the loader applies the
+    /// user's choices this way).
     pub fn set_settings(&mut self, settings: RunSettings) {
         self.settings = settings;
+    }
+
+    /// Installs (or with `None` removes) the fast path the forwards run through, returning
+    /// the one it replaces.
+    pub fn set_fast_path(
+        &mut self,
+        fast_path: Option<Box<dyn FastPath>>,
+    ) -> Option<Box<dyn FastPath>> {
+        std::mem::replace(&mut self.fast_path, fast_path)
+    }
+
+    /// Whether a fast path is installed.
+    pub fn has_fast_path(&self) -> bool {
+        self.fast_path.is_some()
+    }
+
+    /// The decoder layers.
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+
+    /// The output head: the untied `lm_head`, or the embedding table when tied.
+    pub fn head(&self) -> &Linear {
+        match &self.head {
+            Some(head) => head,
+            None => &self.embed.0,
+        }
+    }
+
+    /// The final norm's weight.
+    pub fn final_norm(&self) -> &Array {
+        &self.final_norm
     }
 
     /// Weight bytes one decode step reads: every weight except the rows of embedding tables
@@ -349,9 +367,7 @@ impl Gemma4Model {
         group: usize,
     ) -> Result<ForwardOutput> {
         let out = self.build_forward(ids, cache, logits_for, capture_hidden, group)?;
-        // Kernels met for the first time on this machine compile beside the graph building;
-        // MLX must find them compiled when the caller evaluates the result.
-        crate::kernels::kernel_cache::wait_for_compiles();
+        self.before_evaluation();
         Ok(out)
     }
 
@@ -371,12 +387,13 @@ impl Gemma4Model {
             );
         }
         let t = ids.shape()[1];
-        let fused = self.kernels();
-        // With the window kernels on (a GPU), a verify window (logits for every position)
-        // longer than they take for this model runs as windows they take, one after the other,
-        // so that every window computes what decode steps compute. A prompt (the last logits
-        // only) runs whole: plain and speculative decoding fill their caches alike.
-        let largest_window = self.window_limit_for(fused).unwrap_or(usize::MAX);
+        // Where the fast path takes verify windows of a few tokens exactly as decode steps (a
+        // GPU), a longer verify window (logits for every position) runs as windows it takes,
+        // one after the other, so that every window computes what decode steps compute. A
+        // prompt (the last logits only) runs whole: plain and speculative decoding fill their
+        // caches alike.
+        let window_limit = self.verify_window_limit();
+        let largest_window = window_limit.unwrap_or(usize::MAX);
         if logits_for == LogitsFor::All
             && t as usize > largest_window
             && t as usize <= MAX_MASKED_WINDOW
@@ -396,9 +413,9 @@ impl Gemma4Model {
         let ids = ids.reshape(&[t])?;
 
         let mut x = self.embed.lookup(&ids)?.multiply(&self.embed_scale)?;
-        // A window the window kernels take computes what as many decode steps compute, so
+        // A window the fast path takes whole computes what as many decode steps compute, so
         // its per-layer projection is made a token at a time, as a decode step makes it.
-        let window = fused.window && t > 1 && t as usize <= largest_window;
+        let window = window_limit.is_some() && t > 1 && t as usize <= largest_window;
         let per_layer = match &self.per_layer {
             Some(p) => Some(p.inputs(&ids, &x, window)?),
             None => None,
@@ -416,30 +433,41 @@ impl Gemma4Model {
             } else {
                 views[plan.kv_source].as_ref()
             };
-            let (out, view) = layer.forward(
-                &x,
-                offset,
-                cache.layer_mut(i),
-                shared,
-                per_layer.as_ref().map(|p| (p, i)),
-                fused,
-            )?;
+            let (out, view) = match &self.fast_path {
+                Some(fast) => fast.layer(
+                    layer,
+                    LayerCall {
+                        x: &x,
+                        offset,
+                        cache: cache.layer_mut(i),
+                        shared,
+                        per_layer: per_layer.as_ref(),
+                    },
+                )?,
+                None => {
+                    layer.forward(&x, offset, cache.layer_mut(i), shared, per_layer.as_ref())?
+                }
+            };
             views[i] = view;
             x = out;
             if capture_hidden && i + 1 < self.layers.len() {
                 hidden.push(x.clone());
             }
             if handoff::hands_off_after(i, self.layers.len(), group) {
-                crate::kernels::kernel_cache::wait_for_compiles();
+                self.before_evaluation();
                 mlx_rs::transforms::async_eval([&x])?;
             }
         }
         cache.advance(t as usize);
 
-        // A decode token, or a window of 2-8 tokens: the head as one kernel (each window
-        // token's logits a decode step's). The final norm's output, when asked for, is made
-        // beside it by MLX's operations.
-        if let Some(logits) = self.head_kernel_logits(&x, fused, window)? {
+        // The fast path's head (on a GPU: a decode token, or a window it takes whole, each
+        // window token's logits a decode step's). The final norm's output, when asked for, is
+        // made beside it by MLX's operations.
+        let fast_logits = match &self.fast_path {
+            Some(fast) => fast.logits(self, &x, window)?,
+            None => None,
+        };
+        if let Some(logits) = fast_logits {
             if capture_hidden {
                 hidden.push(rms_norm(
                     &x,
@@ -469,123 +497,23 @@ impl Gemma4Model {
         })
     }
 
-    /// The most tokens a window may hold for the window kernels to take all of this model
-    /// (every layer, and the head): 2-8 for dense or 4-bit weights of the shapes they take, 1
-    /// where they take any part of it not (an MoE branch, other bit widths). Windows longer
-    /// than this run in parts on a GPU ([`Gemma4Model::forward_in_windows`]).
-    pub fn largest_exact_window(&self) -> usize {
-        *self.largest_window.get_or_init(|| {
-            let head = match &self.head {
-                Some(head) => head,
-                None => &self.embed.0,
-            };
-            let hidden = self.config.hidden_size;
-            let head_served = head
-                .kernel_weight()
-                .is_some_and(|w| w.layout(w.rows(), hidden as i32, self.dtype, "").is_ok())
-                && crate::kernels::products::serves(hidden, self.dtype);
-            if !head_served {
-                return 1;
-            }
-            self.layers
-                .iter()
-                .map(|l| l.largest_window(self.dtype))
-                .min()
-                .unwrap_or(1)
-        })
-    }
-
-    /// The logits of `x` (the last layer's output, `[T, hidden]`) through the output-head
-    /// kernels, where they serve it: one token ([`crate::kernels::output_head`]), or a window
-    /// (`window`) of 2-8 tokens ([`crate::kernels::window_output_head`]). `None` otherwise.
-    fn head_kernel_logits(
-        &self,
-        x: &Array,
-        fused: crate::kernels::Fused,
-        window: bool,
-    ) -> Result<Option<Array>> {
-        if !fused.output_head {
-            return Ok(None);
-        }
-        let head = match &self.head {
-            Some(head) => head,
-            None => &self.embed.0,
-        };
-        let Some(weight) = head.kernel_weight() else {
-            return Ok(None);
-        };
-        let (eps, cap) = (
-            self.config.rms_norm_eps,
-            self.config.final_logit_softcapping,
-        );
-        use crate::kernels::{output_head, window_output_head};
-        Ok(
-            if x.shape()[0] == 1 && output_head::serves_head(x, &weight) {
-                Some(output_head::output_head(
-                    x,
-                    &self.final_norm,
-                    eps,
-                    weight,
-                    cap,
-                )?)
-            } else if window && window_output_head::serves_head(x, &weight) {
-                Some(window_output_head::window_output_head(
-                    x,
-                    &self.final_norm,
-                    eps,
-                    weight,
-                    cap,
-                )?)
-            } else {
-                None
-            },
-        )
-    }
-
     /// The longest verify window that runs as one forward, where longer ones run in parts
-    /// ([`Gemma4Model::forward_in_windows`]): with the window kernels on (a GPU), the longest
-    /// they take for this model ([`Gemma4Model::largest_exact_window`]), 1 where they take none
-    /// (an MoE branch, weights of other bit widths), where decode steps do not run the
-    /// single-token kernels whose values they give (a kernel set without them), or where no
-    /// grid-wide barrier is safe (a GPU shared through MPS): such a window verifies a token at
-    /// a time, as decode steps. `None` where a window of any length runs whole (MLX's
-    /// operations: the CPU, or the window kernels off).
+    /// ([`Gemma4Model::forward_in_windows`]): the fast path's, where it computes a window's
+    /// tokens exactly as decode steps (on a GPU, the window kernels: 2-8 tokens for the
+    /// layouts they take, 1 where they take none, so such a window verifies a token at a
+    /// time). `None` where a window of any length runs whole (MLX's operations).
     pub fn verify_window_limit(&self) -> Option<usize> {
-        self.window_limit_for(self.kernels())
+        self.fast_path
+            .as_ref()
+            .and_then(|fast| fast.verify_window_limit(self))
     }
 
-    /// The fused kernels the next forward uses: those of [`RunSettings`], or while the lab
-    /// records kernel sources without running them ([`crate::kernels::capture_kernels`]),
-    /// the lab's set whatever the device.
-    fn kernels(&self) -> crate::kernels::Fused {
-        if crate::kernels::capturing() {
-            return crate::kernels::Fused::allowed();
+    /// Lets the fast path finish what it prepares beside the graph building (kernels met for
+    /// the first time compile there) before MLX evaluates a forward.
+    fn before_evaluation(&self) {
+        if let Some(fast) = &self.fast_path {
+            fast.before_evaluation();
         }
-        self.settings.kernels
-    }
-
-    /// [`Gemma4Model::verify_window_limit`] with the kernels `fused` allows.
-    fn window_limit_for(&self, fused: crate::kernels::Fused) -> Option<usize> {
-        if !fused.window {
-            return None;
-        }
-        // The single-token kernels a window kernel matches: the heads, decode attention and
-        // the head for every layout; after the heads, the post-attention kernel for dense
-        // layers and its 4-bit form (with the 4-bit heads) for quantized ones.
-        let dense = self.layers.iter().any(|l| l.is_dense());
-        let quantized = self.layers.iter().any(|l| !l.is_dense());
-        let matched = fused.attention
-            && fused.products
-            && fused.output_head
-            && (!dense || fused.post_attention)
-            && (!quantized || (fused.affine4 && fused.affine4_heads));
-        Some(
-            if matched && crate::kernels::post_attention::grid_blocks().is_some() {
-                self.largest_exact_window()
-            } else {
-                1
-            },
-        )
     }
 
     /// [`Gemma4Model::forward_ids`] over `ids` (`[1, T]`) as consecutive windows of at most

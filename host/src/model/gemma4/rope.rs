@@ -49,25 +49,14 @@ pub struct Rope {
     /// The base of a plain `base^(2j/d)` schedule; `None`: MLX's RoPE takes `periods`.
     base: Option<f32>,
     /// Every pair's period (`1 / inverse frequency`, float32 `[head_dim / 2]`), also read by
-    /// the fused decode kernel (`crate::kernels::attention_inputs`).
+    /// the fused decode kernels.
     periods: Array,
-    /// The same periods made by an operation on the default device: on CUDA they then live in
-    /// device memory, which the fused kernels read without crossing the bus (MLX keeps arrays
-    /// made from host data in host-visible memory).
-    device_periods: Array,
     /// `[head_dim, head_dim]` float32: `x @ partner_map` puts `-x[j + D/2]` at `j` and
     /// `x[j - D/2]` at `j + D/2` (the rotate-half partners), for the CPU path.
     partner_map: Array,
     /// The CPU path's cosines and sines of the last window it rotated, by (first position,
     /// tokens): a layer's q and k rotate the same positions, so they are made once per step.
     angles: RefCell<Option<(usize, usize, Array, Array)>>,
-}
-
-/// `values` as an array made on the default device (see [`Rope::device_periods`]); the host
-/// array itself if MLX cannot make it.
-fn on_device(values: &[f32]) -> Array {
-    let host = Array::from_slice(values, &[values.len() as i32]);
-    crate::kernels::products::device_array(&host, values.len() as i32).unwrap_or(host)
 }
 
 /// The signed permutation of [`Rope::partner_map`].
@@ -91,7 +80,6 @@ impl Rope {
                 Rope {
                     head_dim: head_dim as i32,
                     base: Some(theta),
-                    device_periods: on_device(&periods),
                     periods: Array::from_slice(&periods, &[periods.len() as i32]),
                     partner_map: partner_map(head_dim),
                     angles: RefCell::new(None),
@@ -119,7 +107,6 @@ impl Rope {
                 Rope {
                     head_dim: head_dim as i32,
                     base: None,
-                    device_periods: on_device(&periods),
                     periods: Array::from_slice(&periods, &[half as i32]),
                     partner_map: partner_map(head_dim),
                     angles: RefCell::new(None),
@@ -131,11 +118,6 @@ impl Rope {
     /// Every pair's period (float32 `[head_dim / 2]`).
     pub fn periods(&self) -> &Array {
         &self.periods
-    }
-
-    /// [`Rope::periods`] in the default device's memory, for the fused CUDA kernels.
-    pub fn device_periods(&self) -> &Array {
-        &self.device_periods
     }
 
     /// Rotates `x` (`[batch, heads, tokens, head_dim]`) whose first token sits at `offset`.
@@ -279,12 +261,5 @@ mod tests {
         let p = partial.periods().as_slice::<f32>().to_vec();
         assert_eq!(p[0], 1.0);
         assert!(p[1..].iter().all(|x| x.is_infinite()));
-        // The kernels' copy holds the same values.
-        for rope in [&plain, &partial] {
-            assert_eq!(
-                rope.device_periods().as_slice::<f32>(),
-                rope.periods().as_slice::<f32>()
-            );
-        }
     }
 }
