@@ -26,8 +26,8 @@ use super::config::{AttentionKind, Gemma4Config};
 const GROWTH_STEP: usize = 256;
 
 /// A compaction keeps every position's slot modulo this many slots: the share size of the
-/// GPU's decode attention with aligned shares
-/// ([`crate::kernels::decode_attention::set_aligned_shares`]).
+/// GPU's decode attention, whose shares are aligned to it
+/// ([`crate::kernels::decode_attention::splits_for`]).
 pub const SLOT_ALIGNMENT: usize = crate::kernels::decode_attention::DEFAULT_SHARE_SLOTS;
 
 /// Default number of positions a sliding buffer keeps beyond the window, so any verify

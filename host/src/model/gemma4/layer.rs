@@ -14,7 +14,6 @@ use super::config::Gemma4Config;
 use super::linear::{Linear, Loader};
 use super::mlp::Mlp;
 use super::moe::Experts;
-use crate::kernels::per_layer_input::{self, per_layer_input};
 use crate::kernels::post_attention::{self, post_attention, PerLayerInput, PostAttention};
 use crate::kernels::products::{
     device_array, gated_product, new_counter, product_residual, serves_token, GateUp,
@@ -62,8 +61,6 @@ pub struct DecoderLayer {
     /// The barrier state of the one-kernel post-attention path
     /// ([`post_attention::new_barrier`]).
     post_attention_barrier: Array,
-    /// The barrier state of the one-kernel per-layer-input block.
-    per_layer_input_barrier: Array,
     /// The barrier state of the one-kernel path for windows of several tokens.
     window_barrier: Array,
 }
@@ -115,7 +112,6 @@ impl DecoderLayer {
             layer_scalar_device,
             counters: [new_counter()?, new_counter()?, new_counter()?],
             post_attention_barrier: post_attention::new_barrier()?,
-            per_layer_input_barrier: post_attention::new_barrier()?,
             window_barrier: post_attention::new_barrier()?,
         })
     }
@@ -123,8 +119,7 @@ impl DecoderLayer {
     /// The most tokens a window may hold for the window kernels to take this whole layer
     /// (heads and everything after them; weights all dense or all 4-bit in one group size,
     /// no MoE branch, shapes they take), 1 when they take none of it: a window of that many
-    /// tokens computes what as many decode steps compute. 4-bit values unpacked in place
-    /// (`post_attention::set_affine4_in_place`) have no window kernel.
+    /// tokens computes what as many decode steps compute.
     pub fn largest_window(&self, dtype: mlx_rs::Dtype) -> usize {
         if self.moe.is_some() {
             return 1;
@@ -153,7 +148,7 @@ impl DecoderLayer {
             && weights
                 .iter()
                 .all(|(w, k)| w.is_dense() == (bits == 0) && w.group(*k) == group);
-        if !one_layout || (bits != 0 && post_attention::affine4_in_place()) {
+        if !one_layout {
             return 1;
         }
         let (hidden, width, n) = (hidden as usize, width as usize, n as usize);
@@ -241,50 +236,6 @@ impl DecoderLayer {
         gated_gelu(&gate.input_gate.forward(x)?, &input)
     }
 
-    /// The per-layer-input block of the token `x` (`[1, H]`, after the feed-forward block)
-    /// through [`per_layer_input`] (one kernel), when `fused.per_layer_input` allows it and
-    /// the kernel serves it: the products' kernels would take both weights (dense, or 4-bit
-    /// with `fused.affine4_products`), in one layout, on a known CUDA device. `None`
-    /// otherwise.
-    fn one_kernel_per_layer_input(
-        &self,
-        gate: &PleGate,
-        x: &Array,
-        per_layer: &Array,
-        fused: Fused,
-    ) -> Result<Option<Array>> {
-        // The flag first: this runs for every layer of every forward.
-        if !fused.per_layer_input || !serves_token(fused, x) {
-            return Ok(None);
-        }
-        let Some(input_gate) = gate.input_gate.product_weight(x, fused) else {
-            return Ok(None);
-        };
-        let (h, p) = (x.shape()[1], input_gate.rows());
-        let Some(projection) = gate.projection.kernel_weight() else {
-            return Ok(None);
-        };
-        if input_gate.is_dense() != projection.is_dense()
-            || input_gate.group(h) != projection.group(p)
-            || !per_layer_input::serves(h as usize, p as usize, x.dtype())
-            || post_attention::grid_blocks().is_none()
-        {
-            return Ok(None);
-        }
-        let out = per_layer_input(
-            x,
-            self.eps,
-            input_gate,
-            per_layer,
-            &gate.offset,
-            projection,
-            &gate.post_norm,
-            &self.layer_scalar_device,
-            &self.per_layer_input_barrier,
-        )?;
-        Ok(Some(out))
-    }
-
     /// The layer's output from its input `x` and its attention heads' output `z` through
     /// [`post_attention`] (everything after the heads as one kernel), when the kernel is
     /// allowed for this layer's weights (dense: `fused.post_attention`; 4-bit in one group
@@ -344,16 +295,9 @@ impl DecoderLayer {
         let one_group = group > 0 && all().all(|(w, k)| w.group(*k) == group);
         // Dense layers with `post-attention`, 4-bit ones with `affine4`: measured on the H200,
         // the one kernel loses to the three products over dense weights and wins over 4-bit
-        // ones, where it replaces MLX's quantized products (BENCHMARKS.md).
-        let allowed = if tokens > 1 {
-            // Windows: where decode steps run the single-token kernel whose values the window
-            // kernel gives (4-bit values unpacked in place have no window kernel).
-            if all_dense {
-                fused.post_attention
-            } else {
-                fused.affine4 && one_group && !post_attention::affine4_in_place()
-            }
-        } else if all_dense {
+        // ones, where it replaces MLX's quantized products (BENCHMARKS.md). Windows: where
+        // decode steps run the single-token kernel whose values the window kernel gives.
+        let allowed = if all_dense {
             fused.post_attention
         } else {
             fused.affine4 && one_group
@@ -463,9 +407,6 @@ impl DecoderLayer {
         };
 
         if let Some((gate, (per_layer, index))) = gated {
-            if let Some(out) = self.one_kernel_per_layer_input(gate, &x, per_layer, fused)? {
-                return Ok((out, view));
-            }
             let g = self.per_layer_gate(gate, &x, per_layer, index, fused)?;
             let out = self.closing_product(
                 &x,
