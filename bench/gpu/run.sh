@@ -7,13 +7,6 @@
 #
 # Steps (default: fixtures bandwidth mlx peer cpu-check):
 #   fixtures   greedy tokens of every test fixture on the GPU == transformers' (f32, TF32 off)
-#   fixtures-pa  the same with the one-kernel post-attention path named explicitly
-#   fixtures-affine4  the same with the post-attention kernel over 4-bit weights named explicitly
-#   fixtures-affine4-heads  the same with the attention-heads kernel over 4-bit weights too,
-#              then with it and the product kernels over 4-bit weights (the default)
-#   fixtures-head  the same with the output head kernel added to the default set
-#   fixtures-ple   the same with the per-layer-input kernel added too (experimental)
-#   fixtures-variants  the same with the kernel variants being measured (--kernel-variants)
 #   bandwidth  device copy bandwidth, the denominator of the memory floor
 #   stage-bound  one cuBLAS product per dependent stage of an E4B step in one CUDA graph (no
 #              host): the fastest any one-kernel-per-stage design runs here, and one boundary's cost
@@ -31,17 +24,17 @@
 #              static cache + torch.compile; `peer-static`: the second alone). PEER_TIMEOUT
 #              bounds each in seconds (default 400).
 #   kernel-check  fused kernels on random bf16 data: decode attention vs MLX's operations
-#              (float32 reference), 4-bit products with integer dots vs float unpacking
+#              (float32 reference), the window post-attention kernel vs the single-token one
 #   kernel-cache  where MLX_PTX_CACHE_DIR is unset, mlx-spec keeps compiled kernels under the
 #              user's cache directory, its fused kernels among them (MLX would compile those
 #              in every process): the default model's generate with a fresh HOME, then again
 #              finding the first one's kernels, then with mlx-spec's kernel cache off; then E4B
 #              logits from kernels MLX compiled against those mlx-spec compiled, bit for bit
 #   cpu-check  E4B shape, the same f32 weights: greedy on the GPU == greedy on the CPU
-#   cpu-check-q4  the same with 4-bit weights, for each set of 4-bit kernels in CPU_Q4_SETS
-#              (default: the default set, then the attention-heads and product kernels over 4-bit rows)
+#   cpu-check-q4  the same with 4-bit weights, for each --fused-kernels value in CPU_Q4_SETS
+#              (default: the default set)
 #   host       where a pipelined E4B decode step's time goes, with and without our fused kernels
-#              (HOST_SETS: the --fused-kernels sets), also with one CUDA graph per step
+#              (HOST_SETS: the --fused-kernels values), also with one CUDA graph per step
 #   large      decode of the 31B and 26B-A4B (MoE) shapes, bf16 (LARGE_MODELS: "31b", "26b-a4b"
 #              or both, the default)
 #   graph-budget  decode of E4B, 12B and 31B (GRAPH_MODELS) with MLX's CUDA graphs cut at
@@ -50,13 +43,12 @@
 #   spec       ngram speculation vs plain greedy decoding of the default model, both prompt sets
 #   graph      operations in one E4B decode step, by kind
 #   opcost     host time per operation: MLX's add, RMSNorm and product vs our fused kernels
-#   q4check    E4B 4-bit decode with each --fused-kernels set (affine4 too), pipelined vs step
-#              by step
+#   q4check    E4B 4-bit decode with and without the fused kernels, pipelined vs step by step
 #   repeat     E4B decode repeated from fresh caches (4-bit and bf16): bitwise-equal logits?
 #   ffspeed    GB/s of the feed-forward block: MLX's products vs ours at 1, 2, 4 rows per warp
 #   profile    device time of one E4B decode step, by kernel (Nsight Compute), with our
-#              fused kernels and without (PROFILE_SETS: the --fused-kernels sets to profile;
-#              PROFILE_ARGS: more mlx-spec options, e.g. --kernel-variants integer-dots;
+#              fused kernels and without (PROFILE_SETS: the --fused-kernels values to profile;
+#              PROFILE_ARGS: more mlx-spec options, e.g. --handoff-layers 0;
 #              PROFILE_NCU_ARGS: more ncu options, e.g. --cache-control none to keep caches warm)
 #   profile-q4 the same for E4B with 4-bit weights (PROFILE_Q4_SETS)
 #   waits      what the warps of the 12B's attention-heads, decode-attention and post-attention
@@ -65,16 +57,14 @@
 #   verify-profile  forwards over k = VERIFY_KS tokens (default 1 2 4), the host's graph
 #              building split off, default kernels and none; then a k=1 and a k=4 window
 #              (VERIFY_PROFILE_KS) kernel by kernel in Nsight Compute: why k > 1 costs more
-#   window     verify windows through the window kernels (`window` in --fused-kernels): the
+#   window     verify windows through the window kernels (in the default --fused-kernels): the
 #              post-attention one's values against the single-token kernel's (bench
 #              --check-kernels), then E4B forwards over k = VERIFY_KS tokens (default 2 4 8)
-#              with and without them, each window's logits compared with k single-token steps
-#   window-heads  verify windows of E4B and 12B (WINDOW_MODELS) with the window heads finished
-#              apart (the default) and by one block (`--kernel-variants window-heads-together`): logits must equal
-#              decode steps' exactly, times side by side
+#              with and without the fused kernels, each window's logits compared with k
+#              single-token steps
 #   window-spec  ngram speculation (at most 7 drafts: windows the kernels take) vs plain
 #              greedy decoding of the default model, both prompt sets, outputs checked equal;
-#              WINDOW_SPEC_BASELINE=1 also runs it without the window kernels
+#              WINDOW_SPEC_BASELINE=1 also runs it without the fused kernels
 #   replay     speculation with replayed drafts (`bench --replay-drafts`: the plain output's own
 #              tokens, each right with a set probability) vs plain greedy decoding, E4B bf16
 #              and 4-bit (REPLAY_MODELS), drafts of 3 and 7: what the verify loop gives at a
@@ -99,19 +89,15 @@
 #              sections: why they run at the speed they do
 #   timeline   a pipelined E4B decode step as the device runs it (Nsight Systems): each kernel
 #              kind's real time a step, and how long the device sits idle between kernels
-#              (TIMELINE_SETS: the --fused-kernels sets, "default" for the default; PROFILE_MODEL:
+#              (TIMELINE_SETS: the --fused-kernels values, default "default none"; PROFILE_MODEL:
 #              another config of configs/, e.g. gemma-4-12b, also for `profile`)
 #   sanitize   Compute Sanitizer: racecheck of the 4-bit quantized products and of our kernels,
 #              memcheck of our kernels with the post-attention path
-#   quick      E4B bf16 decode with each set of fused kernels and the kernel variants still in
-#              question, alternated in one process, with each set's logit gap to MLX's
-#              operations at the first step (~2 minutes)
-#   quick-q4   the same for the 4-bit E4B: MLX's quantized products, the 4-bit post-attention
-#              kernel, the 4-bit attention-heads and product kernels at 1 and 2 rows a warp,
-#              with the output head kernel, the variants, then with the per-layer-input kernel
+#   quick      E4B bf16 decode with the default fused kernels and with none, alternated in
+#              one process, with the default's logit gap to MLX's operations at the first step
+#   quick-q4   the same for the 4-bit E4B: MLX's quantized products against the default set
 #              QUICK_ROUNDS (default 2; at least 3 are run) and QUICK_TOKENS (default 64) set
-#              the rounds of quick and quick-q4 and the tokens decoded in each, QUICK_SETS
-#              (names separated by ';') the sets measured
+#              the rounds of quick and quick-q4 and the tokens decoded in each
 #   knobs      E4B decode under MLX's CUDA graph settings (MLX_MAX_OPS_PER_BUFFER, ...)
 #
 # Steps can be split over several calls (each call's time is limited): the bandwidth, once
@@ -189,42 +175,6 @@ print(",".join(map(str, g["prompt_ids"].tolist())), ",".join(map(str, g["greedy_
 }
 if want fixtures; then
     fixtures "greedy tokens on GPU == transformers (f32, TF32 off)"
-fi
-if want fixtures-pa; then
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels attention,products,post-attention" \
-        --fused-kernels attention,products,post-attention
-fi
-if want fixtures-affine4; then
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,affine4" \
-        --fused-kernels attention,products,post-attention,affine4
-fi
-if want fixtures-affine4-heads; then
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,affine4,affine4-heads" \
-        --fused-kernels attention,products,affine4,affine4-heads
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,affine4-heads,affine4-products" \
-        --fused-kernels attention,products,affine4-heads,affine4-products
-fi
-if want fixtures-head; then
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,output-head" \
-        --fused-kernels attention,products,affine4-heads,affine4-products,output-head
-fi
-if want fixtures-ple; then
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --fused-kernels ...,output-head,per-layer-input" \
-        --fused-kernels attention,products,affine4-heads,affine4-products,output-head,per-layer-input
-fi
-if want fixtures-variants; then
-    # The kernel variants being measured (integer dots take half-precision inputs only, so
-    # with these float32 fixtures they stay off).
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants heads-finished-together,heads-in-waves,rows-touched-first,step-ints-on-device" \
-        --kernel-variants heads-finished-together,heads-in-waves,rows-touched-first,step-ints-on-device
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants step-ints-across-the-bus" \
-        --kernel-variants step-ints-across-the-bus
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants weights-as-stand-ins" \
-        --kernel-variants weights-as-stand-ins
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants per-layer-rows-late" \
-        --kernel-variants per-layer-rows-late
-    fixtures "greedy tokens on GPU == transformers (f32, TF32 off), --kernel-variants buffer-sized-attention-shares" \
-        --kernel-variants buffer-sized-attention-shares
 fi
 unset MLX_ENABLE_TF32
 
@@ -344,10 +294,10 @@ fi
 if want q4check; then
     # Which kernel set makes pipelined and step-by-step greedy decoding of the 4-bit E4B shape
     # disagree (the bench refuses to report a speed when they do).
-    # Q4_SETS: the sets to run (default: all of them), each in a process of its own, so a set
+    # Q4_SETS: the --fused-kernels values to run (default: both), each in a process of its own, so a set
     # named N times counts how often a process's first decode goes wrong; Q4_TOKENS (default
     # 64) the tokens each decodes (the first is the prefill's pick).
-    for fused in ${Q4_SETS:-none attention products attention,products attention,products,affine4 attention,products,affine4,affine4-heads attention,products,affine4-heads,affine4-products attention,products,affine4-heads,affine4-products,output-head}; do
+    for fused in ${Q4_SETS:-none default}; do
         bench "mlx-spec E4B 4-bit g64, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --random-bits 4 --prompt-tokens 512 --gen-tokens "${Q4_TOKENS:-64}" --repeats 1 --fused-kernels "$fused"
     done
@@ -357,8 +307,7 @@ if want repeat; then
     # Is each decode bitwise repeatable on the device? Pipelined runs first in the process
     # (where the one 4-bit disagreement was seen), then step-by-step runs fed the same tokens;
     # each compared with the first step-by-step run.
-    for spec in "4-bit none" "4-bit attention,products" "bf16 none" "bf16 attention,products" \
-        "bf16 attention,products,post-attention"; do
+    for spec in "4-bit none" "4-bit default" "bf16 none" "bf16 default"; do
         read -r kind fused <<<"$spec"
         quant=(); [[ "$kind" == 4-bit ]] && quant=(--random-bits 4)
         echo "## repeatability: E4B $kind, --fused-kernels $fused"
@@ -373,7 +322,7 @@ if want stage-times; then
     # Where the largest kernel of a step spends its time: the device clock as each of its
     # stages finishes across the grid, in the pipelined decode itself (no profiler).
     # STAGE_TIMES_MODELS: the labels to run (default all three); STAGE_TIMES_ARGS: more
-    # mlx-spec options (such as --kernel-variants ...).
+    # mlx-spec options (such as --handoff-layers ...).
     for spec in "E4B bf16|gemma-4-e4b.json|" "E4B 4-bit g64|gemma-4-e4b.json|--random-bits 4" "12B bf16|gemma-4-12b.json|"; do
         IFS='|' read -r label config extra <<<"$spec"
         [[ -z "${STAGE_TIMES_MODELS:-}" || ";$STAGE_TIMES_MODELS;" == *";$label;"* ]] || continue
@@ -392,7 +341,7 @@ if want profile; then
     # Device time of one E4B decode step, kernel by kernel (Nsight Compute, clocks unlocked so
     # durations are those of a normal run): what the device does when no host is in the way.
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in ${PROFILE_SETS:-attention,products,post-attention,output-head attention,products,output-head none}; do
+    for fused in ${PROFILE_SETS:-default none}; do
         # MLX_SPEC_PROFILE_DECODE: mlx-spec starts the capture after the prefill, so the
         # thousands of kernels of the weight generation and the prefill are not profiled.
         MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none ${PROFILE_NCU_ARGS:-} \
@@ -431,7 +380,7 @@ if want verify-profile; then
     # (the capture starts after a warm-up window; profile_step.py takes the last forward).
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
     for k in ${VERIFY_KS:-1 2 4}; do
-        for fused in attention,products,post-attention,output-head none; do
+        for fused in default none; do
             echo "## verify window k=$k, --fused-kernels $fused" | tee -a "$RES/verify-profile.md"
             timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
                 --dtype bf16 --prompt-tokens 512 --repeats 5 --fused-kernels "$fused" --verify-window "$k" \
@@ -454,12 +403,11 @@ fi
 if want window; then
     # What the window kernels change for a verify window: first the post-attention kernel's
     # bits against the single-token kernel's, token by token; then E4B forwards over k tokens
-    # with and without them, each in its own process, each window's logits compared with k
-    # single-token steps from the same cache.
+    # with and without the fused kernels, each in its own process, each window's logits
+    # compared with k single-token steps from the same cache.
     timeout 300 "$BIN" bench --device gpu --check-kernels 2>"$RES/window.err" | tee -a "$RES/window.md"
-    DEFAULT_SET=attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head
     for k in ${VERIFY_KS:-2 4 8}; do
-        for fused in "$DEFAULT_SET,window" "$DEFAULT_SET"; do
+        for fused in default none; do
             echo "## verify window k=$k, --fused-kernels $fused" | tee -a "$RES/window.md"
             timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
                 --dtype bf16 --prompt-tokens 512 --repeats 5 --fused-kernels "$fused" --verify-window "$k" \
@@ -467,46 +415,26 @@ if want window; then
         done
     done
     # A window that makes the buffers grow where the decode steps would not (prompt 765, a
-    # window of 4 past the 768 slots prefill leaves): with shares sized by the buffer, some of
-    # its queries group their slots otherwise; with aligned shares (the default) they must not.
-    for variants in "" buffer-sized-attention-shares; do
-        echo "## verify window k=4 across a buffer growth, --kernel-variants ${variants:-(none)}" | tee -a "$RES/window.md"
-        timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
-            --dtype bf16 --prompt-tokens 765 --repeats 2 --verify-window 4 ${variants:+--kernel-variants $variants} \
-            2>>"$RES/window.err" | tee -a "$RES/window.md"
-    done
-    row "verify windows with and without the window kernels | printed above, kept in window.md"
+    # window of 4 past the 768 slots prefill leaves): with aligned shares its queries must
+    # group their slots as decode steps do.
+    echo "## verify window k=4 across a buffer growth" | tee -a "$RES/window.md"
+    timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
+        --dtype bf16 --prompt-tokens 765 --repeats 2 --verify-window 4 \
+        2>>"$RES/window.err" | tee -a "$RES/window.md"
+    row "verify windows with and without the fused kernels | printed above, kept in window.md"
 fi
-if want window-heads; then
-    # The window attention-heads kernel with its heads finished apart and its grid in one wave
-    # (the default) against the first way (`--kernel-variants window-heads-together`), E4B and 12B (WINDOW_MODELS):
-    # each window's logits must equal k decode steps' exactly, and the times compare.
-    for model in ${WINDOW_MODELS:-gemma-4-e4b gemma-4-12b}; do
-        for k in ${VERIFY_KS:-2 4 8}; do
-            for variants in "" window-heads-together; do
-                echo "## $model, verify window k=$k, --kernel-variants ${variants:-(none)}" | tee -a "$RES/window-heads.md"
-                timeout 200 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/$model.json" \
-                    --dtype bf16 --prompt-tokens 512 --repeats 5 --verify-window "$k" ${variants:+--kernel-variants $variants} \
-                    2>>"$RES/window-heads.err" | tee -a "$RES/window-heads.md"
-            done
-        done
-    done
-    row "verify windows, heads finished apart or by one block | printed above, kept in window-heads.md"
-fi
-
 if want window-spec; then
     # Speculation with windows the kernels take (at most 7 drafts and the last token) on the
     # default model; the bench checks the outputs against plain decoding and fails otherwise.
-    DEFAULT_SET=attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head
-    SETS=("$DEFAULT_SET,window")
-    [[ "${WINDOW_SPEC_BASELINE:-0}" == 1 ]] && SETS+=("$DEFAULT_SET")
+    SETS=(default)
+    [[ "${WINDOW_SPEC_BASELINE:-0}" == 1 ]] && SETS+=(none)
     for set in free_text code_edit; do
         for fused in "${SETS[@]}"; do
             line="$(timeout 240 "$BIN" bench --device gpu --drafter ngram --plugins-dir "$G/bin" --num-draft-tokens 7 \
                 --fused-kernels "$fused" --prompt-set "$ROOT/bench/prompts/$set.jsonl" --gen-tokens 128 --repeats 1 \
                 2>>"$RES/window.err" | tail -n 1)"
             how="window kernels"
-            [[ "$fused" == *window ]] || how="MLX's operations for windows"
+            [[ "$fused" == default ]] || how="MLX's operations"
             row "ngram (7) vs plain, default model, $set set, $how | ${line:-failed: $(tail -n 1 "$RES/window.err")}"
         done
     done
@@ -529,11 +457,10 @@ if want replay; then
 fi
 
 if want profile-q4; then
-    # The same for E4B with 4-bit weights: the default set, where MLX's quantized products do
-    # the layer's products, and the post-attention kernel over 4-bit rows (affine4).
+    # The same for E4B with 4-bit weights: the default set (the post-attention kernel over
+    # 4-bit rows), and none, where MLX's quantized products do the layer's products.
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    for fused in ${PROFILE_Q4_SETS:-attention,products attention,products,affine4-heads,affine4-products,output-head \
-        attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head}; do
+    for fused in ${PROFILE_Q4_SETS:-default none}; do
         tag="profile-q4-${fused//,/_}"
         MLX_SPEC_PROFILE_DECODE=1 timeout 200 "$NCU" --csv --profile-from-start off --clock-control none ${PROFILE_NCU_ARGS:-} \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum \
@@ -551,10 +478,7 @@ if want stalls; then
     # scheduler and warp-state sections for one call of it, over dense bf16 and over 4-bit
     # weights (affine4): registers, issue-slot use, and where warps wait.
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    # Then the default's two feed-forward kernels (gate/up and down), for comparison.
-    for spec in "bf16 attention,products,post-attention post_attention 1" \
-        "4-bit attention,products,affine4 post_attention 1" \
-        "bf16 attention,products gated_product|product_residual 2"; do
+    for spec in "bf16 default post_attention 1" "4-bit default post_attention 1"; do
         read -r kind fused kernels count <<<"$spec"
         quant=(); [[ "$kind" == 4-bit ]] && quant=(--random-bits 4)
         tag="stalls-$kind-${fused//,/_}"
@@ -568,7 +492,7 @@ if want stalls; then
         grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issue Slots Busy|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Stall|stall|Memory Throughput|Compute \(SM\)" \
             "$RES/$tag.txt" | sed 's/^ *//' | cut -c1-220 | head -n $((60 * count)) || tail -n 5 "$RES/$tag.err"
     done
-    row "post-attention and feed-forward kernel stalls (Nsight Compute) | printed above, kept in stalls-*.txt"
+    row "post-attention kernel stalls (Nsight Compute) | printed above, kept in stalls-*.txt"
 fi
 
 if want timeline; then
@@ -618,33 +542,24 @@ if want sanitize; then
     }
     GEN_ARGS=(--random-bits 4 --fused-kernels none)
     sanitize "racecheck, 4-bit quantized products" race-q4.txt --tool racecheck --kernel-name kns=qm --print-limit 20
-    GEN_ARGS=(--fused-kernels attention,products)
+    GEN_ARGS=()
     sanitize "racecheck, our kernels (default set)" race-ours.txt --tool racecheck --kernel-name kns=custom_kernel --print-limit 20
-    GEN_ARGS=(--fused-kernels attention,products,post-attention)
-    sanitize "memcheck, our kernels with post-attention" memcheck-ours.txt --tool memcheck --kernel-name kns=custom_kernel --print-limit 20
+    sanitize "memcheck, our kernels (default set)" memcheck-ours.txt --tool memcheck --kernel-name kns=custom_kernel --print-limit 20
 fi
 
-# QUICK_SETS: the quick/quick-q4 sets to measure, by the names their reports give them,
-# separated by ';' (`none` always runs; default: every set).
-QUICK_SET_ARGS=()
-IFS=';' read -ra QUICK_PICKED <<<"${QUICK_SETS:-}"
-for s in "${QUICK_PICKED[@]}"; do
-    [[ -n "$s" ]] && QUICK_SET_ARGS+=(--compare-set "$s")
-done
-
 if want quick; then
-    # Nine sets, four rounds each, and a compile of each variant's kernels: possibly more than 240 s
-    # on a cold kernel cache.
+    # Two sets, four rounds each, and a compile of the kernels: possibly minutes on a cold
+    # kernel cache.
     # -v: each set's rate is logged as it comes (bench.err), kept should a set end the process.
     # QUICK_MODEL: another config of configs/ (default gemma-4-e4b), e.g. gemma-4-12b.
-    BENCH_TIMEOUT="${QUICK_TIMEOUT:-480}" bench "mlx-spec ${QUICK_MODEL:-gemma-4-e4b} bf16 (quick)" -v --model "$ROOT/configs/${QUICK_MODEL:-gemma-4-e4b}.json" --dtype bf16 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused "${QUICK_SET_ARGS[@]}"
+    BENCH_TIMEOUT="${QUICK_TIMEOUT:-480}" bench "mlx-spec ${QUICK_MODEL:-gemma-4-e4b} bf16 (quick)" -v --model "$ROOT/configs/${QUICK_MODEL:-gemma-4-e4b}.json" --dtype bf16 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused
 fi
 
 if want quick-q4; then
-    # The 4-bit E4B: MLX's quantized products against our kernels over 4-bit rows, in each
-    # of their ways, alternated in one process.
+    # The 4-bit E4B: MLX's quantized products against our kernels over 4-bit rows,
+    # alternated in one process.
     BENCH_TIMEOUT="${QUICK_TIMEOUT:-400}" bench "mlx-spec E4B 4-bit g64 (quick)" -v --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
-        --random-bits 4 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused "${QUICK_SET_ARGS[@]}"
+        --random-bits 4 --prompt-tokens 512 --gen-tokens "${QUICK_TOKENS:-64}" --repeats "${QUICK_ROUNDS:-2}" --compare-fused
 fi
 
 if want host; then
@@ -652,7 +567,7 @@ if want host; then
     # once more than 10 committed graphs are in flight), so "submit" is the host's own work and
     # a synchronised step is build + submit + the device's own time.
     ONE_GRAPH="MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"
-    for fused in ${HOST_SETS:-attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head attention,products,output-head none}; do
+    for fused in ${HOST_SETS:-default none}; do
         bench "mlx-spec E4B bf16, --fused-kernels $fused" --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --prompt-tokens 512 --gen-tokens 64 --repeats 2 --fused-kernels "$fused"
         BENCH_ENV="$ONE_GRAPH" bench "mlx-spec E4B bf16, --fused-kernels $fused, one graph per step" \
@@ -730,7 +645,6 @@ if want ffspeed; then
     for m in gemma-4-e4b gemma-4-12b; do
         echo "## bench --feed-forward-speed ($m)"
         timeout 240 "$BIN" bench --device gpu --feed-forward-speed --model "$ROOT/configs/$m.json" --repeats 3 \
-            --fused-kernels attention,products,post-attention \
             2>"$RES/ffspeed.err" | tee -a "$RES/ffspeed.md"
         row "feed-forward GB/s ($m) | printed above, kept in ffspeed.md"
     done
@@ -814,10 +728,9 @@ fi
 
 if want cpu-check-q4; then
     # The 4-bit kernels at a real shape: E4B with 4-bit weights (groups of 64) and float32
-    # activations, greedy on the GPU with each set of 4-bit kernels == greedy on the CPU
+    # activations, greedy on the GPU with the 4-bit kernels == greedy on the CPU
     # (MLX's quantized products there), the same weight arrays.
-    for fused in ${CPU_Q4_SETS:-attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head \
-        attention,products,affine4-heads,affine4-products,output-head}; do
+    for fused in ${CPU_Q4_SETS:-default}; do
         line="$(MLX_ENABLE_TF32=0 timeout 300 "$BIN" bench --device gpu --random-weights --random-bits 4 --dtype f32 \
             --model "$ROOT/configs/gemma-4-e4b.json" --prompt-tokens 16 --gen-tokens 2 --repeats 1 --check-cpu 8 \
             --fused-kernels "$fused" 2>"$RES/cpu-check-q4.err" | tail -n 1)"

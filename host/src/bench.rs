@@ -493,10 +493,6 @@ fn synthetic_prompt(vocab: usize, len: usize) -> Vec<u32> {
 /// What [`check_against_cpu`] found.
 struct CpuCheck {
     device_tokens: Vec<u32>,
-    /// The device's tokens again with decode attention in 32-slot shares, so that both of the
-    /// kernel's paths (one round, several rounds) are checked (on CUDA; elsewhere the same
-    /// operations run again).
-    device_tokens_other_shares: Vec<u32>,
     cpu_tokens: Vec<u32>,
     /// Largest |difference| between the two devices' logits after the prompt.
     max_logit_diff: f32,
@@ -522,16 +518,6 @@ fn check_against_cpu(
         Ok((tokens, first))
     };
     let (device_tokens, device_logits) = run(model)?;
-    use mlx_spec::kernels::{decode_attention::ONE_ROUND_SHARE_SLOTS, Tuning};
-    let tuning = Tuning::current();
-    Tuning {
-        attention_share: ONE_ROUND_SHARE_SLOTS,
-        ..tuning
-    }
-    .apply()?;
-    let other_shares = run(model);
-    tuning.apply()?;
-    let (device_tokens_other_shares, _) = other_shares?;
     // A CUDA build of libmlx cannot JIT-compile fused CPU kernels (it has no host compiler
     // setup), so the CPU reference runs every operation unfused.
     // SAFETY: plain global switches of libmlx, called between evaluations.
@@ -555,7 +541,6 @@ fn check_against_cpu(
         .fold(0.0f32, f32::max);
     Ok(CpuCheck {
         device_tokens,
-        device_tokens_other_shares,
         cpu_tokens,
         max_logit_diff,
         top2_margin: top2_margin(&cpu_logits),
@@ -946,51 +931,6 @@ struct FusedSetResult {
     logit_gap: f32,
 }
 
-/// The first configuration among `sets` (kernels and tuning) that must decode exactly the
-/// tokens of `sets[i]` (possibly itself), if any:
-/// * the one post-attention kernel over dense weights and the per-layer-input kernel regroup
-///   the arithmetic of their plain twin (the same kernels without them, the same attention
-///   shares);
-/// * the rows a warp takes, the loads a lane keeps in flight, which block finishes the
-///   attention heads, early requests for weight lines and where the step's integers live
-///   change no value: sets that differ only in them.
-///
-/// Other share sizes (buffer-sized shares among them), and decode attention's narrow rounds,
-/// add softmax terms in another order, and integer dots round the input's small values
-/// otherwise, which may move a rounding; the 4-bit kernels sum otherwise than MLX's quantized
-/// products, and the output head otherwise than MLX's product.
-fn twin_of(
-    sets: &[(mlx_spec::kernels::Fused, mlx_spec::kernels::Tuning)],
-    i: usize,
-    four_bit: bool,
-) -> Option<usize> {
-    let (kernels, tuning) = sets[i];
-    let plain = mlx_spec::kernels::Fused {
-        post_attention: false,
-        per_layer_input: false,
-        ..kernels
-    };
-    let mlx_sums = !(kernels.affine4
-        || kernels.affine4_heads
-        || kernels.affine4_products
-        || kernels.output_head);
-    // Over dense weights the post-attention kernel sums as the product kernels do, with or
-    // without the output head (which both sets then share).
-    let regrouped = !four_bit && kernels.post_attention;
-    sets.iter().position(|(t_kernels, t)| {
-        t.attention_share == tuning.attention_share
-            && t.attention_wide_rounds == tuning.attention_wide_rounds
-            && t.aligned_attention_shares == tuning.aligned_attention_shares
-            && (((mlx_sums || regrouped) && *t_kernels == plain)
-                || (kernels.per_layer_input
-                    && *t_kernels == plain
-                    && t.affine4_rows_per_warp == tuning.affine4_rows_per_warp)
-                || (*t_kernels == kernels
-                    && *t != tuning
-                    && t.value_settings() == tuning.value_settings()))
-    })
-}
-
 /// Pipelined greedy decode with each set of fused kernels, the sets alternating round by
 /// round so that drifts of the machine's speed hit them alike.
 fn compare_fused(
@@ -998,324 +938,22 @@ fn compare_fused(
     prompt: &[u32],
     args: &BenchArgs,
 ) -> Result<Vec<FusedSetResult>> {
-    use mlx_spec::kernels::{CudaDecode, Fused, Tuning};
-    let fused = |attention, products| Fused {
-        attention,
-        products,
-        ..Fused::default()
-    };
-    let all_three = Fused {
-        post_attention: true,
-        ..fused(true, true)
-    };
-    let with_head = |kernels: Fused| Fused {
-        output_head: true,
-        ..kernels
-    };
-    let with_ple = |kernels: Fused| Fused {
-        per_layer_input: true,
-        ..kernels
-    };
-    /// One configuration: which kernels run, and how.
+    use mlx_spec::kernels::{CudaDecode, Fused};
+    /// One configuration: which kernels run.
     struct Set {
         name: String,
         kernels: Fused,
-        tuning: Tuning,
     }
-    let default = Tuning::current();
-    let set = |name: &str, kernels| Set {
-        name: name.to_string(),
-        kernels,
-        tuning: default,
-    };
-    let on_off = |on: bool| if on { "on" } else { "off" };
-    let row_pairs = Tuning {
-        row_pairs: !default.row_pairs,
-        ..default
-    };
-    // Decode attention as first written: four slots a warp at a time.
-    let narrow = Tuning {
-        attention_wide_rounds: false,
-        ..default
-    };
-    let four_bit = model.config.quantization.default.map(|q| q.bits) == Some(4);
-    let sets: Vec<Set> = if four_bit {
-        // A 4-bit model: MLX's quantized products, the post-attention kernel over 4-bit rows
-        // (with the attention heads and the output head over them: the default), and the
-        // attention-heads and product kernels over 4-bit rows at one and two rows a warp (four
-        // lost in lease 2 of 2026-12-01), with and without the output head kernel, integer
-        // dots over 4-bit rows and the per-layer-input kernel; then the variants that change
-        // no value on top of the default: the attention heads finished together, weight lines
-        // requested before staging, the step's integers in device memory, and decode
-        // attention's first (narrow) rounds.
-        let post_attention = Fused {
-            affine4: true,
-            ..fused(true, true)
-        };
-        let products = Fused {
-            affine4_heads: true,
-            affine4_products: true,
-            ..fused(true, true)
-        };
-        let rows = |n: i32, kernels: Fused, name: &str| Set {
-            name: format!("{name}, {n} rows a warp"),
-            kernels,
-            tuning: Tuning {
-                affine4_rows_per_warp: n,
-                ..default
-            },
-        };
-        let products_name = "attention,products,affine4-heads,affine4-products";
-        let head_name = "attention,products,affine4-heads,affine4-products,output-head";
-        let default_name =
-            "attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head";
-        let default_set = Fused {
-            post_attention: true,
-            affine4_heads: true,
-            affine4_products: true,
-            ..with_head(post_attention)
-        };
-        vec![
-            set("none", fused(false, false)),
-            set("attention,products", fused(true, true)),
-            set("attention,products,affine4", post_attention),
-            set(
-                "attention,products,affine4,affine4-heads",
-                Fused {
-                    affine4_heads: true,
-                    ..post_attention
-                },
-            ),
-            // The default: the post-attention kernel over 4-bit rows, the attention heads and
-            // the output head over them too.
-            set(default_name, default_set),
-            rows(1, products, products_name),
-            rows(2, products, products_name),
-            rows(1, with_head(products), head_name),
-            rows(2, with_head(products), head_name),
-            Set {
-                name: format!("{head_name}, 2 rows a warp, integer dots"),
-                kernels: with_head(products),
-                tuning: Tuning {
-                    affine4_rows_per_warp: 2,
-                    affine4_integer_dots: true,
-                    ..default
-                },
-            },
-            Set {
-                name: format!("{head_name}, 1 rows a warp, integer dots"),
-                kernels: with_head(products),
-                tuning: Tuning {
-                    affine4_rows_per_warp: 1,
-                    affine4_integer_dots: true,
-                    ..default
-                },
-            },
-            // The variants that change no value, on top of the default.
-            Set {
-                name: format!("{default_name}, heads finished together"),
-                kernels: default_set,
-                tuning: Tuning {
-                    heads_finished_apart: false,
-                    ..default
-                },
-            },
-            Set {
-                name: format!("{default_name}, heads in waves"),
-                kernels: default_set,
-                tuning: Tuning {
-                    heads_in_one_wave: false,
-                    ..default
-                },
-            },
-            Set {
-                name: format!("{default_name}, heads finished together, in waves"),
-                kernels: default_set,
-                tuning: Tuning {
-                    heads_finished_apart: false,
-                    heads_in_one_wave: false,
-                    ..default
-                },
-            },
-            Set {
-                name: format!("{default_name}, rows touched first"),
-                kernels: default_set,
-                tuning: Tuning {
-                    rows_touched_first: true,
-                    ..default
-                },
-            },
-            Set {
-                name: format!("{default_name}, step integers copied to the device"),
-                kernels: default_set,
-                tuning: Tuning {
-                    step_ints_on_device: true,
-                    step_ints_from_heads: false,
-                    ..default
-                },
-            },
-            Set {
-                name: format!("{default_name}, step integers across the bus"),
-                kernels: default_set,
-                tuning: Tuning {
-                    step_ints_from_heads: false,
-                    ..default
-                },
-            },
-            Set {
-                name: format!("{default_name}, weights as stand-ins"),
-                kernels: default_set,
-                tuning: Tuning {
-                    unread_stand_ins: false,
-                    ..default
-                },
-            },
-            Set {
-                name: format!("{default_name}, narrow attention rounds"),
-                kernels: default_set,
-                tuning: narrow,
-            },
-            rows(
-                1,
-                with_ple(with_head(products)),
-                &format!("{head_name},per-layer-input"),
-            ),
-            rows(
-                2,
-                with_ple(with_head(products)),
-                &format!("{head_name},per-layer-input"),
-            ),
-        ]
-    } else {
-        // Variants that lost in several leases (barriers polling with acquire loads, L2
-        // prefetch, 16 loads in flight in the post-attention kernel, three blocks a
-        // multiprocessor, 32-slot attention shares) are no longer measured; their figures
-        // are in BENCHMARKS.md. The default (the post-attention kernel with the output head)
-        // comes first among our sets, then the five product kernels it replaces, then the
-        // variants on top of the one they touch.
-        let default_set = with_head(all_three);
-        let default_name = "attention,products,post-attention,output-head";
-        let variant = |what: &str, kernels: Fused, name: &str, tuning: Tuning| Set {
-            name: format!("{name}, {what}"),
-            kernels,
-            tuning,
-        };
-        let products_name = "attention,products,output-head";
-        let products_set = with_head(fused(true, true));
-        vec![
-            set("none", fused(false, false)),
-            set("attention", fused(true, false)),
-            set("products", fused(false, true)),
-            set("attention,products", fused(true, true)),
-            set(default_name, default_set),
-            set(products_name, products_set),
-            set("attention,products,post-attention", all_three),
-            variant(
-                &format!("row pairs {}", on_off(row_pairs.row_pairs)),
-                default_set,
-                default_name,
-                row_pairs,
-            ),
-            variant(
-                "heads finished together",
-                default_set,
-                default_name,
-                Tuning {
-                    heads_finished_apart: false,
-                    ..default
-                },
-            ),
-            variant(
-                "heads in waves",
-                default_set,
-                default_name,
-                Tuning {
-                    heads_in_one_wave: false,
-                    ..default
-                },
-            ),
-            variant(
-                "heads finished together, in waves",
-                default_set,
-                default_name,
-                Tuning {
-                    heads_finished_apart: false,
-                    heads_in_one_wave: false,
-                    ..default
-                },
-            ),
-            variant(
-                "step integers copied to the device",
-                default_set,
-                default_name,
-                Tuning {
-                    step_ints_on_device: true,
-                    step_ints_from_heads: false,
-                    ..default
-                },
-            ),
-            variant(
-                "step integers across the bus",
-                default_set,
-                default_name,
-                Tuning {
-                    step_ints_from_heads: false,
-                    ..default
-                },
-            ),
-            variant(
-                "weights as stand-ins",
-                default_set,
-                default_name,
-                Tuning {
-                    unread_stand_ins: false,
-                    ..default
-                },
-            ),
-            variant("narrow attention rounds", default_set, default_name, narrow),
-            variant(
-                "buffer-sized attention shares",
-                default_set,
-                default_name,
-                Tuning {
-                    aligned_attention_shares: false,
-                    ..default
-                },
-            ),
-            variant(
-                "per-layer rows loaded late",
-                default_set,
-                default_name,
-                Tuning {
-                    per_layer_rows_early: false,
-                    ..default
-                },
-            ),
-            variant(
-                "rows touched first",
-                products_set,
-                products_name,
-                Tuning {
-                    rows_touched_first: true,
-                    ..default
-                },
-            ),
-            variant(
-                "16 loads in flight over dense rows",
-                products_set,
-                products_name,
-                Tuning {
-                    dense_loads: 16,
-                    ..default
-                },
-            ),
-            set(
-                "attention,products,output-head,per-layer-input",
-                with_ple(products_set),
-            ),
-        ]
-    };
-    let sets = only_named(sets, &args.compare_sets, |s| &s.name)?;
+    let sets = [
+        Set {
+            name: "none".to_string(),
+            kernels: Fused::default(),
+        },
+        Set {
+            name: "default".to_string(),
+            kernels: Fused::every(),
+        },
+    ];
     let mut rates = vec![Vec::new(); sets.len()];
     let mut splits = vec![Vec::new(); sets.len()];
     let mut tokens = vec![Vec::new(); sets.len()];
@@ -1334,7 +972,6 @@ fn compare_fused(
                     None
                 };
                 model.set_fast_path(fast);
-                s.tuning.apply()?;
                 if round == 0 {
                     let (_, mut logits) = stepwise_logits(model, prompt, 1, None)?;
                     first_step_logits[i] = logits.pop().unwrap_or_default();
@@ -1359,24 +996,7 @@ fn compare_fused(
     let result = run_all();
     model.set_fast_path(configured);
     args.model.allow_fused_kernels();
-    default.apply()?;
     result?;
-    // Twins must decode the same tokens (`twin_of` says which).
-    let configurations: Vec<(Fused, Tuning)> = sets.iter().map(|s| (s.kernels, s.tuning)).collect();
-    for (i, s) in sets.iter().enumerate() {
-        let Some(twin) = twin_of(&configurations, i, four_bit) else {
-            continue;
-        };
-        if i != twin && tokens[i] != tokens[twin] {
-            bail!(
-                "{} changed the greedy tokens of {}: {:?} vs {:?}; this is a bug",
-                s.name,
-                sets[twin].name,
-                tokens[i],
-                tokens[twin]
-            );
-        }
-    }
     let median_split = |v: &[HostSplit]| HostSplit {
         build_ms: median(v.iter().map(|h| h.build_ms).collect()),
         submit_ms: median(v.iter().map(|h| h.submit_ms).collect()),
@@ -1404,31 +1024,6 @@ fn compare_fused(
         .collect())
 }
 
-/// The sets of `--compare-fused` that `--compare-set` names, in their order, with the first
-/// (`none`, the baseline of the logit gaps) always kept; all of them when none is named. A
-/// name no set has is an error that lists the names.
-fn only_named<S>(sets: Vec<S>, names: &[String], name: impl Fn(&S) -> &str) -> Result<Vec<S>> {
-    if names.is_empty() {
-        return Ok(sets);
-    }
-    if let Some(unknown) = names
-        .iter()
-        .find(|n| !sets.iter().any(|s| name(s) == n.as_str()))
-    {
-        let known: Vec<&str> = sets.iter().map(&name).collect();
-        bail!(
-            "--compare-set {unknown:?}: no such set; the sets are: {}",
-            known.join(" | ")
-        );
-    }
-    Ok(sets
-        .into_iter()
-        .enumerate()
-        .filter(|(i, s)| *i == 0 || names.iter().any(|n| n == name(s)))
-        .map(|(_, s)| s)
-        .collect())
-}
-
 /// Greedy decode of `n` forwards after `logits`, building and evaluating one step at a time.
 /// Returns the tokens, the seconds taken, and the seconds spent building graphs.
 fn decode_step_by_step(
@@ -1453,104 +1048,63 @@ fn decode_step_by_step(
     Ok((tokens, start.elapsed().as_secs_f64(), build_s))
 }
 
-/// `bench --dump-kernel-sources`: one decode forward of `model` per kernel set and variant,
-/// its fused-kernel calls recorded ([`mlx_spec::kernels::capture_kernels`]); each distinct
+/// `bench --dump-kernel-sources`: one decode forward of `model` per kernel set, and verify
+/// windows of 2, 4 and 8 tokens, their fused-kernel calls recorded ([`mlx_spec::kernels::capture_kernels`]); each distinct
 /// source written once.
 fn dump_kernel_sources(
     model: &mut Gemma4Model,
     prompt: &[u32],
     dir: &std::path::Path,
 ) -> Result<()> {
-    use mlx_spec::kernels::{capture_kernels, CudaDecode, Fused, Tuning};
+    use mlx_spec::kernels::{capture_kernels, CudaDecode, Fused};
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut cache = model.new_cache();
     let logits = prefill(model, &mut cache, prompt)?;
     let token = mlx_rs::ops::indexing::argmax_axis(&logits, -1, false)?.reshape(&[1, 1])?;
-    let default = Tuning::current();
     let every = Fused::every();
     let install = |model: &mut Gemma4Model, kernels: Fused| -> Result<()> {
         let fast = CudaDecode::new(model, kernels)?;
         model.set_fast_path(Some(Box::new(fast)));
         Ok(())
     };
-    // Kernel sets: all of them (the post-attention kernel serves every layer it can), the
-    // product kernels in its place (with and without the per-layer-input kernel), attention
-    // alone (the attention-inputs kernel). Variants: each setting that changes a source.
-    let without_post = Fused {
-        post_attention: false,
-        affine4: false,
-        ..every
-    };
+    // Kernel sets: the default (the post-attention kernel serves every layer it can), the
+    // product kernels in its place (as for layers it does not serve), attention alone (the
+    // attention-inputs kernel, as for layers the attention-heads kernel does not serve).
     let sets = [
         every,
-        without_post,
         Fused {
-            per_layer_input: false,
-            ..without_post
+            post_attention: false,
+            affine4: false,
+            ..every
         },
         Fused {
             attention: true,
             ..Fused::default()
         },
     ];
-    let variants = [
-        default,
-        Tuning {
-            row_pairs: !default.row_pairs,
-            attention_wide_rounds: !default.attention_wide_rounds,
-            heads_finished_apart: !default.heads_finished_apart,
-            heads_in_one_wave: !default.heads_in_one_wave,
-            window_heads_apart: !default.window_heads_apart,
-            rows_touched_first: !default.rows_touched_first,
-            affine4_in_place: !default.affine4_in_place,
-            ..default
-        },
-        Tuning {
-            step_ints_from_heads: !default.step_ints_from_heads,
-            step_ints_on_device: !default.step_ints_on_device,
-            affine4_integer_dots: !default.affine4_integer_dots,
-            affine4_rows_per_warp: 2,
-            dense_loads: 16,
-            per_layer_rows_early: !default.per_layer_rows_early,
-            aligned_attention_shares: !default.aligned_attention_shares,
-            ..default
-        },
-    ];
     let mut written: Vec<mlx_spec::kernels::CapturedKernel> = Vec::new();
     let mut run = || -> Result<()> {
         for kernels in sets {
-            for tuning in variants {
-                install(model, kernels)?;
-                tuning.apply()?;
-                for timed in [false, true] {
-                    mlx_spec::kernels::post_attention::set_stage_times(timed);
-                    let (_, calls) = capture_kernels(|| {
-                        model.forward_ids(&token, &mut cache, LogitsFor::Last, false)
-                    })?;
-                    mlx_spec::kernels::post_attention::take_stage_times();
-                    cache
-                        .trim(1)
-                        .map_err(|e| anyhow::anyhow!("cannot rewind the cache: {e:?}"))?;
-                    for call in calls {
-                        if !written.iter().any(|w| w.source == call.source) {
-                            written.push(call);
-                        }
+            install(model, kernels)?;
+            for timed in [false, true] {
+                mlx_spec::kernels::post_attention::set_stage_times(timed);
+                let (_, calls) = capture_kernels(|| {
+                    model.forward_ids(&token, &mut cache, LogitsFor::Last, false)
+                })?;
+                mlx_spec::kernels::post_attention::take_stage_times();
+                cache
+                    .trim(1)
+                    .map_err(|e| anyhow::anyhow!("cannot rewind the cache: {e:?}"))?;
+                for call in calls {
+                    if !written.iter().any(|w| w.source == call.source) {
+                        written.push(call);
                     }
                 }
             }
         }
-        // Verify windows of 2, 4 and 8 tokens (the window kernels), with the defaults and with
-        // the window heads finished apart.
+        // Verify windows of 2, 4 and 8 tokens (the window kernels).
         install(model, every)?;
-        for (apart, tokens) in [false, true]
-            .into_iter()
-            .flat_map(|a| [(a, 2), (a, 4), (a, 8)])
-        {
-            Tuning {
-                window_heads_apart: apart,
-                ..default
-            }
-            .apply()?;
+        for tokens in [2, 4, 8] {
             let ids = mlx_rs::ops::broadcast_to(&token, &[1, tokens])?;
             let (_, calls) =
                 capture_kernels(|| model.forward_ids(&ids, &mut cache, LogitsFor::All, false))?;
@@ -1568,7 +1122,6 @@ fn dump_kernel_sources(
     let result = run();
     mlx_spec::kernels::post_attention::set_stage_times(false);
     model.set_fast_path(None);
-    default.apply()?;
     result?;
     let mut list = String::from("file\tkernel\tblock\tblocks\tdynamic_shared\n");
     for k in &written {
@@ -1644,8 +1197,8 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
     }
     if kinds.is_empty() {
         bail!(
-            "--stage-times: no decode step ran the post-attention kernel (it needs `post-attention` \
-             for dense or `affine4` for 4-bit weights among --fused-kernels, and layers without MoE)"
+            "--stage-times: no decode step ran the post-attention kernel (it needs the default \
+             --fused-kernels, and layers without MoE)"
         );
     }
     let rows: Vec<_> = kinds
@@ -1732,19 +1285,11 @@ fn run_check_kernels(args: &BenchArgs) -> Result<()> {
     }
     args.model.allow_fused_kernels();
     let attention = mlx_spec::diagnostics::decode_attention_errors(Dtype::Bfloat16, 1e-2)?;
-    let products = mlx_spec::diagnostics::affine4_integer_dot_errors(1.0 / 64.0)?;
     let windows = mlx_spec::diagnostics::window_post_attention_differences()?;
     if args.json {
         let attention: Vec<_> = attention
             .iter()
-            .map(|r| {
-                json!({"case": r.case, "wide_error": r.wide_error, "narrow_error": r.narrow_error,
-                       "wide_vs_narrow": r.wide_vs_narrow})
-            })
-            .collect();
-        let products: Vec<_> = products
-            .iter()
-            .map(|r| json!({"case": r.case, "difference": r.difference, "largest_output": r.largest_output}))
+            .map(|r| json!({"case": r.case, "error": r.error}))
             .collect();
         let windows: Vec<_> = windows
             .iter()
@@ -1752,27 +1297,15 @@ fn run_check_kernels(args: &BenchArgs) -> Result<()> {
             .collect();
         println!(
             "{}",
-            json!({ "decode_attention": attention, "affine4_integer_dots": products,
+            json!({ "decode_attention": attention,
                     "window_post_attention": windows })
         );
         return Ok(());
     }
-    println!("| decode attention (bf16, 8 query heads, 2 KV heads) | wide rounds: largest error | narrow rounds | wide vs narrow |");
-    println!("|---|---|---|---|");
+    println!("| decode attention (bf16, 8 query heads, 2 KV heads) | largest error |");
+    println!("|---|---|");
     for r in &attention {
-        println!(
-            "| {} | {:.2e} | {:.2e} | {:.2e} |",
-            r.case, r.wide_error, r.narrow_error, r.wide_vs_narrow
-        );
-    }
-    println!();
-    println!("| 4-bit product (bf16, groups of 64) | integer dots vs float unpacking: largest difference | largest output |");
-    println!("|---|---|---|");
-    for r in &products {
-        println!(
-            "| {} | {:.2e} | {:.2e} |",
-            r.case, r.difference, r.largest_output
-        );
+        println!("| {} | {:.2e} |", r.case, r.error);
     }
     println!();
     println!("| window post-attention kernel (bf16, E4B shapes) | values unlike the single-token kernel's |");
@@ -1780,7 +1313,7 @@ fn run_check_kernels(args: &BenchArgs) -> Result<()> {
     for r in &windows {
         println!("| {} | {} of {} |", r.case, r.differing, r.elements);
     }
-    println!("kernel checks passed: decode attention within 1e-2 of MLX's operations, integer dots within 1/64 of the largest output of float unpacking, windows bit for bit the single-token kernel's");
+    println!("kernel checks passed: decode attention within 1e-2 of MLX's operations, windows bit for bit the single-token kernel's");
     Ok(())
 }
 
@@ -1973,8 +1506,8 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
                     "handed_over_ms": c.handed_over.total_ms, "handed_over_build_ms": c.handed_over.build_ms})).collect::<Vec<_>>(),
                 "step_operations": step_ops.as_ref().map(|c| json!({"total": c.values().sum::<usize>(), "by_kind": c})),
                 "cpu_check": check.as_ref().map(|c| json!({
-                    "same_tokens": c.device_tokens == c.cpu_tokens && c.device_tokens_other_shares == c.cpu_tokens,
-                    "device_tokens": c.device_tokens, "device_tokens_other_shares": c.device_tokens_other_shares,
+                    "same_tokens": c.device_tokens == c.cpu_tokens,
+                    "device_tokens": c.device_tokens,
                     "cpu_tokens": c.cpu_tokens, "max_logit_diff": c.max_logit_diff, "top2_margin": c.top2_margin,
                 })),
             })
@@ -2058,29 +1591,23 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         if let Some(c) = &check {
             println!();
             println!(
-                "{} vs CPU, same weights: {} greedy tokens {} (again with 32-slot attention shares: {}); logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
+                "{} vs CPU, same weights: {} greedy tokens {}; logits after the prompt differ by at most {:.3e} (top-2 margin {:.3e})",
                 format!("{:?}", args.model.device).to_uppercase(),
                 c.cpu_tokens.len(),
                 if c.device_tokens == c.cpu_tokens { "identical" } else { "DIFFER" },
-                if c.device_tokens_other_shares == c.cpu_tokens { "identical" } else { "DIFFER" },
                 c.max_logit_diff,
                 c.top2_margin
             );
         }
     }
     if let Some(c) = &check {
-        for (tokens, how) in [
-            (&c.device_tokens, ""),
-            (&c.device_tokens_other_shares, " (32-slot attention shares)"),
-        ] {
-            if *tokens != c.cpu_tokens {
-                bail!(
-                    "greedy tokens differ between {:?}{how} and CPU: {:?} vs {:?}",
-                    args.model.device,
-                    tokens,
-                    c.cpu_tokens
-                );
-            }
+        if c.device_tokens != c.cpu_tokens {
+            bail!(
+                "greedy tokens differ between {:?} and CPU: {:?} vs {:?}",
+                args.model.device,
+                c.device_tokens,
+                c.cpu_tokens
+            );
         }
     }
     Ok(())
@@ -2088,58 +1615,10 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{explain_mismatch, logits_digest, only_named, twin_of};
+    use super::{explain_mismatch, logits_digest};
     use mlx_spec::generate::{generate, GenerateRequest};
     use mlx_spec::model::gemma4::{Gemma4Config, Gemma4Model};
     use mlx_spec::sampler::SamplingParams;
-
-    #[test]
-    fn twins_are_the_sets_that_must_decode_alike() {
-        use mlx_spec::kernels::{Fused, Tuning};
-        let default = Tuning::current();
-        let products = Fused {
-            attention: true,
-            products: true,
-            output_head: true,
-            ..Fused::default()
-        };
-        let post = Fused {
-            post_attention: true,
-            ..products
-        };
-        let buffer_sized = Tuning {
-            aligned_attention_shares: !default.aligned_attention_shares,
-            ..default
-        };
-        let row_pairs_off = Tuning {
-            row_pairs: !default.row_pairs,
-            ..default
-        };
-        let narrow = Tuning {
-            attention_wide_rounds: !default.attention_wide_rounds,
-            ..default
-        };
-        let sets = vec![
-            (products, default),
-            (post, default),
-            (post, buffer_sized),
-            (post, row_pairs_off),
-            (post, narrow),
-        ];
-        // Over dense weights the post-attention kernel regroups the products' sums.
-        assert_eq!(twin_of(&sets, 1, false), Some(0));
-        // Buffer-sized shares move roundings: held to no one (an H200 lease found them held
-        // to the aligned shares' tokens).
-        assert_eq!(twin_of(&sets, 2, false), None);
-        // Row pairs change no value.
-        assert_eq!(twin_of(&sets, 3, false), Some(0));
-        // Narrow rounds add softmax terms in another order.
-        assert_eq!(twin_of(&sets, 4, false), None);
-        // Over 4-bit weights the post-attention kernel sums otherwise than the products, but
-        // row pairs still change nothing.
-        assert_eq!(twin_of(&sets, 1, true), Some(3));
-        assert_eq!(twin_of(&sets, 0, true), None);
-    }
 
     #[test]
     fn the_logits_digest_tells_any_changed_bit() {
@@ -2184,26 +1663,6 @@ mod tests {
         assert!(
             why.contains("pipelined plain decoding first differs at token 4"),
             "{why}"
-        );
-    }
-
-    #[test]
-    fn compare_set_keeps_the_named_sets_and_the_baseline() {
-        let sets = vec!["none", "default", "default, variant", "other"];
-        let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let all = only_named(sets.clone(), &[], |s| s).unwrap();
-        assert_eq!(all, sets);
-        let picked = only_named(sets.clone(), &names(&["other", "default"]), |s| s).unwrap();
-        assert_eq!(
-            picked,
-            vec!["none", "default", "other"],
-            "order of the sets, none kept"
-        );
-        let err = only_named(sets, &names(&["defualt"]), |s| s).unwrap_err();
-        let text = err.to_string();
-        assert!(
-            text.contains("\"defualt\"") && text.contains("default, variant"),
-            "{text}"
         );
     }
 }

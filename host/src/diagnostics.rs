@@ -465,23 +465,18 @@ pub fn feed_forward_speed(
 pub struct AttentionCheck {
     /// Head size, buffer slots and visible range, as `D 256, 768 slots, 0..700`.
     pub case: String,
-    /// Largest |kernel - reference| over the output, wide rounds and narrow rounds.
-    pub wide_error: f32,
-    pub narrow_error: f32,
-    /// Largest |wide - narrow|: the two differ only in where float32 sums round.
-    pub wide_vs_narrow: f32,
+    /// Largest |kernel - reference| over the output.
+    pub error: f32,
 }
 
 /// The fused decode attention kernel against the same attention computed by MLX's operations
 /// in float32 (scores rounded to `dtype` as MLX's product rounds them), on random queries,
 /// keys and values of Gemma 4's head sizes (8 query heads over 2 KV heads), buffers of one to
-/// several rounds a block, and visible ranges that start at 0 or later: with a warp's whole
-/// share at once (the default) and four slots at a time. CUDA only (the kernel's device).
+/// several rounds a block, and visible ranges that start at 0 or later. CUDA only (the
+/// kernel's device).
 /// Fails if an error exceeds `tolerance`.
 pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<AttentionCheck>> {
-    use crate::kernels::decode_attention::{
-        decode_attention, set_wide_rounds, splits_for, wide_rounds,
-    };
+    use crate::kernels::decode_attention::{decode_attention, splits_for};
     let (heads, kv_heads) = (8, 2);
     let cases: [(i32, i32, std::ops::Range<usize>); 6] = [
         (256, 768, 0..700),
@@ -491,7 +486,6 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
         (512, 1024, 0..600),
         (512, 768, 3..768),
     ];
-    let was_wide = wide_rounds();
     let mut rows = Vec::new();
     let run = || -> Result<()> {
         for (seed, (d, slots, visible)) in cases.into_iter().enumerate() {
@@ -507,13 +501,9 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
                 .with_context(|| format!("decode attention does not serve D {d}, {slots} slots"))?;
             // Each call gets its own counters: the calls do not depend on one another, so
             // MLX may run them at once, and calls sharing counters would then miscount.
-            let mut outputs = Vec::new();
-            for wide in [true, false] {
-                set_wide_rounds(wide);
-                let counters = new_counters(heads as usize)?;
-                let out = decode_attention(&q, &k, &v, visible.clone(), None, splits, &counters)?;
-                outputs.push(out.as_dtype(Dtype::Float32)?);
-            }
+            let counters = new_counters(heads as usize)?;
+            let output = decode_attention(&q, &k, &v, visible.clone(), None, splits, &counters)?
+                .as_dtype(Dtype::Float32)?;
             // Reference: the query heads of each KV head as one [group, D] matrix.
             let group = heads / kv_heads;
             let q32 = q
@@ -542,8 +532,7 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
                 Ok(a.subtract(b)?.abs()?.max(None)?.try_item_exact::<f32>()?)
             };
             // The visible range read from device memory (as the attention-heads kernel hands
-            // it on with `step-ints-from-heads`) must give the same bits as from host memory.
-            set_wide_rounds(true);
+            // it on) must give the same bits as from host memory.
             let range = Array::from_slice(&[visible.start as i32, visible.end as i32], &[2]);
             let on_device = crate::kernels::products::padded(&range, 4)?;
             let from_device = decode_attention(
@@ -556,7 +545,7 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
                 &new_counters(heads as usize)?,
             )?
             .as_dtype(Dtype::Float32)?;
-            let device_gap = largest(&from_device, &outputs[0])?;
+            let device_gap = largest(&from_device, &output)?;
             if device_gap != 0.0 {
                 bail!(
                     "decode attention, D {d}, {slots} slots, {visible:?}: the range in device \
@@ -565,132 +554,21 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
             }
             let row = AttentionCheck {
                 case: format!("D {d}, {slots} slots, {visible:?}"),
-                wide_error: largest(&outputs[0], &reference)?,
-                narrow_error: largest(&outputs[1], &reference)?,
-                wide_vs_narrow: largest(&outputs[0], &outputs[1])?,
+                error: largest(&output, &reference)?,
             };
-            let worst = row.wide_error.max(row.narrow_error);
-            // A NaN fails too (`max` would pass over it).
-            if row.wide_error.is_nan() || row.narrow_error.is_nan() || worst > tolerance {
+            // A NaN fails too.
+            if row.error.is_nan() || row.error > tolerance {
                 bail!(
-                    "decode attention, {}: error {worst:e} against MLX's operations exceeds {tolerance:e}",
-                    row.case
+                    "decode attention, {}: error {:e} against MLX's operations exceeds {tolerance:e}",
+                    row.case,
+                    row.error
                 );
             }
             rows.push(row);
         }
         Ok(())
     };
-    let result = run();
-    set_wide_rounds(was_wide);
-    result.map(|()| rows)
-}
-
-/// One case of [`affine4_integer_dot_errors`].
-pub struct ProductCheck {
-    /// Which kernel and shape.
-    pub case: String,
-    /// Largest |integer dots - float unpacking| over the outputs, and the largest |output|.
-    pub difference: f32,
-    pub largest_output: f32,
-}
-
-/// The gated and closing product kernels over 4-bit rows (E4B's feed-forward shapes, groups of
-/// 64, random bf16 weights quantized by MLX and random bf16 inputs), with integer dots
-/// against the float unpacking: the two compute the same sums up to float32 roundings, so
-/// their bf16 outputs may differ by about one rounding of the output. CUDA only. Fails if a
-/// difference exceeds `tolerance` times the largest output.
-pub fn affine4_integer_dot_errors(tolerance: f32) -> Result<Vec<ProductCheck>> {
-    use crate::kernels::products::{affine4_integer_dots, set_affine4_integer_dots};
-    let (hidden, intermediate, group) = (2560, 10240, 64);
-    let normal = |seed: u64, shape: &[i32], spread: f32| -> Result<Array> {
-        Ok(
-            random::normal::<f32>(shape, 0.0, spread, &random::key(seed)?)?
-                .as_dtype(Dtype::Bfloat16)?,
-        )
-    };
-    let quantized = |seed: u64, rows: i32, k: i32| -> Result<(Array, Array, Array)> {
-        let w = normal(seed, &[rows, k], 0.02)?;
-        Ok(mlx_rs::ops::quantize(&w, group, 4)?)
-    };
-    let (gate, up, down) = (
-        quantized(11, intermediate, hidden)?,
-        quantized(12, intermediate, hidden)?,
-        quantized(13, hidden, intermediate)?,
-    );
-    fn weight(q: &(Array, Array, Array)) -> Weight<'_> {
-        Weight::Affine4 {
-            packed: &q.0,
-            scales: &q.1,
-            biases: &q.2,
-        }
-    }
-    let x = normal(21, &[1, hidden], 1.0)?;
-    let norm = normal(22, &[hidden], 1.0)?;
-    let a = normal(23, &[1, intermediate], 1.0)?;
-    let residual = normal(24, &[1, hidden], 1.0)?;
-    let post_norm = normal(25, &[hidden], 1.0)?;
-    let counter = new_counter()?;
-    let was = affine4_integer_dots();
-    let run = || -> Result<Vec<ProductCheck>> {
-        let mut outputs: Vec<Vec<Array>> = Vec::new();
-        for integer in [true, false] {
-            set_affine4_integer_dots(integer);
-            let gated = gated_product(
-                &x,
-                Some(&norm),
-                1e-6,
-                weight(&gate),
-                GateUp::Product(weight(&up)),
-            )?;
-            let closing = product_residual(
-                &a,
-                weight(&down),
-                &residual,
-                &post_norm,
-                1e-6,
-                None,
-                &counter,
-            )?;
-            let both = vec![
-                gated.as_dtype(Dtype::Float32)?,
-                closing.as_dtype(Dtype::Float32)?,
-            ];
-            for o in &both {
-                o.eval()?;
-            }
-            outputs.push(both);
-        }
-        let names = [
-            format!("gate and up, {hidden} -> 2 x {intermediate}"),
-            format!("down with residual, {intermediate} -> {hidden}"),
-        ];
-        let mut rows = Vec::new();
-        for (i, case) in names.into_iter().enumerate() {
-            let (int, float) = (&outputs[0][i], &outputs[1][i]);
-            let difference = int
-                .subtract(float)?
-                .abs()?
-                .max(None)?
-                .try_item_exact::<f32>()?;
-            let largest_output = float.abs()?.max(None)?.try_item_exact::<f32>()?;
-            if difference.is_nan() || difference > tolerance * largest_output {
-                bail!(
-                    "4-bit integer dots, {case}: outputs differ by {difference:e} from the float \
-                     path's (largest output {largest_output:e})"
-                );
-            }
-            rows.push(ProductCheck {
-                case,
-                difference,
-                largest_output,
-            });
-        }
-        Ok(rows)
-    };
-    let result = run();
-    set_affine4_integer_dots(was);
-    result
+    run().map(|()| rows)
 }
 
 /// One window case of [`window_post_attention_differences`].

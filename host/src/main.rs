@@ -157,59 +157,16 @@ struct ModelArgs {
     /// Group size of --random-bits.
     #[arg(long, default_value_t = 64, requires = "random_bits")]
     random_group_size: i32,
-    /// mlx-spec's own CUDA kernels to use on a CUDA GPU (elsewhere MLX's operations run):
-    /// `attention` (one decode token's attention and its q/k/v norms and RoPE), `products`
-    /// (a decode token's matrix-vector products fused with the norms, gates and residual
-    /// updates around them), `post-attention` (everything of a layer after its attention heads
-    /// as one kernel, over dense weights), `affine4` (that kernel over 4-bit affine weights),
-    /// `affine4-heads` and `affine4-products` (the q/k/v products of `attention` and the
-    /// products of `products` over 4-bit weights too), `output-head` (the final norm, the
-    /// output head's product and the logit soft-cap as one kernel), `per-layer-input` (a
-    /// layer's per-layer-input block as one kernel), `window` (the attention heads, decode
-    /// attention, everything after the heads and the output head for a verify window of 2-8
-    /// tokens over dense weights, each token bit for bit what a decode step gives it), or
-    /// `none` (MLX's operations only). Default: the set that held its rate on every H200 host
-    /// measured, for each kind of weight (the post-attention kernel's fewer launches keep a
-    /// slow host from bounding the step; BENCHMARKS.md), with the window kernels:
-    /// `attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head,window`.
-    /// On a GPU shared through MPS the kernels with grid-wide barriers (`post-attention`,
-    /// `affine4`, `per-layer-input`) give way to the product kernels.
-    #[arg(
-        long,
-        value_enum,
-        value_delimiter = ',',
-        default_value = DEFAULT_FUSED_KERNELS
-    )]
-    fused_kernels: Vec<FusedKernelArg>,
-    /// Variants of the fused kernels that are being measured (BENCHMARKS.md), none by default:
-    /// `narrow-attention-rounds` (decode attention four slots a warp at a time, as first
-    /// written), `heads-finished-together` (every attention head normed, rotated and cached by
-    /// the last block of the call, as first written; by default each head by the last block
-    /// that made its rows), `heads-in-waves` (the attention-heads kernel takes a row a warp
-    /// even where that needs more blocks than the device holds at once, as first written; by
-    /// default a block makes two or four rounds of rows there, as for the 12B),
-    /// `window-heads-together` (every head of every token of a verify window finished by the
-    /// last block of the call, as first written; by default each head by the last block of
-    /// its rows, with the grid in one wave, as in a decode step), `integer-dots` (4-bit feed-forward products by int16
-    /// inputs and dp2a; half-precision inputs only), `rows-touched-first` (the product
-    /// kernels ask for their first weight lines before staging their input),
-    /// `step-ints-on-device` (the step's position, cache slots and visible ranges copied to
-    /// device memory by an operation each, instead of read across the bus),
-    /// `step-ints-across-the-bus` (the kernels that need the step's position, cache slot and
-    /// visible range each read them from host-visible memory, as first written; by default one
-    /// thread of the attention-heads kernel reads them early and hands them on in device
-    /// memory), `weights-as-stand-ins` (kernel inputs a kernel does not read, such as a dense
-    /// weight's scales, are the weight itself, as first written; by default a one-element array,
-    /// since MLX counts every input's bytes towards when it commits a CUDA graph),
-    /// `per-layer-rows-late` (the post-attention kernel loads its rows of the per-layer-input
-    /// block after the barrier that ends the down product, as first written; by default they
-    /// are copied into shared memory while the grid meets there; dense weights),
-    /// `buffer-sized-attention-shares` (decode attention splits a head's slots into a power of
-    /// two of shares sized by the buffer, as first written; by default shares of a fixed size
-    /// at fixed slots, so that a verify window's queries sum as decode steps do even when the
-    /// window made the cache grow; moves roundings).
-    #[arg(long, value_enum, value_delimiter = ',')]
-    kernel_variants: Vec<KernelVariantArg>,
+    /// mlx-spec's own CUDA kernels on a CUDA GPU (elsewhere MLX's operations run): `default`,
+    /// the set that held its rate on every H200 host measured, for each kind of weight
+    /// (BENCHMARKS.md): one decode token's attention heads and attention, everything of a
+    /// layer after its attention heads as one kernel over dense or 4-bit weights (the product
+    /// kernels where it does not serve a layer), the final norm, output head and logit
+    /// soft-cap as one kernel, and the same for verify windows of 2-8 tokens, each token bit
+    /// for bit what a decode step gives it; or `none` (MLX's operations only). On a GPU shared
+    /// through MPS the kernels with grid-wide barriers give way to the product kernels.
+    #[arg(long, value_enum, default_value = "default")]
+    fused_kernels: FusedKernelsArg,
     /// A forward whose result the host reads at once (a verify window) goes
     /// to the device every N layers as the host builds it, so that the device starts on the
     /// first layers while the host builds the rest; 0 hands it over whole. Default: 3 on a
@@ -242,98 +199,25 @@ impl SamplerArg {
     }
 }
 
-/// `--fused-kernels`' default, also that of config-driven runs (`mlx-spec run`).
-const DEFAULT_FUSED_KERNELS: &str =
-    "attention,products,post-attention,affine4,affine4-heads,affine4-products,output-head,window";
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum KernelVariantArg {
-    NarrowAttentionRounds,
-    HeadsFinishedTogether,
-    HeadsInWaves,
-    WindowHeadsTogether,
-    IntegerDots,
-    RowsTouchedFirst,
-    StepIntsOnDevice,
-    StepIntsAcrossTheBus,
-    WeightsAsStandIns,
-    PerLayerRowsLate,
-    BufferSizedAttentionShares,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum FusedKernelArg {
-    Attention,
-    Products,
-    /// Everything of a layer after its attention heads as one kernel, over dense weights.
-    PostAttention,
-    /// Everything of a layer after its attention heads as one kernel, over 4-bit weights.
-    Affine4,
-    /// The attention-heads kernel over 4-bit projection weights.
-    Affine4Heads,
-    /// The product kernels over 4-bit weights.
-    Affine4Products,
-    /// The final norm, the output head and the soft-cap of a decode token as one kernel.
-    OutputHead,
-    /// A layer's per-layer-input block (gate and projection) as one kernel (its grid-wide
-    /// barrier needs all its blocks resident: not for a GPU shared with other processes).
-    PerLayerInput,
-    /// Everything of a layer after its attention heads as one kernel for a window of 2-8
-    /// tokens (a verify window), over dense weights; each token's result equals the
-    /// single-token kernels'.
-    Window,
+/// `--fused-kernels`: the default set (also that of config-driven runs, `mlx-spec run`) or
+/// none.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum FusedKernelsArg {
+    Default,
     None,
-}
-
-/// [`DEFAULT_FUSED_KERNELS`] as values.
-fn default_fused_kernels() -> Vec<FusedKernelArg> {
-    DEFAULT_FUSED_KERNELS
-        .split(',')
-        .filter_map(|name| FusedKernelArg::from_str(name, false).ok())
-        .collect()
 }
 
 impl ModelArgs {
     fn fused(&self) -> mlx_spec::kernels::Fused {
-        mlx_spec::kernels::Fused {
-            attention: self.fused_kernels.contains(&FusedKernelArg::Attention),
-            products: self.fused_kernels.contains(&FusedKernelArg::Products),
-            post_attention: self.fused_kernels.contains(&FusedKernelArg::PostAttention),
-            affine4: self.fused_kernels.contains(&FusedKernelArg::Affine4),
-            affine4_heads: self.fused_kernels.contains(&FusedKernelArg::Affine4Heads),
-            affine4_products: self
-                .fused_kernels
-                .contains(&FusedKernelArg::Affine4Products),
-            output_head: self.fused_kernels.contains(&FusedKernelArg::OutputHead),
-            per_layer_input: self.fused_kernels.contains(&FusedKernelArg::PerLayerInput),
-            window: self.fused_kernels.contains(&FusedKernelArg::Window),
+        match self.fused_kernels {
+            FusedKernelsArg::Default => mlx_spec::kernels::Fused::every(),
+            FusedKernelsArg::None => mlx_spec::kernels::Fused::default(),
         }
     }
 
-    /// Puts `--fused-kernels` and `--kernel-variants` in force for the process.
+    /// Puts `--fused-kernels` in force for the process.
     fn allow_fused_kernels(&self) {
         mlx_spec::kernels::set_allowed(self.fused());
-        let variants = &self.kernel_variants;
-        let tuning = mlx_spec::kernels::Tuning {
-            attention_wide_rounds: !variants.contains(&KernelVariantArg::NarrowAttentionRounds),
-            heads_finished_apart: !variants.contains(&KernelVariantArg::HeadsFinishedTogether),
-            heads_in_one_wave: !variants.contains(&KernelVariantArg::HeadsInWaves),
-            window_heads_apart: !variants.contains(&KernelVariantArg::WindowHeadsTogether),
-            affine4_integer_dots: variants.contains(&KernelVariantArg::IntegerDots),
-            rows_touched_first: variants.contains(&KernelVariantArg::RowsTouchedFirst),
-            step_ints_on_device: variants.contains(&KernelVariantArg::StepIntsOnDevice),
-            step_ints_from_heads: !variants.contains(&KernelVariantArg::StepIntsAcrossTheBus),
-            unread_stand_ins: !variants.contains(&KernelVariantArg::WeightsAsStandIns),
-            per_layer_rows_early: !variants.contains(&KernelVariantArg::PerLayerRowsLate),
-            aligned_attention_shares: !variants
-                .contains(&KernelVariantArg::BufferSizedAttentionShares),
-            ..mlx_spec::kernels::Tuning::current()
-        };
-        // Only the row count per warp and the loads in flight can be refused, and these keep
-        // their current, valid values.
-        if let Err(e) = tuning.apply() {
-            tracing::warn!("kernel variants not applied: {e}");
-        }
     }
 }
 
@@ -423,18 +307,10 @@ struct BenchArgs {
     /// verify cost curve: how many drafted tokens a verify window absorbs nearly for free).
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
-    /// Also compare pipelined decode with each set of fused CUDA kernels (none, attention,
-    /// products, both, with post-attention; on a 4-bit model, each set of 4-bit kernels) and
-    /// variants (decode attention in 32-slot shares, the post-attention kernel with row pairs,
-    /// 4-bit values unpacked in place), alternating between them round by round in this
-    /// process; fails if the post-attention kernel changes the greedy tokens of its twin.
+    /// Also compare pipelined decode with the default set of fused CUDA kernels and with none,
+    /// alternating between them round by round in this process.
     #[arg(long)]
     compare_fused: bool,
-    /// With `--compare-fused`: measure only the set of this name (as the report names it;
-    /// repeat the option for several). `none`, from which the logit gaps are measured, always
-    /// runs; a set whose twin is not listed is not checked against it.
-    #[arg(long = "compare-set", value_name = "NAME", requires = "compare_fused")]
-    compare_sets: Vec<String>,
     /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
     /// the CPU, with the same weights in one process, and fail unless the tokens agree (use
     /// `--dtype f32`, and `MLX_ENABLE_TF32=0` on CUDA).
@@ -458,10 +334,9 @@ struct BenchArgs {
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost"])]
     feed_forward_speed: bool,
     /// Instead of a model: check fused CUDA kernels on random bf16 data. Decode attention
-    /// against MLX's operations in float32 (heads of 256 and 512, buffers of 40 to 4 096 slots,
-    /// a warp's whole share of slots at once and four at a time; fails beyond 1e-2); the
-    /// feed-forward products over 4-bit rows with integer dots against float unpacking (fails
-    /// beyond 1/64 of the largest output).
+    /// against MLX's operations in float32 (heads of 256 and 512, buffers of 40 to 4 096 slots;
+    /// fails beyond 1e-2); the window post-attention kernel against the single-token one
+    /// (fails on any difference).
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed"])]
     check_kernels: bool,
     /// Also decode greedily this many times from fresh caches and report whether the logits
@@ -478,7 +353,8 @@ struct BenchArgs {
     #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability"])]
     stage_times: bool,
     /// Instead of the decode measurements: write the full CUDA source of every fused kernel a
-    /// decode step of this model calls, with each kernel set and each variant, into this folder
+    /// decode step and verify window of this model calls, with the default kernels (and the
+    /// product and attention-input kernels that serve the layers they do not), into this folder
     /// as MLX 0.32 would compile it (`<kernel>-<hash>.cu`, listed in `kernels.tsv` with block
     /// and grid sizes). Runs on the CPU: the calls are recorded, not run.
     /// `bench/gpu/compile_check.py` then compiles them with NVRTC for sm_90a, with no GPU.
@@ -814,8 +690,7 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             weights_seed: 0,
             random_bits: None,
             random_group_size: 64,
-            fused_kernels: default_fused_kernels(),
-            kernel_variants: Vec::new(),
+            fused_kernels: FusedKernelsArg::Default,
             handoff_layers: cfg.model.handoff_layers,
             sampler: match s.drawn_on {
                 DrawnOn::Auto => SamplerArg::Auto,
@@ -922,44 +797,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn config_driven_runs_take_every_default_fused_kernel() {
-        let defaults = default_fused_kernels();
-        assert_eq!(
-            defaults.len(),
-            DEFAULT_FUSED_KERNELS.split(',').count(),
-            "every default name parses"
-        );
-        assert!(defaults.contains(&FusedKernelArg::OutputHead));
-        // The command line's default is the same list.
+    fn config_driven_runs_take_the_default_fused_kernels() {
+        // The command line's default is the default set, as for config-driven runs.
         let cli = Cli::try_parse_from(["mlx-spec", "generate", "--prompt", "x"]).unwrap();
         let Command::Generate(args) = cli.command else {
             panic!("parsed another command")
         };
-        assert!(args.model.fused_kernels == defaults);
-        assert!(args.model.kernel_variants.is_empty());
+        assert_eq!(args.model.fused_kernels, FusedKernelsArg::Default);
         // And the library's own default, which runs until a command sets it.
         assert_eq!(args.model.fused(), mlx_spec::kernels::Fused::allowed());
     }
 
     #[test]
-    fn kernel_variants_parse_as_a_list_and_refuse_unknown_names() {
-        let cli = Cli::try_parse_from([
-            "mlx-spec",
-            "bench",
-            "--kernel-variants",
-            "integer-dots,heads-finished-together",
-        ])
-        .unwrap();
-        let Command::Bench(args) = cli.command else {
-            panic!("parsed another command")
+    fn fused_kernels_are_the_default_set_or_none() {
+        let parse = |value: &str| {
+            Cli::try_parse_from(["mlx-spec", "bench", "--fused-kernels", value]).map(|cli| {
+                let Command::Bench(args) = cli.command else {
+                    panic!("parsed another command")
+                };
+                args.model.fused()
+            })
         };
+        assert_eq!(parse("none").unwrap(), mlx_spec::kernels::Fused::default());
+        assert_eq!(parse("default").unwrap(), mlx_spec::kernels::Fused::every());
+        // Sets of single kernels and the removed variants are refused.
+        assert!(parse("attention,products").is_err());
+        assert!(parse("per-layer-input").is_err());
         assert!(
-            args.model.kernel_variants
-                == [
-                    KernelVariantArg::IntegerDots,
-                    KernelVariantArg::HeadsFinishedTogether
-                ]
+            Cli::try_parse_from(["mlx-spec", "bench", "--kernel-variants", "integer-dots"])
+                .is_err()
         );
-        assert!(Cli::try_parse_from(["mlx-spec", "bench", "--kernel-variants", "faster"]).is_err());
     }
 }

@@ -20,16 +20,13 @@
 //! (row-contiguous, as the cache allocates them), checked before the call.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::affine4::HEADER as AFFINE4_HEADER;
 use super::post_attention::Weight;
-use super::products::{
-    integer_dots_for, rows_touched_first, HEADER as PRODUCTS_HEADER, THREADS, WARPS,
-};
+use super::products::{HEADER as PRODUCTS_HEADER, THREADS, WARPS};
 use super::{step_ints, PerEpsilon, TemplateArg};
 
 /// The head step of the attention-heads kernels, one token's head at a time (after the
@@ -214,8 +211,8 @@ const SOURCE: &str = r#"
   if (threadIdx.x == 0) done[group] = 0u;
 "#;
 
-/// The kernel's inputs (also [`super::window_attention_heads`]'s); with
-/// [`set_step_ints_from_heads`] also `visible`.
+/// The kernel's inputs (also [`super::window_attention_heads`]'s); the attention-heads
+/// kernel also takes `visible`.
 pub(crate) const INPUTS: [&str; 19] = [
     "x",
     "nw",
@@ -238,23 +235,17 @@ pub(crate) const INPUTS: [&str; 19] = [
     "wv_b",
 ];
 
-/// The kernel's header: the products' and 4-bit helpers, and whether the step's integers are
-/// handed on in device memory (the default kernel has neither the extra input nor the extra
-/// output, so it allocates nothing more per call).
-fn header(step_ints_from_heads: bool) -> &'static str {
+/// The kernel's header: the products' and 4-bit helpers, and the step's integers handed on
+/// in device memory (the kernel's `STEP_INTS_FROM_HEADS`; reading them across the bus was
+/// measured slower and removed).
+fn header() -> &'static str {
     Box::leak(
-        format!(
-            "#define STEP_INTS_FROM_HEADS {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{FINISH_HEAD}",
-            step_ints_from_heads as i32
-        )
-        .into_boxed_str(),
+        format!("#define STEP_INTS_FROM_HEADS 1\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{FINISH_HEAD}")
+            .into_boxed_str(),
     )
 }
 
 thread_local! {
-    static KERNELS: RefCell<PerEpsilon> = RefCell::new(
-        PerEpsilon::new("attention_heads", &INPUTS, &["q", "raw"], SOURCE).with_header(header(false)),
-    );
     // Its own name: MLX finds compiled kernels by name and template arguments.
     static KERNELS_STEP_INTS_FROM_HEADS: RefCell<PerEpsilon> = RefCell::new(
         PerEpsilon::new(
@@ -263,54 +254,22 @@ thread_local! {
             &["q", "raw", "step_copy"],
             SOURCE,
         )
-        .with_header(header(true)),
+        .with_header(header()),
     );
 }
-
-static HEADS_FINISHED_APART: AtomicBool = AtomicBool::new(true);
-
-/// Sets whether each head is finished (normed, rotated, written to the cache) by the last of
-/// the blocks that made its rows, as soon as they are done, rather than all heads by the last
-/// block of the call, two rounds of a block's eight warps for E4B's twelve. Needs a counter per
-/// head whose rows the kernel makes at the call site ([`super::products::new_counters`] of
-/// queries + 2 x KV heads); the values are the same either way. On by default: on the H200 it
-/// was ahead by 3.9-4.0 % on the 12B (two leases) and by 1.6 % on E4B, dense and 4-bit, in one
-/// process (BENCHMARKS.md); `--kernel-variants heads-finished-together` turns it off.
-pub fn set_heads_finished_apart(apart: bool) {
-    HEADS_FINISHED_APART.store(apart, Ordering::Relaxed);
-}
-
-/// The current [`set_heads_finished_apart`] setting.
-pub fn heads_finished_apart() -> bool {
-    HEADS_FINISHED_APART.load(Ordering::Relaxed)
-}
-
-static HEADS_IN_ONE_WAVE: AtomicBool = AtomicBool::new(true);
 
 /// Blocks of the kernel a multiprocessor holds at least, as NVRTC compiles it for the H200:
 /// 34-62 registers a thread in every shape of E4B and 12B, dense and 4-bit
 /// (`bench/gpu/compile_check.sh`), so four to six blocks of 256 threads.
 pub(crate) const RESIDENT_BLOCKS_PER_MULTIPROCESSOR: i32 = 4;
 
-/// Sets whether a block makes several rounds of eight rows where a row a warp would take more
-/// blocks than the device holds at once. The 12B's q/k/v rows (8 192, 8 704 on full-attention
-/// layers) need 1 024 and 1 088 blocks of eight warps, two and three waves of the 528 an H200
-/// holds: each wave stages the input again, and the last one runs nearly alone. Changes no
-/// value: each row is the same warp-sized sum, only made by another warp. On by default: with
-/// the heads finished apart, 136.6 against 133.6 tok/s on the 12B, and a tie on E4B, in one
-/// H200 process (BENCHMARKS.md); `--kernel-variants heads-in-waves` turns it off.
-pub fn set_heads_in_one_wave(on: bool) {
-    HEADS_IN_ONE_WAVE.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_heads_in_one_wave`] setting.
-pub fn heads_in_one_wave() -> bool {
-    HEADS_IN_ONE_WAVE.load(Ordering::Relaxed)
-}
-
 /// Rounds of eight rows each block makes, for `rows` rows in heads of `d`: 1, or with
-/// `one_wave` ([`set_heads_in_one_wave`]) the fewest of 1, 2, 4 that fit the grid in `resident` blocks
-/// while a block's rows stay within one head.
+/// `one_wave` the fewest of 1, 2, 4 that fit the grid in `resident` blocks while a block's
+/// rows stay within one head. The 12B's q/k/v rows (8 192, 8 704 on full-attention layers)
+/// need 1 024 and 1 088 blocks of eight warps, two and three waves of the 528 an H200 holds:
+/// each wave would stage the input again, and the last one run nearly alone. Changes no value:
+/// each row is the same warp-sized sum, only made by another warp (one row a warp in waves
+/// was measured slower and removed; BENCHMARKS.md).
 pub(crate) fn rows_per_warp(one_wave: bool, rows: i32, d: i32, resident: i32) -> i32 {
     let mut rpw = 1;
     if one_wave {
@@ -328,26 +287,6 @@ pub(crate) fn rows_per_warp(one_wave: bool, rows: i32, d: i32, resident: i32) ->
 pub(crate) fn resident_blocks(per_multiprocessor: i32) -> i32 {
     // Off CUDA the kernels do not run; an H200's 132 multiprocessors stand in.
     crate::device::cuda_multiprocessor_count().unwrap_or(132) * per_multiprocessor
-}
-
-static STEP_INTS_FROM_HEADS: AtomicBool = AtomicBool::new(true);
-
-/// Sets whether the step's integers (position, cache slot, visible slots), which the host
-/// writes into host-visible memory, cross the bus once per call, requested early by one
-/// thread of the first block of each group of blocks, and reach the block that finishes the
-/// heads, and decode attention ([`AttentionHeads::step_copy`]), in device memory; rather than
-/// being read across the bus by the finishing block, after the products, and by every block
-/// of decode attention. Changes no value, and adds no operation (the copy is an output of
-/// this kernel). On by default: on the H200 it was ahead of reading them across the bus by
-/// 2.7 % (bf16) and 6.3 % (4-bit) in one process (BENCHMARKS.md); `--kernel-variants
-/// step-ints-across-the-bus` turns it off.
-pub fn set_step_ints_from_heads(on: bool) {
-    STEP_INTS_FROM_HEADS.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_step_ints_from_heads`] setting.
-pub fn step_ints_from_heads() -> bool {
-    STEP_INTS_FROM_HEADS.load(Ordering::Relaxed)
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole
@@ -429,18 +368,24 @@ pub struct HeadShape {
 pub struct AttentionHeads {
     /// The query heads, `[1, heads, 1, D]`.
     pub q: Array,
-    /// With [`set_step_ints_from_heads`]: the visible slots the call was given, as two int32
-    /// values in device memory at its start (what decode attention takes as its range).
+    /// The visible slots the call was given, as two int32 values in device memory at its
+    /// start (what decode attention takes as its range): the step's integers (position, cache
+    /// slot, visible slots), which the host writes into host-visible memory, cross the bus
+    /// once per call, requested early by one thread of the first block of each group of
+    /// blocks, and reach the block that finishes the heads, and decode attention, in device
+    /// memory (reading them across the bus was measured slower and removed; BENCHMARKS.md).
     pub step_copy: Option<Array>,
 }
 
 /// The query heads `[1, heads, 1, D]` of the token `x` (`[1, hidden]`) at `position`, its
 /// key and value written into `cache` on a KV-owning layer; `visible` is the range of slots
-/// the query will attend to (handed on in device memory with [`set_step_ints_from_heads`]).
+/// the query will attend to (handed on in device memory, [`AttentionHeads::step_copy`]).
 /// `counter` comes from
 /// [`super::products::new_counters`], one per head whose rows the kernel makes (or
 /// [`super::products::new_counter`], then heads are not finished apart),
-/// one per call site. Check [`serves`] and
+/// one per call site. Each head is finished (normed, rotated, written to the cache) by the
+/// last of the blocks that made its rows, as soon as they are done, where the counters allow
+/// (all heads by the last block of the call was measured slower and removed; BENCHMARKS.md). Check [`serves`] and
 /// [`super::products::serves_token`] first.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_heads(
@@ -467,9 +412,6 @@ pub fn attention_heads(
         Some((wk, wv, k_norm)) => (wk, wv.unwrap_or(wk), k_norm, wv.is_none()),
         // A sharing layer has no key or value weights: a dense stand-in the kernel never
         // reads (it makes no key or value rows), 4 bytes for MLX's per-graph input count.
-        None if !super::post_attention::unread_stand_ins() => {
-            (weights.q, weights.q, weights.q_norm, false)
-        }
         None => {
             let unread = Weight::Dense(super::post_attention::unread_input(dtype));
             (unread, unread, weights.q_norm, false)
@@ -501,7 +443,6 @@ pub fn attention_heads(
             (c.keys, c.values, [c.slot as i32, capacity])
         }
         // A sharing layer writes nothing: a one-element array stands in for the unused buffers.
-        None if !super::post_attention::unread_stand_ins() => (x, x, [0, 0]),
         None => {
             let unread = super::post_attention::unread_input(dtype);
             (unread, unread, [0, 0])
@@ -509,28 +450,26 @@ pub fn attention_heads(
     };
     let slot = step_ints(&slot_values)?;
     let rows = shape.heads * d + nkv * d * if k_eq_v { 1 } else { 2 };
-    // A counter per head whose rows the kernel makes (set_heads_finished_apart), where the
-    // call site has that many and a block's rows lie in one head.
+    // A counter per head whose rows the kernel makes, where the call site has that many and a
+    // block's rows lie in one head.
     let row_heads = rows / d;
     let rpw = rows_per_warp(
-        heads_in_one_wave(),
+        true,
         rows,
         d,
         resident_blocks(RESIDENT_BLOCKS_PER_MULTIPROCESSOR),
     );
-    let per_head = heads_finished_apart()
-        && d % (WARPS * rpw) == 0
+    let per_head = d % (WARPS * rpw) == 0
         && counter.size() >= row_heads as usize
         && counter.dtype() == Dtype::Uint32;
-    let early = step_ints_from_heads();
     let position_values = [position as i32];
     let visible_values = [visible.start as i32, visible.end as i32];
     let position = step_ints(&position_values)?;
-    let visible = early.then(|| step_ints(&visible_values)).transpose()?;
+    let visible = step_ints(&visible_values)?;
     let [wq, wq_s, wq_b] = weights.q.inputs();
     let [wk, wk_s, wk_b] = wk.inputs();
     let [wv, wv_s, wv_b] = wv.inputs();
-    let mut inputs = vec![
+    let inputs = [
         x,
         input_norm,
         wq,
@@ -550,22 +489,18 @@ pub fn attention_heads(
         wk_b,
         wv_s,
         wv_b,
+        &visible,
     ];
-    inputs.extend(visible.as_ref());
     let (q_shape, raw_shape) = ([1, shape.heads, 1, d], [rows.max(1)]);
     // The visible range, then position, slot and capacity for each group of blocks (one, or
     // one per head whose rows the kernel makes).
     let copy_shape = [4 + 4 * row_heads.max(1)];
-    let mut outputs = vec![(&q_shape[..], dtype), (&raw_shape[..], dtype)];
-    if early {
-        outputs.push((&copy_shape[..], Dtype::Int32));
-    }
-    let kernels = if early {
-        &KERNELS_STEP_INTS_FROM_HEADS
-    } else {
-        &KERNELS
-    };
-    kernels.with(|cell| {
+    let outputs = [
+        (&q_shape[..], dtype),
+        (&raw_shape[..], dtype),
+        (&copy_shape[..], Dtype::Int32),
+    ];
+    KERNELS_STEP_INTS_FROM_HEADS.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
         let mut out = kernel.apply(
@@ -584,14 +519,11 @@ pub fn attention_heads(
                 (c"G", TemplateArg::Int(group)),
                 (c"PER_HEAD", TemplateArg::Bool(per_head)),
                 (c"RPW", TemplateArg::Int(rpw)),
-                (c"TOUCH", TemplateArg::Bool(rows_touched_first())),
-                (
-                    c"INT_DOTS",
-                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
-                ),
+                (c"TOUCH", TemplateArg::Bool(false)),
+                (c"INT_DOTS", TemplateArg::Bool(false)),
             ],
         )?;
-        let step_copy = if early { out.pop() } else { None };
+        let step_copy = out.pop();
         Ok(AttentionHeads {
             q: out.swap_remove(0),
             step_copy,

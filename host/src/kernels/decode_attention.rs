@@ -6,7 +6,7 @@
 //! The slots of each query head are split over several blocks of eight warps, about 128 slots
 //! a block (a decode step has few heads, and one block per head leaves most of the device
 //! idle). A warp takes its share of the block's slots at once (up to 16 slots for a head of
-//! 256 in half precision, 8 for 512; the first version took four, [`set_wide_rounds`]), each
+//! 256 in half precision, 8 for 512; the first version took four), each
 //! lane loading 16 bytes of a row at a time. Two paths:
 //! * a share of one round of the block's warps (the default 128-slot share of a head of 256)
 //!   requests all its key and value rows at once, together with the visible range
@@ -24,7 +24,6 @@
 //! MLX's product rounds them; the softmax and the weighted sum run in float32.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
@@ -274,70 +273,32 @@ const SOURCE: &str = r#"
 const WARPS: i32 = 8;
 /// Slots one block scores at most (its shared score buffer).
 const MAX_CHUNK: usize = 1024;
-/// Slots a block takes when there are enough of them, by default ([`set_share_slots`]
-/// changes it, for comparison).
+/// Slots a block takes when there are enough of them.
 pub const DEFAULT_SHARE_SLOTS: usize = 128;
 // A compacted cache keeps each slot modulo the share size (see `SLOT_ALIGNMENT`).
 const _: () = assert!(DEFAULT_SHARE_SLOTS == crate::model::gemma4::cache::SLOT_ALIGNMENT);
 
-/// The largest share that takes the one-round path in half precision: eight warps at four
-/// slots each.
-pub const ONE_ROUND_SHARE_SLOTS: usize = 32;
-
-static SHARE_SLOTS: AtomicUsize = AtomicUsize::new(DEFAULT_SHARE_SLOTS);
-
-/// Sets the slots a block takes (rounded to a power of two, at least 1) for the rest of the
-/// process; `bench --compare-fused` measures the default against [`ONE_ROUND_SHARE_SLOTS`].
-pub fn set_share_slots(slots: usize) {
-    SHARE_SLOTS.store(slots.max(1).next_power_of_two(), Ordering::Relaxed);
-}
-
-/// The current [`set_share_slots`] setting.
-pub fn share_slots() -> usize {
-    SHARE_SLOTS.load(Ordering::Relaxed)
-}
-static WIDE_ROUNDS: AtomicBool = AtomicBool::new(true);
-
 /// Whether a warp takes its whole share of a block's slots at once (up to 16 slots of a head
 /// of 256, 8 of 512), so that a block's default share is one trip to memory, rather than four
-/// slots at a time (the first version; `bench --compare-fused` measures both). Only where the
-/// float32 sums round moves.
-pub fn set_wide_rounds(wide: bool) {
-    WIDE_ROUNDS.store(wide, Ordering::Relaxed);
-}
-
-/// The current [`set_wide_rounds`] setting.
-pub fn wide_rounds() -> bool {
-    WIDE_ROUNDS.load(Ordering::Relaxed)
-}
+/// slots at a time (the first version, measured slower and removed; the kernel's `WIDE`).
+const WIDE_ROUNDS: bool = true;
 
 /// At most this many blocks per head.
 const MAX_SPLITS: usize = 64;
 
-static ALIGNED_SHARES: AtomicBool = AtomicBool::new(true);
-
-/// Sets whether a head's slots are split into shares of a fixed size at fixed slots
-/// ([`share_slots`], larger only past 64 shares), rather than into a power of two of shares
-/// sized by the buffer. With the cache keeping each position's slot modulo that size when it
-/// compacts ([`crate::model::gemma4::cache`]), a query's slots then fall into the same shares
-/// whatever the buffer's capacity, so a verify window's queries sum exactly as the decode
-/// steps of the same positions sum, even when the window made the buffer grow or compact at
-/// another position. The default since it was measured on an H200 (BENCHMARKS.md: the same
-/// fixtures' tokens, no slower); `--kernel-variants buffer-sized-attention-shares` restores the
-/// first way, which rounds otherwise.
-pub fn set_aligned_shares(on: bool) {
-    ALIGNED_SHARES.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_aligned_shares`] setting.
-pub fn aligned_shares() -> bool {
-    ALIGNED_SHARES.load(Ordering::Relaxed)
-}
-
-/// With [`set_aligned_shares`]: slots a share takes for a buffer of `slots` (a power of two, at
-/// least [`share_slots`], enough for at most [`MAX_SPLITS`] shares), and how many shares.
+/// A head's slots are split into shares of a fixed size at fixed slots
+/// ([`DEFAULT_SHARE_SLOTS`], larger only past 64 shares), rather than into a power of two of
+/// shares sized by the buffer (the first way, removed). With the cache keeping each position's
+/// slot modulo that size when it compacts ([`crate::model::gemma4::cache`]), a query's slots
+/// then fall into the same shares whatever the buffer's capacity, so a verify window's queries
+/// sum exactly as the decode steps of the same positions sum, even when the window made the
+/// buffer grow or compact at another position (BENCHMARKS.md: the same fixtures' tokens, no
+/// slower than the first way).
+///
+/// Slots a share takes for a buffer of `slots` (a power of two, at least
+/// [`DEFAULT_SHARE_SLOTS`], enough for at most [`MAX_SPLITS`] shares), and how many shares.
 fn aligned_split(slots: usize) -> (usize, usize) {
-    aligned_split_of(slots, share_slots())
+    aligned_split_of(slots, DEFAULT_SHARE_SLOTS)
 }
 
 /// [`aligned_split`] for shares of at least `share` slots.
@@ -351,7 +312,7 @@ thread_local! {
 }
 
 /// How many blocks split the slots of one head: a power of two (few compiled variants as a
-/// buffer grows) giving each about [`DEFAULT_SHARE_SLOTS`] slots ([`set_share_slots`]); `None` when the kernel does not
+/// buffer grows) giving each about [`DEFAULT_SHARE_SLOTS`] slots; `None` when the kernel does not
 /// serve the shape: rows must split into 16-byte loads over a warp (`head_dim` a multiple of
 /// 256 in half precision, 128 in float32: Gemma 4's 256 and 512), and a block's share must
 /// fit its score buffer.
@@ -364,18 +325,8 @@ pub fn splits_for(slots: usize, head_dim: usize, dtype: Dtype) -> Option<usize> 
     if head_dim == 0 || (head_dim * element) % (32 * 16) != 0 || slots == 0 {
         return None;
     }
-    if aligned_shares() {
-        let (chunk, splits) = aligned_split(slots);
-        return (chunk <= MAX_CHUNK).then_some(splits);
-    }
-    buffer_sized_splits(slots, share_slots())
-}
-
-/// Without [`set_aligned_shares`]: a power of two of shares of about `share` slots each,
-/// sized by the buffer's `slots`; `None` where a share would not fit a block's score buffer.
-fn buffer_sized_splits(slots: usize, share: usize) -> Option<usize> {
-    let splits = (slots.next_power_of_two() / share).clamp(1, MAX_SPLITS);
-    (slots.div_ceil(splits) <= MAX_CHUNK).then_some(splits)
+    let (chunk, splits) = aligned_split(slots);
+    (chunk <= MAX_CHUNK).then_some(splits)
 }
 
 /// `q`: `[1, heads, 1, D]`; `keys`, `values`: `[1, kv_heads, slots, D]`; `visible`: the
@@ -497,11 +448,7 @@ fn launch(
     let heads = q.shape()[1];
     let d = q.shape()[q.ndim() - 1];
     let (kv_heads, slots) = (keys.shape()[1], keys.shape()[2]);
-    let fixed_chunk = if aligned_shares() {
-        aligned_split(slots as usize).0 as i32
-    } else {
-        0
-    };
+    let fixed_chunk = aligned_split(slots as usize).0 as i32;
     let splits = splits as i32;
     KERNEL.with(|cell| {
         let mut slot = cell.borrow_mut();
@@ -532,7 +479,7 @@ fn launch(
                 (c"SPLITS", TemplateArg::Int(splits)),
                 (c"SLOTS", TemplateArg::Int(slots)),
                 (c"MAX_CHUNK", TemplateArg::Int(MAX_CHUNK as i32)),
-                (c"WIDE", TemplateArg::Bool(wide_rounds())),
+                (c"WIDE", TemplateArg::Bool(WIDE_ROUNDS)),
                 (c"SLIDE", TemplateArg::Int(slide)),
                 (c"FIXED_CHUNK", TemplateArg::Int(fixed_chunk)),
             ],
@@ -590,12 +537,6 @@ mod tests {
         // slots the MLX operations take over.
         assert_eq!(splits_for(40_000, 256, Dtype::Bfloat16), Some(40));
         assert_eq!(splits_for(70_000, 256, Dtype::Bfloat16), None);
-        // Shares sized by the buffer (`--kernel-variants buffer-sized-attention-shares`):
-        // about 128 slots a block, in powers of two.
-        assert_eq!(buffer_sized_splits(600, 128), Some(8));
-        assert_eq!(buffer_sized_splits(4096, 128), Some(32));
-        assert_eq!(buffer_sized_splits(40_000, 128), Some(64));
-        assert_eq!(buffer_sized_splits(70_000, 128), None);
         // Rows that do not split into 16-byte loads over a warp.
         assert_eq!(splits_for(100, 64, Dtype::Bfloat16), None);
         assert_eq!(splits_for(100, 128, Dtype::Float32), Some(1));

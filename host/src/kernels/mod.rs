@@ -15,8 +15,6 @@
 //!   slots (scores, mask, softmax, weighted sum, the merge of the blocks' shares);
 //! * [`output_head`]: the final norm, the output head's product and the logit soft-cap of a
 //!   decode token (`output-head`);
-//! * [`per_layer_input`]: a layer's per-layer-input block (gate, projection, norm, residual
-//!   and layer scalar) as one kernel with one grid-wide barrier (`per-layer-input`);
 //! * [`window_post_attention`]: the same for a window of 2-8 tokens (a verify window, a short
 //!   prompt), each weight row read once for all of them, each token's result equal to the
 //!   single-token kernel's (`window`; dense or 4-bit weights, as are the window kernels of
@@ -25,7 +23,7 @@
 //!   the feed-forward and per-layer-input blocks) as one kernel with grid-wide barriers, over
 //!   dense weights (`post-attention`) or 4-bit ones (`affine4`); the default for both, as it
 //!   keeps its rate on hosts too slow for the five launches of [`products`] it replaces
-//!   (which remain for layers it does not serve, and `--fused-kernels` without it).
+//!   (which remain for layers it does not serve).
 //!
 //! An E4B decode step is about 140 operations with the default set. Their source text reaches MLX as
 //! `#include` lines of files ([`source_files`]), because MLX handles a custom kernel's whole
@@ -35,7 +33,7 @@
 //! dtype at the same places, so a CUDA step matches the CPU one (checked by `bench/gpu/run.sh`:
 //! greedy tokens of every fixture against transformers, and the E4B shape against the CPU).
 //! They run only where MLX's default device is a CUDA GPU; the CPU and Metal use the plain
-//! operations. `--fused-kernels` chooses which run, for comparison.
+//! operations. `--fused-kernels none` runs none of them, for comparison.
 
 pub mod affine4;
 pub mod attention_heads;
@@ -44,7 +42,6 @@ pub mod decode_attention;
 mod decode_path;
 pub mod kernel_cache;
 pub mod output_head;
-pub mod per_layer_input;
 pub mod post_attention;
 pub mod products;
 pub mod source_files;
@@ -63,7 +60,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
-// What `--fused-kernels` allows; until it is set, its default set.
+// What `--fused-kernels` allows; until it is set, the default set.
 static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
 static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
@@ -71,7 +68,6 @@ static AFFINE4_ALLOWED: AtomicBool = AtomicBool::new(true);
 static AFFINE4_HEADS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static AFFINE4_PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
 static OUTPUT_HEAD_ALLOWED: AtomicBool = AtomicBool::new(true);
-static PER_LAYER_INPUT_ALLOWED: AtomicBool = AtomicBool::new(false);
 static WINDOW_ALLOWED: AtomicBool = AtomicBool::new(true);
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -95,9 +91,6 @@ pub struct Fused {
     /// [`output_head`] for single-token steps: the final norm, the head's product (dense or
     /// 4-bit) and the soft-cap as one kernel.
     pub output_head: bool,
-    /// [`per_layer_input`] for single-token steps: a layer's per-layer-input block (gate and
-    /// projection, dense or 4-bit) as one kernel, in place of two [`products`] kernels.
-    pub per_layer_input: bool,
     /// The window kernels ([`window_attention_heads`], [`window_post_attention`],
     /// [`window_output_head`]) for windows of 2-8 tokens over dense or 4-bit weights, in place
     /// of MLX's operations.
@@ -117,7 +110,7 @@ impl Fused {
         Fused::allowed()
     }
 
-    /// Every kernel allowed.
+    /// Every kernel allowed: the default set.
     pub fn every() -> Fused {
         Fused {
             attention: true,
@@ -127,7 +120,6 @@ impl Fused {
             affine4_heads: true,
             affine4_products: true,
             output_head: true,
-            per_layer_input: true,
             window: true,
         }
     }
@@ -143,7 +135,6 @@ impl Fused {
             affine4_heads: AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed),
             affine4_products: AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed),
             output_head: OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed),
-            per_layer_input: PER_LAYER_INPUT_ALLOWED.load(Ordering::Relaxed),
             window: WINDOW_ALLOWED.load(Ordering::Relaxed),
         }
     }
@@ -151,166 +142,31 @@ impl Fused {
 
 thread_local! {
     // The small integer arrays of the current step (see `step_ints`), newest last.
-    // Entries: whether the array was copied to device memory, the values, the array.
-    static STEP_INTS: RefCell<Vec<(bool, Vec<i32>, Array)>> = const { RefCell::new(Vec::new()) };
+    // Entries: the values, the array.
+    static STEP_INTS: RefCell<Vec<(Vec<i32>, Array)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// How many distinct [`step_ints`] arrays are kept: a step asks for about five (its position,
 /// and a cache slot and a visible range per kind of layer).
 const STEP_INTS_KEPT: usize = 8;
 
-static STEP_INTS_ON_DEVICE: AtomicBool = AtomicBool::new(false);
-
-/// Sets whether [`step_ints`] arrays are copied to device memory by one operation each (five
-/// a step), rather than read by the kernels from host-visible memory across the bus. That was
-/// slower when a step was bound by the host (2026-11-30); now that the device is the bound,
-/// the bus crossings on the kernels' paths (decode attention's visible range in every block,
-/// the attention heads' position in the last) may cost more than the operations. Changes no
-/// value.
-pub fn set_step_ints_on_device(on: bool) {
-    STEP_INTS_ON_DEVICE.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_step_ints_on_device`] setting.
-pub fn step_ints_on_device() -> bool {
-    STEP_INTS_ON_DEVICE.load(Ordering::Relaxed)
-}
-
 /// An int32 array holding `values` (a step's position, a cache slot, a slot range), made once
 /// and shared by every layer of the step that asks for the same values: one array per step
 /// instead of one per layer. Made from host data, so MLX keeps it in host-visible memory
-/// (kernels read such arrays once per block at most, and early), unless
-/// [`set_step_ints_on_device`] has it copied, padded to 16 bytes (MLX keeps anything of 8
-/// bytes or less in host-visible memory), by one lazy operation of the step.
+/// (kernels read such arrays once per block at most, and early).
 pub(crate) fn step_ints(values: &[i32]) -> Result<Array> {
-    let on_device = step_ints_on_device();
     STEP_INTS.with(|cell| {
         let mut memo = cell.borrow_mut();
-        if let Some((_, _, a)) = memo
-            .iter()
-            .find(|(d, k, _)| *d == on_device && k.as_slice() == values)
-        {
+        if let Some((_, a)) = memo.iter().find(|(k, _)| k.as_slice() == values) {
             return Ok(a.clone());
         }
-        let mut a = Array::from_slice(values, &[values.len() as i32]);
-        if on_device {
-            a = products::padded(&a, (values.len() as i32 + 1).max(4))?;
-        }
+        let a = Array::from_slice(values, &[values.len() as i32]);
         if memo.len() >= STEP_INTS_KEPT {
             memo.remove(0);
         }
-        memo.push((on_device, values.to_vec(), a.clone()));
+        memo.push((values.to_vec(), a.clone()));
         Ok(a)
     })
-}
-
-/// Choices in how the fused kernels run that change no value (decode attention's share size
-/// only moves where its float32 sums round), for the rest of the process. The defaults are
-/// the measured best; `bench --compare-fused` measures the others side by side.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Tuning {
-    /// Slots a block of [`decode_attention`] takes ([`decode_attention::set_share_slots`]).
-    pub attention_share: usize,
-    /// [`decode_attention::set_wide_rounds`].
-    pub attention_wide_rounds: bool,
-    /// [`attention_heads::set_heads_finished_apart`].
-    pub heads_finished_apart: bool,
-    /// [`attention_heads::set_heads_in_one_wave`].
-    pub heads_in_one_wave: bool,
-    /// [`window_attention_heads::set_heads_apart`].
-    pub window_heads_apart: bool,
-    /// [`post_attention::set_row_pairs`].
-    pub row_pairs: bool,
-    /// [`post_attention::set_affine4_in_place`] (4-bit weights only; moves roundings).
-    pub affine4_in_place: bool,
-    /// [`products::set_affine4_rows_per_warp`]: rows a warp of the product kernels takes
-    /// over 4-bit weights.
-    pub affine4_rows_per_warp: i32,
-    /// [`products::set_dense_loads`]: 16-byte loads in flight a lane over dense rows.
-    pub dense_loads: i32,
-    /// [`products::set_affine4_integer_dots`] (4-bit rows, half-precision inputs; moves
-    /// roundings).
-    pub affine4_integer_dots: bool,
-    /// [`products::set_rows_touched_first`].
-    pub rows_touched_first: bool,
-    /// [`set_step_ints_on_device`].
-    pub step_ints_on_device: bool,
-    /// [`attention_heads::set_step_ints_from_heads`].
-    pub step_ints_from_heads: bool,
-    /// [`post_attention::set_unread_stand_ins`].
-    pub unread_stand_ins: bool,
-    /// [`post_attention::set_per_layer_rows_early`].
-    pub per_layer_rows_early: bool,
-    /// [`decode_attention::set_aligned_shares`] (moves roundings).
-    pub aligned_attention_shares: bool,
-}
-
-impl Tuning {
-    /// The settings in force.
-    pub fn current() -> Tuning {
-        Tuning {
-            attention_share: decode_attention::share_slots(),
-            attention_wide_rounds: decode_attention::wide_rounds(),
-            heads_finished_apart: attention_heads::heads_finished_apart(),
-            heads_in_one_wave: attention_heads::heads_in_one_wave(),
-            window_heads_apart: window_attention_heads::heads_apart(),
-            row_pairs: post_attention::row_pairs(),
-            affine4_in_place: post_attention::affine4_in_place(),
-            affine4_rows_per_warp: products::affine4_rows_per_warp(),
-            dense_loads: products::dense_loads(),
-            affine4_integer_dots: products::affine4_integer_dots(),
-            rows_touched_first: products::rows_touched_first(),
-            step_ints_on_device: step_ints_on_device(),
-            step_ints_from_heads: attention_heads::step_ints_from_heads(),
-            unread_stand_ins: post_attention::unread_stand_ins(),
-            per_layer_rows_early: post_attention::per_layer_rows_early(),
-            aligned_attention_shares: decode_attention::aligned_shares(),
-        }
-    }
-
-    /// These settings with those that change no value (how rows are spread over warps, the
-    /// post-attention kernel's row pairs, loads in flight, which block finishes the attention
-    /// heads, weight lines requested early, where the step's integers live and how they reach
-    /// the kernels, what stands in for inputs a kernel does not read, weight rows loaded before
-    /// their input) put to fixed values: two tunings with equal `value_settings` compute the
-    /// same values bit for bit, with the same kernels.
-    pub fn value_settings(self) -> Tuning {
-        Tuning {
-            row_pairs: false,
-            affine4_rows_per_warp: 0,
-            dense_loads: 0,
-            heads_finished_apart: false,
-            heads_in_one_wave: false,
-            window_heads_apart: false,
-            rows_touched_first: false,
-            step_ints_on_device: false,
-            step_ints_from_heads: false,
-            unread_stand_ins: false,
-            per_layer_rows_early: false,
-            ..self
-        }
-    }
-
-    /// Puts these settings in force (a row count per warp that is not a compiled choice is
-    /// refused).
-    pub fn apply(self) -> Result<()> {
-        decode_attention::set_share_slots(self.attention_share);
-        decode_attention::set_wide_rounds(self.attention_wide_rounds);
-        attention_heads::set_heads_finished_apart(self.heads_finished_apart);
-        attention_heads::set_heads_in_one_wave(self.heads_in_one_wave);
-        window_attention_heads::set_heads_apart(self.window_heads_apart);
-        post_attention::set_row_pairs(self.row_pairs);
-        post_attention::set_affine4_in_place(self.affine4_in_place);
-        products::set_affine4_integer_dots(self.affine4_integer_dots);
-        products::set_rows_touched_first(self.rows_touched_first);
-        set_step_ints_on_device(self.step_ints_on_device);
-        attention_heads::set_step_ints_from_heads(self.step_ints_from_heads);
-        post_attention::set_unread_stand_ins(self.unread_stand_ins);
-        post_attention::set_per_layer_rows_early(self.per_layer_rows_early);
-        decode_attention::set_aligned_shares(self.aligned_attention_shares);
-        products::set_affine4_rows_per_warp(self.affine4_rows_per_warp)?;
-        products::set_dense_loads(self.dense_loads)
-    }
 }
 
 /// Allows or forbids each fused kernel for the rest of the process (`--fused-kernels`).
@@ -322,7 +178,6 @@ pub fn set_allowed(allowed: Fused) {
     AFFINE4_HEADS_ALLOWED.store(allowed.affine4_heads, Ordering::Relaxed);
     AFFINE4_PRODUCTS_ALLOWED.store(allowed.affine4_products, Ordering::Relaxed);
     OUTPUT_HEAD_ALLOWED.store(allowed.output_head, Ordering::Relaxed);
-    PER_LAYER_INPUT_ALLOWED.store(allowed.per_layer_input, Ordering::Relaxed);
     WINDOW_ALLOWED.store(allowed.window, Ordering::Relaxed);
 }
 
@@ -1027,8 +882,7 @@ mod tests {
         let affine4 = AFFINE4_ALLOWED.load(Ordering::Relaxed)
             && AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed)
             && AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed)
-            && OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed)
-            && PER_LAYER_INPUT_ALLOWED.load(Ordering::Relaxed);
+            && OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed);
         set_allowed(Fused::default());
         assert!(affine4, "set_allowed did not allow the 4-bit kernels");
         assert_eq!(next, Fused::default());
@@ -1102,7 +956,6 @@ mod tests {
 
     #[test]
     fn one_array_per_distinct_step_values() {
-        // One test, because the device-memory switch is process-wide.
         let a = step_ints(&[17]).unwrap();
         let b = step_ints(&[17]).unwrap();
         assert_eq!(a.as_slice::<i32>(), &[17]);
@@ -1117,22 +970,6 @@ mod tests {
         for v in 0..2 * STEP_INTS_KEPT as i32 {
             step_ints(&[1000 + v]).unwrap();
         }
-        assert_eq!(step_ints(&[17]).unwrap().as_slice::<i32>(), &[17]);
-
-        // Copied by an operation: the same values first, padded past 8 bytes, and not the
-        // host-made array of the same values.
-        set_step_ints_on_device(true);
-        let copied = step_ints(&[17]).unwrap();
-        let again = step_ints(&[17]).unwrap();
-        let pair = step_ints(&[5, 256]).unwrap();
-        set_step_ints_on_device(false);
-        assert_eq!(copied.as_slice::<i32>(), &[17, 0, 0, 0]);
-        assert_eq!(pair.as_slice::<i32>(), &[5, 256, 0, 0]);
-        assert_eq!(
-            copied.as_slice::<i32>().as_ptr(),
-            again.as_slice::<i32>().as_ptr(),
-            "the second layer made a new copy"
-        );
         assert_eq!(step_ints(&[17]).unwrap().as_slice::<i32>(), &[17]);
     }
 }

@@ -19,8 +19,7 @@ use mlx_rs::{Array, Dtype};
 
 use super::post_attention::Weight;
 use super::products::{
-    blocks_for_rows_per_warp, integer_dots_for, rows_per_warp_for, serves, weight_rows_header,
-    THREADS,
+    blocks_for_rows_per_warp, rows_per_warp_for, serves, weight_rows_header, THREADS,
 };
 use super::{PerEpsilon, TemplateArg};
 
@@ -121,10 +120,7 @@ pub fn output_head(
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
                 (c"CAP_BITS", TemplateArg::Int(cap_bits as i32)),
-                (
-                    c"INT_DOTS",
-                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
-                ),
+                (c"INT_DOTS", TemplateArg::Bool(false)),
             ],
         )?;
         Ok(out.remove(0))

@@ -40,11 +40,14 @@
 //! five kernels fall to 150-180. On the fastest hosts the five kernels were ahead by 3-12 %.
 //! It is the default for dense (`post-attention`) and 4-bit weights (`affine4`).
 //!
-//! Two ways of running it ([`super::Tuning`]): two rows a warp in the single-product stages
-//! ([`set_row_pairs`], the default: about 1 % faster in three leases), and, for 4-bit weights,
-//! values unpacked where they lie in the word ([`set_affine4_in_place`]). Others lost on the H200 in several leases and were removed
-//! (BENCHMARKS.md): barriers polling with acquire loads, the next stage's weights prefetched
-//! into L2, 16 loads in flight a lane, three blocks a multiprocessor.
+//! It takes two rows a warp in the single-product stages (the kernel's `PAIRS`: about 1 %
+//! faster in three leases), and, over dense weights, copies each block's rows of the
+//! per-layer-input block into shared memory while the grid meets at the barrier that ends
+//! the down product (`EARLY`: 1.4 µs a layer faster on the H200). Other ways lost on the H200
+//! in several leases and were removed (BENCHMARKS.md): one row a warp, the per-layer rows
+//! loaded after that barrier, 4-bit values unpacked where they lie in the word (`IN_PLACE`),
+//! barriers polling with acquire loads, the next stage's weights prefetched into L2, 16 loads
+//! in flight a lane, three blocks a multiprocessor.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -664,7 +667,6 @@ impl<'a> Weight<'a> {
     /// so a dense step counted its weights three times and committed three times as often.)
     pub(crate) fn inputs(&self) -> [&'a Array; 3] {
         match *self {
-            Weight::Dense(w) if !unread_stand_ins() => [w, w, w],
             Weight::Dense(w) => {
                 let unread = unread_input(w.dtype());
                 [w, unread, unread]
@@ -681,21 +683,6 @@ impl<'a> Weight<'a> {
 thread_local! {
     // One per thread and dtype, alive for the process: kernels take them on every call.
     static UNREAD_INPUTS: RefCell<Vec<&'static Array>> = const { RefCell::new(Vec::new()) };
-}
-
-static UNREAD_STAND_INS: AtomicBool = AtomicBool::new(true);
-
-/// Sets whether kernel inputs a kernel does not read get a one-element [`unread_input`] (the
-/// default), or, as before 2026-12-01, an array of the call at hand (the weight itself for
-/// its scales and biases, the query weight for a sharing layer's key and value weights).
-/// Changes no value; `--kernel-variants weights-as-stand-ins` measures the old way.
-pub fn set_unread_stand_ins(on: bool) {
-    UNREAD_STAND_INS.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_unread_stand_ins`] setting.
-pub fn unread_stand_ins() -> bool {
-    UNREAD_STAND_INS.load(Ordering::Relaxed)
 }
 
 /// A one-element array of `dtype` for kernel inputs the kernel does not read (a dense
@@ -757,11 +744,7 @@ pub fn serves(h: usize, z: usize, n: usize, p: usize, dtype: Dtype) -> bool {
     let whole = |k: usize| (k * e) % 16 == 0;
     let staged = h.max(z).max(n).max(p);
     // With its per-layer rows loaded early, each warp's two projection rows too.
-    let early = if p > 0 && per_layer_rows_early() {
-        2 * WARPS_PER_BLOCK * p
-    } else {
-        0
-    };
+    let early = if p > 0 { 2 * WARPS_PER_BLOCK * p } else { 0 };
     let kept = staged + h + if p > 0 { h } else { 0 } + early;
     // The chunk sums of 4-bit weights: a float per 32 staged values.
     let sums = staged / 32 * 4;
@@ -779,56 +762,9 @@ pub fn new_barrier() -> Result<Array> {
     device_array(&Array::from_slice(&[0u32], &[1]), 16)
 }
 
-static IN_PLACE: AtomicBool = AtomicBool::new(false);
-
-/// Makes the 4-bit path unpack each value where it lies in its word, scaled by a power of 16
-/// (one operation a value less than shifting it down first), for the rest of the process;
-/// `bench --compare-fused` on a 4-bit model measures both. Its four partial sums a chunk
-/// are added last, so the sums round in another order.
-pub fn set_affine4_in_place(on: bool) {
-    IN_PLACE.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_affine4_in_place`] setting.
-pub fn affine4_in_place() -> bool {
-    IN_PLACE.load(Ordering::Relaxed)
-}
-
-static PER_LAYER_ROWS_EARLY: AtomicBool = AtomicBool::new(true);
-
-/// Makes each block copy its rows of the per-layer-input block (gate rows and each warp's pair
-/// of projection rows; dense weights) into shared memory while the grid meets at the barrier
-/// that ends the down product, for the rest of the process: those stages are a few megabytes
-/// over most of the grid, bound by the latency of each load after its barrier, and their
-/// weights do not depend on the hidden state. Changes no value (the same sums in the same
-/// order); `bench --compare-fused` measures both. On by default (1.4 µs a layer faster on the
-/// H200, BENCHMARKS.md); `--kernel-variants per-layer-rows-late` turns it off.
-pub fn set_per_layer_rows_early(on: bool) {
-    PER_LAYER_ROWS_EARLY.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_per_layer_rows_early`] setting.
-pub fn per_layer_rows_early() -> bool {
-    PER_LAYER_ROWS_EARLY.load(Ordering::Relaxed)
-}
-
-static ROW_PAIRS: AtomicBool = AtomicBool::new(true);
-
-/// Makes each warp take two rows at a time in the stages of one product (the attention's
-/// output, down, the per-layer projection): twice the loads in flight, the input read once
-/// for both. Each row's sum is unchanged; `bench --compare-fused` measures both.
-pub fn set_row_pairs(on: bool) {
-    ROW_PAIRS.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_row_pairs`] setting.
-pub fn row_pairs() -> bool {
-    ROW_PAIRS.load(Ordering::Relaxed)
-}
-
 /// Blocks of the grid, or `None` where the device's multiprocessors are unknown, or shared
 /// with other processes through MPS: then no grid-wide barrier is safe, and the layers run the
-/// product kernels instead (this kernel, `affine4` and the per-layer-input kernel give way).
+/// product kernels instead (this kernel and `affine4` give way).
 pub fn grid_blocks() -> Option<i32> {
     if super::capturing() {
         // An H200's 132 multiprocessors.
@@ -839,7 +775,7 @@ pub fn grid_blocks() -> Option<i32> {
         SAID.call_once(|| {
             tracing::info!(
                 "the GPU is shared through MPS: the kernels with grid-wide barriers \
-                 (post-attention, affine4, per-layer-input) give way to the product kernels"
+                 (post-attention, affine4) give way to the product kernels"
             )
         });
         return None;
@@ -996,9 +932,9 @@ pub fn post_attention(
                 (c"P", TemplateArg::Int(p)),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
-                (c"IN_PLACE", TemplateArg::Bool(affine4_in_place())),
-                (c"PAIRS", TemplateArg::Bool(row_pairs())),
-                (c"EARLY", TemplateArg::Bool(per_layer_rows_early())),
+                (c"IN_PLACE", TemplateArg::Bool(false)),
+                (c"PAIRS", TemplateArg::Bool(true)),
+                (c"EARLY", TemplateArg::Bool(true)),
             ],
         )?;
         if timed {
@@ -1060,12 +996,6 @@ mod tests {
             .unwrap();
         let [_, b_scales, _] = Weight::Dense(&b).inputs();
         assert_eq!((b_scales.dtype(), b_scales.nbytes()), (Dtype::Bfloat16, 2));
-        // The old way, one process-wide switch: the weight stands in for both.
-        set_unread_stand_ins(false);
-        let [_, scales_then, _] = Weight::Dense(&w).inputs();
-        let nbytes_then = scales_then.nbytes();
-        set_unread_stand_ins(true);
-        assert_eq!(nbytes_then, 64 * 32 * 4);
         // A 4-bit weight hands on its own three arrays.
         let packed = Array::zeros::<u32>(&[64, 4]).unwrap();
         let group_scales = Array::zeros::<f32>(&[64, 1]).unwrap();

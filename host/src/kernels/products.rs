@@ -11,10 +11,10 @@
 //! Why: on CUDA, MLX's host time per operation, not the weights, bounds a decode step
 //! (BENCHMARKS.md). With these and [`super::attention_heads`] a layer is about seven
 //! operations instead of ~28. (`normed_products` serves layers whose attention heads go
-//! through [`super::attention_inputs`]: `--fused-kernels products` alone.)
+//! through [`super::attention_inputs`]: the product kernels without the attention kernels.)
 //!
-//! A warp computes one output row (two, gate and up, in [`gated_product`]; [`set_rows_per_warp`]
-//! gives the feed-forward kernels several consecutive rows per warp, streamed together): its
+//! A warp computes one output row (two, gate and up, in [`gated_product`]; over 4-bit weights
+//! the feed-forward kernels take two consecutive rows per warp, streamed together): its
 //! lanes stream the row in 16-byte loads and dot it with the input, staged once per block in
 //! shared memory.
 //! The staging recomputes the input's RMSNorm in every block, which costs a read of the input
@@ -27,7 +27,6 @@
 //! rounded before the gating product.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::ops::{concatenate, zeros_dtype};
@@ -516,129 +515,31 @@ pub(crate) fn blocks_for_rows_per_warp(rows: i32, rows_per_warp: i32) -> i32 {
 }
 
 /// Rows one warp computes in [`gated_product`] and [`product_residual`] (the feed-forward
-/// and closing products) over dense weights, for the rest of the process; see
-/// [`set_rows_per_warp`].
-static ROWS_PER_WARP: AtomicI32 = AtomicI32::new(1);
+/// and closing products) over dense weights.
+const ROWS_PER_WARP: i32 = 1;
 
-/// The same over 4-bit weights ([`set_affine4_rows_per_warp`]). A 4-bit row of E4B's width
-/// is 1.25 KB, two or three 16-byte loads a lane: one row a warp leaves most of a lane's
-/// eight loads in flight unused. Two rows were the fastest on an H200 (E4B 4-bit, side by
-/// side: 190.8 tok/s against 182.4 for one row and 181.7 for four; BENCHMARKS.md).
-static AFFINE4_ROWS_PER_WARP: AtomicI32 = AtomicI32::new(2);
+/// The same over 4-bit weights. A 4-bit row of E4B's width is 1.25 KB, two or three 16-byte
+/// loads a lane: one row a warp leaves most of a lane's eight loads in flight unused. Two rows
+/// were the fastest on an H200 (E4B 4-bit, side by side: 190.8 tok/s against 182.4 for one
+/// row and 181.7 for four; BENCHMARKS.md).
+const AFFINE4_ROWS_PER_WARP: i32 = 2;
 
 /// 16-byte loads a lane keeps in flight over dense rows in [`gated_product`] and
-/// [`product_residual`] ([`set_dense_loads`]).
-static DENSE_LOADS: AtomicI32 = AtomicI32::new(8);
-
-/// Loads in flight a lane the kernels accept over dense rows.
-pub const DENSE_LOADS_CHOICES: [i32; 2] = [8, 16];
-
-/// Sets the 16-byte loads a lane keeps in flight over dense rows in [`gated_product`] and
-/// [`product_residual`]: 16 doubles the bytes a warp has in flight on a long row (the
-/// feed-forward's down product reads 20 KB a row, 40 loads a lane in batches of 8) at the
-/// cost of registers. The sums are the same; `bench --compare-fused` measures both.
-pub fn set_dense_loads(loads: i32) -> Result<()> {
-    if !DENSE_LOADS_CHOICES.contains(&loads) {
-        bail!("dense loads in flight must be one of {DENSE_LOADS_CHOICES:?}, got {loads}");
-    }
-    DENSE_LOADS.store(loads, Ordering::Relaxed);
-    Ok(())
-}
-
-/// The current [`set_dense_loads`] setting.
-pub fn dense_loads() -> i32 {
-    DENSE_LOADS.load(Ordering::Relaxed)
-}
-
-/// The loads in flight a lane for a weight of this kind (4-bit rows batch their own).
-fn loads_for(bits: i32) -> i32 {
-    if bits == 0 {
-        dense_loads()
-    } else {
-        8
-    }
-}
-
-/// Whether [`gated_product`] and [`product_residual`] take 4-bit rows by integer dots
-/// ([`set_affine4_integer_dots`]).
-static AFFINE4_INTEGER_DOTS: AtomicBool = AtomicBool::new(false);
-
-/// Sets whether [`gated_product`], [`product_residual`], the attention-heads kernel and the
-/// output head compute 4-bit rows by integer dots over a half-precision input (`chunk_integers` and
-/// `rows_dot_affine4_int` in [`super::affine4::HEADER`]): the input as int16 with a
-/// power-of-two scale per 32 values,
-/// two products an instruction summed exactly in int32, against float unpacking at about six
-/// instructions a value, which bounds the float path's rate. The input keeps 15 bits below
-/// each 32 values' largest (bf16 has 8), so results move by float32 roundings only. Float32
-/// inputs always take the float path.
-pub fn set_affine4_integer_dots(on: bool) {
-    AFFINE4_INTEGER_DOTS.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_affine4_integer_dots`] setting.
-pub fn affine4_integer_dots() -> bool {
-    AFFINE4_INTEGER_DOTS.load(Ordering::Relaxed)
-}
-
-/// Whether the product and attention-heads kernels ask for their first weight lines before
-/// staging the input ([`set_rows_touched_first`]).
-static ROWS_TOUCHED_FIRST: AtomicBool = AtomicBool::new(false);
-
-/// Sets whether [`gated_product`], [`product_residual`] and the attention-heads kernel ask for
-/// the first lines of each warp's rows (`prefetch.global.L1`, no wait) before the block stages
-/// its input: a block otherwise waits for the input's trip to memory, then for the weights',
-/// one after the other, at the start of every block. Changes no value.
-pub fn set_rows_touched_first(on: bool) {
-    ROWS_TOUCHED_FIRST.store(on, Ordering::Relaxed);
-}
-
-/// The current [`set_rows_touched_first`] setting.
-pub fn rows_touched_first() -> bool {
-    ROWS_TOUCHED_FIRST.load(Ordering::Relaxed)
-}
-
-/// Whether a product over rows of `bits` with inputs of `dtype` takes integer dots.
-pub(crate) fn integer_dots_for(bits: i32, dtype: Dtype) -> bool {
-    bits == 4 && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16) && affine4_integer_dots()
-}
+/// [`product_residual`] (4-bit rows batch their own: 8 too). 16 was measured no faster and
+/// removed.
+const LOADS: i32 = 8;
 
 /// Row counts per warp the kernels accept (each is a compiled variant).
 pub const ROWS_PER_WARP_CHOICES: [i32; 3] = [1, 2, 4];
 
-/// Sets the rows one warp computes in [`gated_product`] and [`product_residual`]. The results
-/// are the same whatever the count (each row's arithmetic is unchanged); only the work per
-/// block, and so the device's streaming rate, changes (`bench --feed-forward-speed` and
-/// `bench --compare-fused` measure it).
-pub fn set_rows_per_warp(rows: i32) -> Result<()> {
-    check_rows_per_warp(rows)?;
-    ROWS_PER_WARP.store(rows, Ordering::Relaxed);
-    Ok(())
-}
-
-/// The current row count per warp over dense weights ([`set_rows_per_warp`]).
-pub fn rows_per_warp() -> i32 {
-    ROWS_PER_WARP.load(Ordering::Relaxed)
-}
-
-/// Sets the rows one warp computes over 4-bit weights, as [`set_rows_per_warp`] does over
-/// dense ones.
-pub fn set_affine4_rows_per_warp(rows: i32) -> Result<()> {
-    check_rows_per_warp(rows)?;
-    AFFINE4_ROWS_PER_WARP.store(rows, Ordering::Relaxed);
-    Ok(())
-}
-
-/// The current row count per warp over 4-bit weights ([`set_affine4_rows_per_warp`]).
-pub fn affine4_rows_per_warp() -> i32 {
-    AFFINE4_ROWS_PER_WARP.load(Ordering::Relaxed)
-}
-
-/// The row count per warp in force for a weight of this kind.
+/// The row count per warp for a weight of this kind. The results are the same whatever the
+/// count (each row's arithmetic is unchanged); only the work per block, and so the device's
+/// streaming rate, changes (`bench --feed-forward-speed` measures it).
 pub(crate) fn rows_per_warp_for(w: &Weight) -> i32 {
     if w.is_dense() {
-        rows_per_warp()
+        ROWS_PER_WARP
     } else {
-        affine4_rows_per_warp()
+        AFFINE4_ROWS_PER_WARP
     }
 }
 
@@ -781,12 +682,9 @@ pub fn gated_product_rows(
                 (c"RPW", TemplateArg::Int(rows_per_warp)),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
-                (c"LOADS", TemplateArg::Int(loads_for(bits))),
-                (
-                    c"INT_DOTS",
-                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
-                ),
-                (c"TOUCH", TemplateArg::Bool(rows_touched_first())),
+                (c"LOADS", TemplateArg::Int(LOADS)),
+                (c"INT_DOTS", TemplateArg::Bool(false)),
+                (c"TOUCH", TemplateArg::Bool(false)),
             ],
         )?;
         Ok(out.remove(0))
@@ -852,12 +750,9 @@ pub fn product_residual_rows(
                 (c"RPW", TemplateArg::Int(rows_per_warp)),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
-                (c"LOADS", TemplateArg::Int(loads_for(bits))),
-                (
-                    c"INT_DOTS",
-                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
-                ),
-                (c"TOUCH", TemplateArg::Bool(rows_touched_first())),
+                (c"LOADS", TemplateArg::Int(LOADS)),
+                (c"INT_DOTS", TemplateArg::Bool(false)),
+                (c"TOUCH", TemplateArg::Bool(false)),
             ],
         )?;
         Ok(out.remove(0))
@@ -892,17 +787,6 @@ mod tests {
 
     #[test]
     fn rows_per_warp_takes_the_compiled_choices_only() {
-        assert!(set_rows_per_warp(3).is_err());
-        assert!(set_rows_per_warp(0).is_err());
-        assert_eq!(rows_per_warp(), 1, "a refused count changes nothing");
-        assert!(set_dense_loads(12).is_err());
-        assert_eq!(dense_loads(), 8, "a refused count changes nothing");
-        assert!(set_affine4_rows_per_warp(5).is_err());
-        assert_eq!(
-            affine4_rows_per_warp(),
-            2,
-            "a refused count changes nothing"
-        );
         let x = Array::zeros::<f32>(&[1, 8]).unwrap();
         let w = Array::zeros::<f32>(&[4, 8]).unwrap();
         let dense = Weight::Dense(&w);

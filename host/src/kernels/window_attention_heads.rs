@@ -13,13 +13,12 @@
 //! which every later reader of the buffers depends on, order the write before them.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::attention_heads::{is_row_contiguous, CacheSlot, HeadShape, HeadWeights};
-use super::products::{element_bytes, integer_dots_for, THREADS, WARPS};
+use super::products::{element_bytes, THREADS, WARPS};
 use super::{step_ints, PerSharedMemory, TemplateArg};
 
 const SOURCE: &str = r#"
@@ -101,25 +100,6 @@ const SOURCE: &str = r#"
   if (threadIdx.x == 0) done[group] = 0u;
 "#;
 
-static HEADS_APART: AtomicBool = AtomicBool::new(true);
-
-/// Sets whether a window's heads are finished as the single-token kernel finishes them by
-/// default: each head, for every token of the window, by the last of the blocks that made its
-/// rows, with the grid kept to one wave ([`super::attention_heads::rows_per_warp`]); rather
-/// than every head of every token by the last block of the call (for a 12B window of 8: 256
-/// heads, 32 rounds of one block's eight warps). Changes no value. Needs a counter per head
-/// whose rows the kernel makes at the call site. The default since an H200 measured it
-/// (BENCHMARKS.md: the same logits, windows of 2-8 tokens as fast or up to 10 % faster);
-/// `--kernel-variants window-heads-together` restores the first way.
-pub fn set_heads_apart(apart: bool) {
-    HEADS_APART.store(apart, Ordering::Relaxed);
-}
-
-/// The current [`set_heads_apart`] setting.
-pub fn heads_apart() -> bool {
-    HEADS_APART.load(Ordering::Relaxed)
-}
-
 /// Blocks of the kernel a multiprocessor holds: as many as the single-token kernel's
 /// registers allow, at most, and as many as its shared memory leaves room for (227 KB a
 /// multiprocessor on the H200, about 1 KB more a block for its static arrays and the system's
@@ -168,8 +148,12 @@ fn shared_bytes(tokens: usize, hidden: usize, element: usize, bits: i32) -> usiz
 /// The query heads `[T, heads, D]` of the window `x` (`[T, hidden]`, positions `position..`),
 /// its keys and values written into `cache` (slots `cache.slot..`) on a KV-owning layer, with
 /// dense weights or 4-bit ones in one group size. `counter`: the call site's
-/// ([`super::products::new_counters`], one per head whose rows the kernel makes, for
-/// [`set_heads_apart`]). Check [`serves`].
+/// ([`super::products::new_counters`], one per head whose rows the kernel makes). Where the
+/// counters allow, the window's heads are finished as the single-token kernel finishes them:
+/// each head, for every token of the window, by the last of the blocks that made its rows,
+/// with the grid kept to one wave ([`super::attention_heads::rows_per_warp`]) (every head of
+/// every token by the last block of the call was measured slower and removed;
+/// BENCHMARKS.md). Check [`serves`].
 #[allow(clippy::too_many_arguments)]
 pub fn window_attention_heads(
     x: &Array,
@@ -261,8 +245,7 @@ pub fn window_attention_heads(
     let element = element_bytes(dtype).unwrap_or(2);
     let shared = shared_bytes(tokens as usize, k as usize, element, bits);
     let (q_shape, raw_shape) = ([tokens, shape.heads, d], [tokens * rows]);
-    let apart =
-        heads_apart() && counter.size() >= (rows / d) as usize && counter.dtype() == Dtype::Uint32;
+    let apart = counter.size() >= (rows / d) as usize && counter.dtype() == Dtype::Uint32;
     let resident =
         super::attention_heads::resident_blocks(resident_blocks_per_multiprocessor(shared));
     let rpw = super::attention_heads::rows_per_warp(apart, rows, d, resident);
@@ -286,10 +269,7 @@ pub fn window_attention_heads(
                 (c"RPW", TemplateArg::Int(rpw)),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
-                (
-                    c"INT_DOTS",
-                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
-                ),
+                (c"INT_DOTS", TemplateArg::Bool(false)),
                 (c"TOKENS", TemplateArg::Int(tokens)),
             ],
         )?;

@@ -12,7 +12,7 @@ use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
 use super::post_attention::Weight;
-use super::products::{element_bytes, integer_dots_for, serves as row_width_served, THREADS};
+use super::products::{element_bytes, serves as row_width_served, THREADS};
 use super::{PerSharedMemory, TemplateArg};
 
 const SOURCE: &str = r#"
@@ -138,10 +138,7 @@ pub fn window_output_head(
                 (c"TOKENS", TemplateArg::Int(tokens)),
                 (c"BITS", TemplateArg::Int(bits)),
                 (c"G", TemplateArg::Int(group)),
-                (
-                    c"INT_DOTS",
-                    TemplateArg::Bool(integer_dots_for(bits, dtype)),
-                ),
+                (c"INT_DOTS", TemplateArg::Bool(false)),
                 (c"CAP_BITS", TemplateArg::Int(cap_bits as i32)),
             ],
         )?;

@@ -331,7 +331,7 @@ thread_local! {
 
 /// The layer's output for the window's tokens `x` (`[T, H]`, the layer's input) and their
 /// attention heads' output `z` (`[T, Z]`), with dense weights or 4-bit ones of one group size
-/// (values unpacked as floats: not with [`super::post_attention::set_affine4_in_place`]):
+/// (values unpacked as floats):
 /// the attention's output product and residual, the feed-forward block, then the
 /// per-layer-input block when given (`values` `[T, layers, P]`), the result times `scale`
 /// (the layer scalar, first element of a device array). Each token's row equals
@@ -371,11 +371,6 @@ pub fn window_post_attention(
                 v.values.dtype()
             );
         }
-    }
-    if bits != 0 && super::post_attention::affine4_in_place() {
-        bail!(
-            "window_post_attention: 4-bit values unpacked in place have no window kernel (a window would not score its tokens as decode steps do)"
-        );
     }
     let (tk, hu, zu, nu, pu) = (
         tokens as usize,

@@ -277,8 +277,8 @@ impl CudaDecode {
 
     /// Queries, and the view they attend over, from [`attention_heads`]: one kernel from the
     /// hidden state to normed, rotated heads, writing a KV-owning layer's key and value into
-    /// its cache. Also the view's visible slots in device memory, when the kernel hands them
-    /// on ([`crate::kernels::attention_heads::set_step_ints_from_heads`]).
+    /// its cache. Also the view's visible slots in device memory, which the kernel hands on
+    /// ([`crate::kernels::attention_heads::AttentionHeads::step_copy`]).
     #[allow(clippy::too_many_arguments)]
     fn fused_heads(
         &self,

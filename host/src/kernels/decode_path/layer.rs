@@ -212,16 +212,9 @@ impl CudaDecode {
         let one_group = group > 0 && all().all(|(w, k)| w.group(*k) == group);
         // Dense layers with `post-attention`, 4-bit ones with `affine4`: measured on the H200,
         // the one kernel loses to the three products over dense weights and wins over 4-bit
-        // ones, where it replaces MLX's quantized products (BENCHMARKS.md).
-        let allowed = if tokens > 1 {
-            // Windows: where decode steps run the single-token kernel whose values the window
-            // kernel gives (4-bit values unpacked in place have no window kernel).
-            if all_dense {
-                fused.post_attention
-            } else {
-                fused.affine4 && one_group && !post_attention::affine4_in_place()
-            }
-        } else if all_dense {
+        // ones, where it replaces MLX's quantized products (BENCHMARKS.md). Windows: where
+        // decode steps run the single-token kernel whose values the window kernel gives.
+        let allowed = if all_dense {
             fused.post_attention
         } else {
             fused.affine4 && one_group
@@ -297,8 +290,7 @@ pub(super) fn is_dense(layer: &DecoderLayer) -> bool {
 /// The most tokens a window may hold for the window kernels to take this whole layer (heads
 /// and everything after them; weights all dense or all 4-bit in one group size, no MoE
 /// branch, shapes they take), 1 when they take none of it: a window of that many tokens
-/// computes what as many decode steps compute. 4-bit values unpacked in place
-/// (`post_attention::set_affine4_in_place`) have no window kernel.
+/// computes what as many decode steps compute.
 pub(super) fn largest_window(layer: &DecoderLayer, dtype: mlx_rs::Dtype) -> usize {
     if layer.moe.is_some() {
         return 1;
@@ -326,7 +318,7 @@ pub(super) fn largest_window(layer: &DecoderLayer, dtype: mlx_rs::Dtype) -> usiz
         && weights
             .iter()
             .all(|(w, k)| w.is_dense() == (bits == 0) && w.group(*k) == group);
-    if !one_layout || (bits != 0 && post_attention::affine4_in_place()) {
+    if !one_layout {
         return 1;
     }
     let (hidden, width, n) = (hidden as usize, width as usize, n as usize);
