@@ -1,8 +1,10 @@
-//! The Gemma 4 target against transformers 5.24 (goldens from tests/oracle/make_fixtures.py):
-//! full-sequence logits and per-layer hidden states, cached single-token decode past the
-//! sliding window, chunked prefill, and greedy continuations, on every fixture (PLE + KV
-//! sharing + double-wide MLP; MoE + K=V + global KV heads, sharded; the released nested
-//! layout in bf16; affine 4/8-bit quantization).
+//! The Gemma 4 target against transformers 5.24 (goldens from tests/oracle/make_fixtures.py
+//! and tests/oracle/make_long_goldens.py): full-sequence logits and per-layer hidden states,
+//! cached single-token decode past the sliding window, chunked prefill, greedy continuations,
+//! a 700-token prompt through a chunk over 512 tokens, masked windows and decode past the
+//! buffers' first 512 slots, and half precision against transformers' own half-precision
+//! run, on every fixture (PLE + KV sharing + double-wide MLP; MoE + K=V + global KV heads,
+//! sharded; the released nested layout in bf16; affine 4/8-bit quantization).
 
 mod common;
 
