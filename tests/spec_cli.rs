@@ -110,9 +110,14 @@ fn run(model: &Path, ids: &[u32], max_tokens: usize, extra: &[&str]) -> Value {
         "--json".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    json_of(&mlx_spec(
+    let v = json_of(&mlx_spec(
         &args.iter().map(String::as_str).collect::<Vec<_>>(),
-    ))
+    ));
+    // With --ignore-eos every run emits exactly max_tokens, so two runs compared for equal
+    // output cannot agree by both stopping early (or emitting nothing).
+    assert_eq!(tokens_of(&v).len(), max_tokens, "{v}");
+    assert_eq!(v["stats"]["generated_tokens"], max_tokens, "{v}");
+    v
 }
 
 fn prompts(name: &str) -> Vec<Vec<u32>> {
