@@ -56,7 +56,7 @@ fn greedy_json_reproduces_transformers_on_every_fixture() {
 #[test]
 fn seeded_sampling_is_reproducible() {
     let dir = fixture("tiny-wrapped-bf16");
-    let run = |seed: &str| {
+    let run = |temperature: &str, seed: &str| {
         let out = mlx_spec(&[
             "generate",
             "--model",
@@ -64,7 +64,7 @@ fn seeded_sampling_is_reproducible() {
             "--prompt",
             "fn main",
             "--temperature",
-            "1.0",
+            temperature,
             "--top-p",
             "0.95",
             "--seed",
@@ -74,35 +74,93 @@ fn seeded_sampling_is_reproducible() {
             "--ignore-eos",
             "--json",
         ]);
-        json_of(&out)["tokens"].clone()
+        let v = json_of(&out);
+        let tokens: Vec<u64> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect();
+        assert_eq!(tokens.len(), 24, "{v}");
+        assert!(tokens.iter().all(|&t| t < 512), "{v}");
+        assert_eq!(v["stats"]["generated_tokens"], 24);
+        tokens
     };
-    assert_eq!(run("11"), run("11"));
+    let first = run("1.0", "11");
+    assert_eq!(
+        first,
+        run("1.0", "11"),
+        "the same seed must give the same tokens"
+    );
     assert_ne!(
-        run("11"),
-        run("12"),
+        first,
+        run("1.0", "12"),
         "different seeds should give different samples"
+    );
+    // Sampling really happened: the seeded run is not the greedy continuation.
+    assert_ne!(
+        first,
+        run("0", "11"),
+        "temperature 1 gave the greedy tokens"
     );
 }
 
 #[test]
 fn text_prompt_streams_text_and_stats() {
     let dir = fixture("tiny-wrapped-bf16");
-    let out = mlx_spec(&[
-        "generate",
-        "--model",
-        dir.to_str().unwrap(),
-        "--chat",
-        "Hi",
-        "--max-tokens",
-        "8",
-    ]);
+    let args = |json: bool| {
+        let mut a = vec![
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--chat",
+            "Hi",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+        ];
+        if json {
+            a.push("--json");
+        }
+        mlx_spec(&a)
+    };
+    let v = json_of(&args(true));
+    let text = v["text"].as_str().unwrap().to_owned();
+    assert!(!text.is_empty(), "{v}");
+    let prompt_tokens = v["stats"]["prompt_tokens"].as_u64().unwrap();
+    // The chat template wraps the message: <bos><|turn>user\nHi<turn|>\n<|turn>model\n.
+    assert!(prompt_tokens > 5, "{v}");
+
+    let out = args(false);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Streaming prints the same text as the JSON run, then a newline; except that the stream
+    // decoder holds back the bytes of an incomplete character until the next token completes
+    // it, and nothing flushes them when generation ends (a host bug: `StreamDecoder` has no
+    // finish, and main.rs would have to call one), so a trailing U+FFFD of the JSON text can
+    // be missing from the stream. Drop that allowance once the tail is flushed.
+    let stdout = String::from_utf8(out.stdout.clone()).unwrap();
+    let streamed = stdout
+        .strip_suffix('\n')
+        .unwrap_or_else(|| panic!("no final newline: {stdout:?}"));
+    let held_back = text
+        .strip_prefix(streamed)
+        .unwrap_or_else(|| panic!("streamed {streamed:?} is not the text {text:?}"));
+    assert!(
+        held_back.chars().all(|c| c == '\u{FFFD}'),
+        "streaming lost {held_back:?} of {text:?}"
+    );
+    assert!(!streamed.is_empty());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("tokens/s"), "stats line missing: {stderr}");
+    assert!(
+        stderr.contains(&format!("prompt: {prompt_tokens} tokens,"))
+            && stderr.contains("generation: 8 tokens,")
+            && stderr.contains("tokens/s"),
+        "stats line missing or wrong: {stderr}"
+    );
 }
 
 /// A copy of a fixture in a temp folder, to break on purpose.
@@ -228,25 +286,37 @@ fn missing_tokenizer_and_bad_inputs_are_explained() {
 
 #[test]
 fn gpu_on_a_cpu_only_libmlx_is_a_clear_error() {
-    // On a machine whose libmlx has a GPU backend this succeeds instead; both are fine as long
-    // as nothing panics.
+    // On a machine whose libmlx has a GPU backend this succeeds instead, and must then give
+    // the greedy tokens the CPU gives; without one it must fail with an error naming the flag.
     let plain = fixture("tiny-ple-kvshare");
-    let out = mlx_spec(&[
-        "generate",
-        "--model",
-        plain.to_str().unwrap(),
-        "--prompt-ids",
-        "2,3",
-        "--max-tokens",
-        "2",
-        "--device",
-        "gpu",
-    ]);
+    let run = |device: &str| {
+        mlx_spec(&[
+            "generate",
+            "--model",
+            plain.to_str().unwrap(),
+            "--prompt-ids",
+            "2,3",
+            "--max-tokens",
+            "2",
+            "--ignore-eos",
+            "--dtype",
+            "f32",
+            "--device",
+            device,
+            "--json",
+        ])
+    };
+    let out = run("gpu");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
-    if !out.status.success() {
+    if out.status.success() {
+        let cpu = json_of(&run("cpu"));
+        assert_eq!(json_of(&out)["tokens"], cpu["tokens"]);
+    } else {
         assert!(
-            stderr.contains("--device gpu") && stderr.contains("GPU"),
+            stderr.starts_with("error: ")
+                && stderr.contains("--device gpu")
+                && stderr.contains("GPU"),
             "{stderr}"
         );
     }

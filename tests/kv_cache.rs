@@ -81,15 +81,137 @@ fn sliding_window_refuses_a_rollback_it_cannot_honour() {
     cache.trim(1).unwrap();
 }
 
+/// A sliding buffer starts with 512 slots (the first allocation rounds the prompt plus one
+/// growth step of 256 up to a multiple of 256) and is compacted, its kept keys copied to the
+/// front of a fresh buffer, when its end is reached: at about position 510 for a short prompt,
+/// then every ~440 positions (512 slots less the window and the 64-position rollback reserve).
+/// Full-attention buffers grow (and are copied) at positions 512 and 1024. 1200 positions
+/// cross two compactions of each sliding buffer and both growths of each full one.
+const PAST_TWO_COMPACTIONS: usize = 1200;
+
+/// Float32 logits up to 1200 positions in, cached against uncached: the two attend with
+/// reductions of different shapes (whole buffers under a slot mask against the sliced keys of
+/// one long window), which round differently, more so the longer the sequence. Measured: at
+/// most 6.2e-4 (tiny-wrapped-bf16 in float32, position 926), 4.7e-4 (tiny-ple-kvshare) and
+/// 1.7e-4 (tiny-moe-keqv, windows with rollbacks), scattered along the sequence rather than
+/// after the compactions, and already 1.3e-4 in the first 100 positions. One wrong key moves
+/// logits by far more: the single-token test checks that one token replaced 300 positions
+/// back moves the last row by over ten times this tolerance (measured 0.05 and 0.09).
+const LONG_TOL: f32 = 1e-3;
+
+/// `n` token ids in [3, vocab), varied (a fixed LCG), so attention has something to find.
+fn varied_ids(n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = 12345u64;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            3 + ((x >> 33) % (vocab as u64 - 3)) as u32
+        })
+        .collect()
+}
+
+/// Logits of a forward over all of `ids` at once with a fresh cache: one query window longer
+/// than the masked-window limit, which attends over the keys it sliced, never a compacted
+/// buffer, and is the reference the cached runs below must reproduce.
+fn uncached(model: &Gemma4Model, ids: &[u32]) -> Vec<f32> {
+    logits(model, ids, &mut model.new_cache())
+}
+
+#[test]
+fn single_token_decode_across_compactions_equals_one_forward() {
+    // Windows of 4 and 8 keys: each query's mask must move with the buffer's first slot.
+    for name in ["tiny-ple-kvshare", "tiny-wrapped-bf16"] {
+        let model = load(name);
+        let v = model.config.vocab_size;
+        let ids = varied_ids(PAST_TWO_COMPACTIONS, v);
+        let want = uncached(&model, &ids);
+        let mut cache = model.new_cache();
+        let prompt = logits(&model, &ids[..3], &mut cache);
+        assert!(max_abs_diff(&prompt, &want[..3 * v]) < 1e-4);
+        let mut worst = (0.0f32, 0);
+        for (p, &id) in ids.iter().enumerate().skip(3) {
+            let got = logits(&model, &[id], &mut cache);
+            let diff = max_abs_diff(&got, &want[p * v..(p + 1) * v]);
+            if diff > worst.0 {
+                worst = (diff, p);
+            }
+            assert!(diff < LONG_TOL, "{name}: position {p} differs by {diff}");
+        }
+        println!(
+            "{name}: largest difference {} at position {}",
+            worst.0, worst.1
+        );
+        assert_eq!(cache.offset(), PAST_TWO_COMPACTIONS);
+        // The tolerance is tight enough to see one wrong key: the same sequence with the
+        // token 300 positions before the last replaced gives a last row farther off.
+        let mut one_key_off = ids.clone();
+        let at = ids.len() - 300;
+        one_key_off[at] = 3 + (ids[at] + 1 - 3) % (v as u32 - 3);
+        let off = uncached(&model, &one_key_off);
+        let last = (ids.len() - 1) * v;
+        let signal = max_abs_diff(&off[last..], &want[last..]);
+        println!("{name}: one key changed moves the last row by {signal}");
+        assert!(
+            signal > 10.0 * LONG_TOL,
+            "{name}: one wrong key moves the last row by only {signal}"
+        );
+    }
+}
+
+#[test]
+fn verify_windows_with_rejected_drafts_across_compactions_equal_one_forward() {
+    // Windows of `kept` right tokens and `rejected` junk ones (masked windows, up to 64
+    // tokens); the junk is rolled back, as the verify loop rolls back rejected drafts, also
+    // right after a compaction moved the buffer.
+    let model = load("tiny-moe-keqv");
+    let v = model.config.vocab_size;
+    let ids = varied_ids(PAST_TWO_COMPACTIONS, v);
+    let want = uncached(&model, &ids);
+    let mut cache = model.new_cache();
+    logits(&model, &ids[..2], &mut cache);
+    let mut p = 2;
+    let mut round = 0;
+    let mut worst = (0.0f32, 0);
+    while p < ids.len() {
+        let kept = (1 + round % 5).min(ids.len() - p);
+        let rejected = [2, 0, 7, 1, 13, 40][round % 6];
+        let mut window = ids[p..p + kept].to_vec();
+        window.extend((0..rejected).map(|j| 3 + ((p + j) * 7 % (v - 3)) as u32));
+        let got = logits(&model, &window, &mut cache);
+        let diff = max_abs_diff(&got[..kept * v], &want[p * v..(p + kept) * v]);
+        if diff > worst.0 {
+            worst = (diff, p);
+        }
+        assert!(
+            diff < LONG_TOL,
+            "round {round} at position {p}: differs by {diff}"
+        );
+        cache.trim(rejected).unwrap();
+        p += kept;
+        round += 1;
+        assert_eq!(cache.offset(), p);
+    }
+    println!("largest difference {} at position {}", worst.0, worst.1);
+    // The next token after the last rollback still reads the right keys.
+    let next = logits(&model, &[42], &mut cache);
+    let mut more = ids.clone();
+    more.push(42);
+    let reference = uncached(&model, &more);
+    assert!(max_abs_diff(&next, &reference[ids.len() * v..]) < LONG_TOL);
+}
+
 #[test]
 fn long_decode_rolls_back_within_the_reserve() {
-    // Past the window many times over; rollbacks of up to the reserve keep working.
+    // Past the window many times over and past the buffers' first compaction (each step adds
+    // two positions: 600 in all); rollbacks of five keep working.
     let model = load("tiny-moe-keqv");
     let mut cache = model.new_cache();
     let mut clean = model.new_cache();
     logits(&model, &[2], &mut cache);
     logits(&model, &[2], &mut clean);
-    for step in 0..40u32 {
+    for step in 0..300u32 {
         let token = 3 + (step * 37) % 250;
         let junk = [5, 6, 7, 8, 9];
         logits(&model, &[token], &mut cache);
@@ -102,6 +224,7 @@ fn long_decode_rolls_back_within_the_reserve() {
         };
         assert!(max_abs_diff(&a, &b) < 1e-4, "step {step}");
     }
+    assert_eq!(cache.offset(), 601);
 }
 
 fn tiny_config(moe: bool) -> Gemma4Config {

@@ -110,9 +110,14 @@ fn run(model: &Path, ids: &[u32], max_tokens: usize, extra: &[&str]) -> Value {
         "--json".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
-    json_of(&mlx_spec(
+    let v = json_of(&mlx_spec(
         &args.iter().map(String::as_str).collect::<Vec<_>>(),
-    ))
+    ));
+    // With --ignore-eos every run emits exactly max_tokens, so two runs compared for equal
+    // output cannot agree by both stopping early (or emitting nothing).
+    assert_eq!(tokens_of(&v).len(), max_tokens, "{v}");
+    assert_eq!(v["stats"]["generated_tokens"], max_tokens, "{v}");
+    v
 }
 
 fn prompts(name: &str) -> Vec<Vec<u32>> {
@@ -319,27 +324,43 @@ fn faulty_drafters_are_switched_off_and_the_request_still_succeeds() {
 fn rejection_sampling_drafter_runs_end_to_end() {
     let plugins = plugins_dir();
     let dir = plugins.path().join("test-noisy");
-    let out = run(
-        &fixture("tiny-wrapped-bf16"),
-        &[2, 150, 151, 152],
-        40,
-        &[
-            "--temperature",
-            "1.0",
-            "--seed",
-            "3",
-            "--drafter",
-            "test-drafter",
-            "--plugins-dir",
-            dir.to_str().unwrap(),
-            "--no-auto-off",
-        ],
-    );
+    let noisy = |seed: &str| {
+        run(
+            &fixture("tiny-wrapped-bf16"),
+            &[2, 150, 151, 152],
+            40,
+            &[
+                "--temperature",
+                "1.0",
+                "--seed",
+                seed,
+                "--drafter",
+                "test-drafter",
+                "--plugins-dir",
+                dir.to_str().unwrap(),
+                "--no-auto-off",
+            ],
+        )
+    };
+    let out = noisy("3");
     let s = &out["stats"];
+    // The drafter ran every round without fault, and its drafts went through rejection
+    // sampling: some accepted (its distribution overlaps the target's), not all.
     assert!(s["drafter_error"].is_null(), "{s}");
+    assert_eq!(s["drafter"], "test-drafter");
+    let drafted = s["num_draft_tokens"].as_u64().unwrap();
+    let accepted = s["num_accepted_tokens"].as_u64().unwrap();
     assert!(s["num_drafts"].as_u64().unwrap() > 0, "{s}");
-    assert_eq!(tokens_of(&out).len(), 40);
-    assert!(tokens_of(&out).iter().all(|&t| t < 512));
+    assert!(accepted > 0 && accepted < drafted, "{s}");
+    // Accepted drafts save forwards: fewer than one per token after the prefill's.
+    assert!(s["target_forwards"].as_u64().unwrap() < 39, "{s}");
+    let tokens = tokens_of(&out);
+    assert_eq!(tokens.len(), 40);
+    assert_eq!(s["generated_tokens"], 40);
+    assert!(tokens.iter().all(|&t| t < 512));
+    // Seeded: the drafter's draws and the host's coins repeat, and another seed differs.
+    assert_eq!(tokens_of(&noisy("3")), tokens, "same seed, other tokens");
+    assert_ne!(tokens_of(&noisy("4")), tokens, "another seed, same tokens");
 }
 
 #[test]
@@ -428,6 +449,176 @@ fn the_loader_refuses_bad_libraries_by_name() {
         p.to_str().unwrap(),
     ]);
     assert!(err.contains("nope"), "{err}");
+}
+
+/// `generate --drafter NAME --plugins-dir DIR` on the fixture: the one-line error it gives.
+fn drafter_error(name: &str, plugins: &Path) -> String {
+    expect_error(&[
+        "generate",
+        "--model",
+        fixture("tiny-ple-kvshare").to_str().unwrap(),
+        "--prompt-ids",
+        "2,3",
+        "--drafter",
+        name,
+        "--plugins-dir",
+        plugins.to_str().unwrap(),
+    ])
+}
+
+/// A library file the manifest names but that is another drafter (it calls itself `ngram`),
+/// a manifest with a library for another OS only, a file of random bytes named like a
+/// library, and two folders claiming one name: each is refused with an error naming the
+/// plugin and the file at fault, by `plugins check`, `plugins list` and `generate`, and the
+/// host does not panic (`expect_error` checks that).
+#[test]
+fn the_loader_refuses_misnamed_foreign_corrupt_and_duplicate_plugins() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    let ngram_lib = target_dir().join(lib_name("mlx_spec_ngram"));
+
+    // ngram's library under the test drafter's file name, in a manifest naming the test
+    // drafter: the file exists and loads, but the library's own name is "ngram".
+    let renamed = p.join("renamed");
+    std::fs::create_dir_all(&renamed).unwrap();
+    let disguised = lib_name("mlx_spec_test_drafter");
+    std::fs::copy(&ngram_lib, renamed.join(&disguised)).unwrap();
+    std::fs::write(
+        renamed.join("plugin.toml"),
+        manifest("test-drafter", "mlx_spec_test_drafter", ""),
+    )
+    .unwrap();
+    let err = expect_error(&["plugins", "check", renamed.to_str().unwrap()]);
+    assert!(
+        err.contains(&disguised)
+            && err.contains("calls itself \"ngram\"")
+            && err.contains("\"test-drafter\""),
+        "{err}"
+    );
+    // The file's name itself does not matter: the same file in a manifest that names the
+    // library's own name loads (so the refusal above is about the name, not the copy).
+    let honest = p.join("honest");
+    std::fs::create_dir_all(&honest).unwrap();
+    std::fs::copy(&ngram_lib, honest.join(&disguised)).unwrap();
+    std::fs::write(
+        honest.join("plugin.toml"),
+        manifest("ngram", "mlx_spec_test_drafter", ""),
+    )
+    .unwrap();
+    let out = mlx_spec(&["plugins", "check", honest.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.starts_with("OK ngram 0.1.0"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_dir_all(&honest).unwrap();
+
+    // A library for another OS only.
+    let other_os = if cfg!(target_os = "macos") {
+        "linux"
+    } else {
+        "macos"
+    };
+    let foreign = p.join("foreign");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(
+        foreign.join("plugin.toml"),
+        manifest("foreign", "mlx_spec_ngram", "").replace(
+            &format!("library = \"{}\"", lib_name("mlx_spec_ngram")),
+            &format!("library = {{ {other_os} = \"libforeign.x\" }}"),
+        ),
+    )
+    .unwrap();
+    let err = expect_error(&["plugins", "check", foreign.to_str().unwrap()]);
+    assert!(
+        err.contains("foreign/plugin.toml")
+            && err.contains(&format!("names no file for {}", std::env::consts::OS)),
+        "{err}"
+    );
+
+    // Random bytes named like a library: the loader's error names the file.
+    let corrupt = p.join("corrupt");
+    std::fs::create_dir_all(&corrupt).unwrap();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let junk: Vec<u8> = (0..4096)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    std::fs::write(corrupt.join(lib_name("mlx_spec_corrupt")), junk).unwrap();
+    std::fs::write(
+        corrupt.join("plugin.toml"),
+        manifest("corrupt", "mlx_spec_corrupt", ""),
+    )
+    .unwrap();
+    let err = expect_error(&["plugins", "check", corrupt.to_str().unwrap()]);
+    assert!(err.contains(&lib_name("mlx_spec_corrupt")), "{err}");
+
+    // Every one of them as `generate --drafter` would meet it, in one plugins directory.
+    let err = drafter_error("test-drafter", p);
+    assert!(
+        err.contains("drafter \"test-drafter\" cannot be used") && err.contains("calls itself"),
+        "{err}"
+    );
+    let err = drafter_error("foreign", p);
+    assert!(
+        err.contains("drafter \"foreign\" cannot be used") && err.contains("names no file"),
+        "{err}"
+    );
+    let err = drafter_error("corrupt", p);
+    assert!(
+        err.contains("drafter \"corrupt\" cannot be used")
+            && err.contains(&lib_name("mlx_spec_corrupt")),
+        "{err}"
+    );
+
+    // Two folders of one directory both called "ngram" (each a good plugin on its own):
+    // which one `--drafter ngram` means is ambiguous, so neither is used, and the error names
+    // both manifests.
+    for folder in ["ngram-a", "ngram-b"] {
+        install(
+            p,
+            folder,
+            &ngram_lib,
+            &manifest("ngram", "mlx_spec_ngram", ""),
+        );
+    }
+    let err = drafter_error("ngram", p);
+    assert!(
+        err.contains("drafter \"ngram\" cannot be used")
+            && err.contains("also named \"ngram\"")
+            && err.contains("ngram-a")
+            && err.contains("ngram-b"),
+        "{err}"
+    );
+    // The listing shows every plugin and why it is unusable; it still succeeds.
+    let out = mlx_spec(&["plugins", "list", "--plugins-dir", p.to_str().unwrap()]);
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{listing}");
+    let line_of = |name: &str| -> Vec<&str> {
+        listing
+            .lines()
+            .filter(|l| l.split_whitespace().next() == Some(name))
+            .collect()
+    };
+    let ngrams = line_of("ngram");
+    assert_eq!(ngrams.len(), 2, "{listing}");
+    assert!(
+        ngrams
+            .iter()
+            .all(|l| l.contains("unusable: ") && l.contains("also named")),
+        "{listing}"
+    );
+    assert!(
+        line_of("test-drafter")[0].contains("calls itself"),
+        "{listing}"
+    );
+    assert!(line_of("foreign")[0].contains("names no file"), "{listing}");
+    assert!(line_of("corrupt")[0].contains("unusable: "), "{listing}");
 }
 
 #[test]

@@ -1,12 +1,21 @@
 //! Sampling through the verify loop is lossless in distribution: the first two emitted tokens
 //! follow the target's own joint distribution p(t1)·p(t2 | t1), for token-match verification
 //! (drafter without probabilities: the target's tokens drawn on the device, as the loop draws
-//! them) and for rejection sampling (drafter returning q), at
-//! T = 0.8 and at T = 1.0 with top-p 0.9. Each case draws 20 000 generations through the
-//! real accept walk, over a synthetic 8-token target and over the tiny-vocabulary fixture
-//! model (its logits computed by the real model for every prefix the draws reach), and a
-//! chi-square test compares the counts with the exact distribution. A deliberately broken walk
-//! must fail the same test, so the test is known to have teeth.
+//! them) and for rejection sampling (drafter returning q), under temperature, top-p, top-k and
+//! min-p. Each case draws 20 000 generations through the real accept walk, over a synthetic
+//! 8-token target and over the tiny-vocabulary fixture model (its logits computed by the real
+//! model for every prefix the draws reach), and a chi-square test compares the counts with
+//! the exact distribution.
+//!
+//! The exact distribution is written out here, in float64, from the logits and the settings
+//! (softmax at the temperature, then top-k, top-p, min-p as transformers applies them), not
+//! taken from the sampler: a temperature or top-p bug shared by the sampler's own
+//! `distribution` and the walk would otherwise pass.
+//!
+//! Rounds draft as the verify loop does, `min(GAMMA, budget - 1)` tokens, so a round whose
+//! draft is accepted reaches the walk's bonus branch (the target's own token after the last
+//! draft); the test counts those rounds and requires many. A deliberately broken walk must
+//! fail the same test, so the test is known to have teeth.
 
 mod common;
 
@@ -79,10 +88,25 @@ fn fixture_target() -> Fixture {
     }
 }
 
-/// A drafter distribution that is deliberately unlike the target: a floor plus a peak.
-fn drafter_q(last: u32, vocab: usize) -> Vec<f32> {
-    let mut q = vec![0.4 / vocab as f32; vocab];
-    q[(last as usize * 5 + 2) % vocab] += 0.6;
+/// A drafter distribution unlike the target's (its softmax at T = 1, unfiltered, mixed half
+/// and half with a floor plus a peak elsewhere), but overlapping it enough that drafts are
+/// often accepted and the bonus branch is reached.
+fn drafter_q(target_logits: &[f32], last: u32) -> Vec<f32> {
+    let vocab = target_logits.len();
+    let max = target_logits
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f64> = target_logits
+        .iter()
+        .map(|&l| ((l - max) as f64).exp())
+        .collect();
+    let total: f64 = exps.iter().sum();
+    let mut q: Vec<f32> = exps
+        .iter()
+        .map(|e| (0.5 * e / total + 0.2 / vocab as f64) as f32)
+        .collect();
+    q[(last as usize * 5 + 2) % vocab] += 0.3;
     q
 }
 
@@ -106,25 +130,40 @@ enum DrafterKind {
     WithProbs,
 }
 
-/// Runs one generation of two tokens through the accept walk; returns them.
+/// Index of the largest logit, the lowest among ties.
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Runs one generation of two tokens through the accept walk; returns them and whether a
+/// round accepted all its drafts and emitted the bonus token after them.
 fn generate_two(
     target: &dyn Target,
     kind: DrafterKind,
     sampling: &SamplingParams,
     walk: WalkFn,
-) -> (u32, u32) {
+) -> ((u32, u32), bool) {
     let vocab = target.vocab();
     let mut history = PROMPT.to_vec();
     let mut emitted = Vec::new();
     let mut round = 0u64;
+    let mut bonus = false;
     while emitted.len() < 2 {
-        // Draft up to GAMMA tokens.
-        let n = GAMMA.min(2 - emitted.len());
+        // Draft as the verify loop does: at most the budget less the round's own token.
+        let n = GAMMA.min(2 - emitted.len() - 1);
         let mut drafts = Vec::new();
         let mut probs = Vec::new();
         let mut last = *history.last().unwrap();
         for i in 0..n {
-            let q = drafter_q(last, vocab);
+            let mut prefix = history.clone();
+            prefix.extend_from_slice(&drafts);
+            let q = drafter_q(&target.logits(&prefix), last);
             let u = unit(sampling.seed, round * 16 + i as u64);
             let mut acc = 0.0;
             let mut pick = vocab as u32 - 1;
@@ -136,8 +175,10 @@ fn generate_two(
                 }
             }
             if kind == DrafterKind::TokenMatch {
-                // A token-match drafter may propose anything; use a deterministic guess.
-                pick = (last * 3 + 1) % vocab as u32;
+                // A token-match drafter may propose anything; this one proposes the target's
+                // most likely token, so its drafts are often accepted and the bonus branch
+                // is reached.
+                pick = argmax(&target.logits(&prefix));
             }
             drafts.push(pick);
             probs.extend_from_slice(&q);
@@ -177,11 +218,131 @@ fn generate_two(
             },
         );
         assert!(!result.emitted.is_empty());
+        if !drafts.is_empty()
+            && result.accepted == drafts.len()
+            && result.emitted.len() == drafts.len() + 1
+        {
+            bonus = true;
+        }
         emitted.extend_from_slice(&result.emitted);
         history.extend_from_slice(&result.emitted);
         round += 1;
     }
-    (emitted[0], emitted[1])
+    ((emitted[0], emitted[1]), bonus)
+}
+
+/// The distribution a token is drawn from, written out from the definitions in float64 (the
+/// sampler's own `distribution` is what is under test): softmax of `logits / T`; top-k keeps
+/// the k most likely; top-p keeps the smallest most-likely-first set whose (renormalised)
+/// mass reaches p; min-p drops tokens below `min_p` times the most likely; then renormalise.
+/// Ties are ordered by the lower id. Returns one probability per vocabulary entry.
+fn reference_distribution(logits: &[f32], s: &SamplingParams) -> Vec<f64> {
+    let v = logits.len();
+    let t = s.temperature as f64;
+    let max = logits
+        .iter()
+        .map(|&l| l as f64)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let exps: Vec<f64> = logits
+        .iter()
+        .map(|&l| ((l as f64 - max) / t).exp())
+        .collect();
+    let total: f64 = exps.iter().sum();
+    let mut probs: Vec<f64> = exps.iter().map(|e| e / total).collect();
+    let mut order: Vec<usize> = (0..v).collect();
+    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+    let mut keep = vec![true; v];
+    if s.top_k > 0 {
+        for &i in order.iter().skip(s.top_k) {
+            keep[i] = false;
+        }
+    }
+    if s.top_p < 1.0 {
+        let kept_mass: f64 = (0..v).filter(|&i| keep[i]).map(|i| probs[i]).sum();
+        let mut mass = 0.0;
+        let mut reached = false;
+        for &i in &order {
+            if !keep[i] {
+                continue;
+            }
+            if reached {
+                keep[i] = false;
+                continue;
+            }
+            mass += probs[i] / kept_mass;
+            reached = mass >= s.top_p as f64;
+        }
+    }
+    if s.min_p > 0.0 {
+        let top = probs[order[0]];
+        for i in 0..v {
+            if probs[i] < s.min_p as f64 * top {
+                keep[i] = false;
+            }
+        }
+    }
+    for i in 0..v {
+        if !keep[i] {
+            probs[i] = 0.0;
+        }
+    }
+    let total: f64 = probs.iter().sum();
+    probs.iter().map(|p| p / total).collect()
+}
+
+#[test]
+fn the_reference_distribution_filters_as_specified() {
+    // Probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 at T = 1.
+    let logits: Vec<f32> = [8.0f32, 4.0, 2.0, 1.0, 1.0]
+        .iter()
+        .map(|p| p.ln())
+        .collect();
+    let at = |temperature: f32, top_k: usize, top_p: f32, min_p: f32| {
+        let s = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed: 0,
+            ..Default::default()
+        };
+        reference_distribution(&logits, &s)
+    };
+    // (1e-6: the logits are float32 logarithms.)
+    let close = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6);
+    assert!(close(
+        &at(1.0, 0, 1.0, 0.0),
+        &[0.5, 0.25, 0.125, 0.0625, 0.0625]
+    ));
+    // T = 0.5 squares the odds: 64, 16, 4, 1, 1 over 86.
+    let squared: Vec<f64> = [64.0, 16.0, 4.0, 1.0, 1.0]
+        .iter()
+        .map(|x| x / 86.0)
+        .collect();
+    assert!(close(&at(0.5, 0, 1.0, 0.0), &squared));
+    assert!(close(
+        &at(1.0, 2, 1.0, 0.0),
+        &[2.0 / 3.0, 1.0 / 3.0, 0.0, 0.0, 0.0]
+    ));
+    // top-p 0.7 keeps 0.5 + 0.25; 0.76 needs the third token too.
+    assert!(close(
+        &at(1.0, 0, 0.7, 0.0),
+        &[2.0 / 3.0, 1.0 / 3.0, 0.0, 0.0, 0.0]
+    ));
+    assert!(close(
+        &at(1.0, 0, 0.76, 0.0),
+        &[4.0 / 7.0, 2.0 / 7.0, 1.0 / 7.0, 0.0, 0.0]
+    ));
+    // min-p 0.2 drops what is below 0.1.
+    assert!(close(
+        &at(1.0, 0, 1.0, 0.2),
+        &[4.0 / 7.0, 2.0 / 7.0, 1.0 / 7.0, 0.0, 0.0]
+    ));
+    // top-k 3 then top-p 0.6 on the survivors (0.5, 0.25, 0.125) / 0.875: 0.571 < 0.6.
+    assert!(close(
+        &at(1.0, 3, 0.6, 0.0),
+        &[2.0 / 3.0, 1.0 / 3.0, 0.0, 0.0, 0.0]
+    ));
 }
 
 /// Chi-square statistic of `counts` against the exact joint distribution, with cells of
@@ -191,13 +352,14 @@ fn chi_square(
     counts: &HashMap<(u32, u32), u64>,
     sampling: &SamplingParams,
 ) -> (f64, f64) {
-    let p1 = sampling.distribution(&target.logits(&PROMPT));
+    let p1 = reference_distribution(&target.logits(&PROMPT), sampling);
     let mut cells = Vec::new();
-    for &(t1, a) in &p1 {
-        let p2 = sampling.distribution(&target.logits(&[PROMPT[0], PROMPT[1], t1]));
-        for &(t2, b) in &p2 {
+    for (t1, &a) in p1.iter().enumerate().filter(|e| *e.1 > 0.0) {
+        let t1 = t1 as u32;
+        let p2 = reference_distribution(&target.logits(&[PROMPT[0], PROMPT[1], t1]), sampling);
+        for (t2, &b) in p2.iter().enumerate().filter(|e| *e.1 > 0.0) {
             let expected = a * b * DRAWS as f64;
-            cells.push((expected, *counts.get(&(t1, t2)).unwrap_or(&0) as f64));
+            cells.push((expected, *counts.get(&(t1, t2 as u32)).unwrap_or(&0) as f64));
         }
     }
     let seen: u64 = counts.values().sum();
@@ -231,58 +393,87 @@ fn chi_square(
     (stat, crit)
 }
 
+/// The sampling settings of the cases: (temperature, top-k, top-p, min-p).
+const SETTINGS: [(f32, usize, f32, f32); 4] = [
+    (0.8, 0, 1.0, 0.0),
+    (1.0, 0, 0.9, 0.0),
+    (0.7, 5, 1.0, 0.0),
+    (1.2, 0, 1.0, 0.1),
+];
+
+/// What one case measured.
+struct Measured {
+    stat: f64,
+    crit: f64,
+    /// Generations in which a round accepted every draft and emitted the bonus token.
+    bonus_rounds: u64,
+}
+
 fn run(
     target: &dyn Target,
     kind: DrafterKind,
-    temperature: f32,
-    top_p: f32,
+    (temperature, top_k, top_p, min_p): (f32, usize, f32, f32),
     walk: WalkFn,
-) -> (f64, f64) {
-    let mut counts = HashMap::new();
-    for seed in 0..DRAWS {
-        let sampling = SamplingParams {
-            temperature,
-            top_k: 0,
-            top_p,
-            min_p: 0.0,
-            seed: seed * 7919 + 13,
-            ..Default::default()
-        };
-        *counts
-            .entry(generate_two(target, kind, &sampling, walk))
-            .or_insert(0u64) += 1;
-    }
-    let reference = SamplingParams {
+) -> Measured {
+    let settings = |seed| SamplingParams {
         temperature,
-        top_k: 0,
+        top_k,
         top_p,
-        min_p: 0.0,
-        seed: 0,
+        min_p,
+        seed,
         ..Default::default()
     };
-    chi_square(target, &counts, &reference)
+    let mut counts = HashMap::new();
+    let mut bonus_rounds = 0;
+    for seed in 0..DRAWS {
+        let (pair, bonus) = generate_two(target, kind, &settings(seed * 7919 + 13), walk);
+        *counts.entry(pair).or_insert(0u64) += 1;
+        bonus_rounds += bonus as u64;
+    }
+    let (stat, crit) = chi_square(target, &counts, &settings(0));
+    Measured {
+        stat,
+        crit,
+        bonus_rounds,
+    }
+}
+
+/// Runs every setting and checks the fit and that the bonus branch was taken often: at
+/// least 2 % of the generations (each case reaches it in 11 % or more; a walk that never
+/// emitted a bonus token, or a drafter whose drafts were never accepted, would fail).
+fn check_lossless(target: &dyn Target, kind: DrafterKind, what: &str) {
+    for setting in SETTINGS {
+        let m = run(target, kind, setting, accept_walk);
+        println!(
+            "{what} {setting:?}: chi2 {:.1} (critical {:.1}), bonus in {} generations",
+            m.stat, m.crit, m.bonus_rounds
+        );
+        assert!(
+            m.stat < m.crit,
+            "{what} {setting:?}: chi2 {:.1} >= {:.1}",
+            m.stat,
+            m.crit
+        );
+        assert!(
+            m.bonus_rounds > DRAWS / 50,
+            "{what} {setting:?}: the bonus branch was reached in only {} of {DRAWS} generations",
+            m.bonus_rounds
+        );
+    }
 }
 
 #[test]
 fn token_match_verification_samples_the_target_distribution() {
-    for (t, top_p) in [(0.8, 1.0), (1.0, 0.9)] {
-        let (stat, crit) = run(&Synthetic, DrafterKind::TokenMatch, t, top_p, accept_walk);
-        assert!(
-            stat < crit,
-            "T={t} top_p={top_p}: chi2 {stat:.1} >= {crit:.1}"
-        );
-    }
+    check_lossless(
+        &Synthetic,
+        DrafterKind::TokenMatch,
+        "synthetic, token match",
+    );
 }
 
 #[test]
 fn rejection_sampling_samples_the_target_distribution() {
-    for (t, top_p) in [(0.8, 1.0), (1.0, 0.9)] {
-        let (stat, crit) = run(&Synthetic, DrafterKind::WithProbs, t, top_p, accept_walk);
-        assert!(
-            stat < crit,
-            "T={t} top_p={top_p}: chi2 {stat:.1} >= {crit:.1}"
-        );
-    }
+    check_lossless(&Synthetic, DrafterKind::WithProbs, "synthetic, rejection");
 }
 
 /// A walk that trusts the drafter blindly: emits its drafts as if accepted.
@@ -304,30 +495,75 @@ fn broken_walk(
     }
 }
 
+/// A walk whose bonus token ignores the temperature (drawn at T = 1): wrong only in the
+/// branch that emits a token after all drafts were accepted.
+fn bonus_at_unit_temperature(
+    t: &Verified,
+    drafts: &[u32],
+    probs: Option<&[f32]>,
+    s: &SamplingParams,
+    l: WalkLimits,
+) -> Walk {
+    let first_index = l.first_index;
+    let walk = accept_walk(t, drafts, probs, s, l);
+    let d = drafts.len();
+    if d == 0 || walk.accepted < d || walk.emitted.len() <= d {
+        return walk;
+    }
+    let unit = SamplingParams {
+        temperature: 1.0,
+        ..*s
+    };
+    let row = &t.rows[d * t.vocab..(d + 1) * t.vocab];
+    let mut emitted = walk.emitted.clone();
+    emitted[d] = unit.sample(row, first_index + d as u64);
+    Walk { emitted, ..walk }
+}
+
 #[test]
 fn the_test_rejects_a_walk_that_is_not_lossless() {
-    let (stat, crit) = run(&Synthetic, DrafterKind::WithProbs, 1.0, 1.0, broken_walk);
+    let m = run(
+        &Synthetic,
+        DrafterKind::WithProbs,
+        (1.0, 0, 1.0, 0.0),
+        broken_walk,
+    );
     assert!(
-        stat > crit,
-        "a broken walk passed: chi2 {stat:.1} < {crit:.1}"
+        m.stat > m.crit,
+        "a broken walk passed: chi2 {:.1} < {:.1}",
+        m.stat,
+        m.crit
+    );
+    // A temperature bug confined to the bonus token is caught too (T = 0.5 against 1).
+    let m = run(
+        &Synthetic,
+        DrafterKind::WithProbs,
+        (0.5, 0, 1.0, 0.0),
+        bonus_at_unit_temperature,
+    );
+    assert!(
+        m.stat > m.crit,
+        "a wrong bonus temperature passed: chi2 {:.1} < {:.1}",
+        m.stat,
+        m.crit
     );
 }
 
 #[test]
 fn both_verifications_sample_the_fixture_models_distribution() {
     let target = fixture_target();
-    for kind in [DrafterKind::TokenMatch, DrafterKind::WithProbs] {
-        for (t, top_p) in [(0.8, 1.0), (1.0, 0.9)] {
-            let (stat, crit) = run(&target, kind, t, top_p, accept_walk);
-            assert!(
-                stat < crit,
-                "fixture, T={t} top_p={top_p}: chi2 {stat:.1} >= {crit:.1}"
-            );
-        }
-    }
-    let (stat, crit) = run(&target, DrafterKind::WithProbs, 1.0, 1.0, broken_walk);
+    check_lossless(&target, DrafterKind::TokenMatch, "fixture, token match");
+    check_lossless(&target, DrafterKind::WithProbs, "fixture, rejection");
+    let m = run(
+        &target,
+        DrafterKind::WithProbs,
+        (1.0, 0, 1.0, 0.0),
+        broken_walk,
+    );
     assert!(
-        stat > crit,
-        "a broken walk passed on the fixture: chi2 {stat:.1} < {crit:.1}"
+        m.stat > m.crit,
+        "a broken walk passed on the fixture: chi2 {:.1} < {:.1}",
+        m.stat,
+        m.crit
     );
 }

@@ -163,6 +163,36 @@ pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<PluginModuleRef
     Ok(module)
 }
 
+/// Marks every plugin whose manifest name another one also has as unusable, naming the other
+/// manifests: `--drafter NAME` would otherwise load whichever folder sorts first, silently.
+fn refuse_duplicate_names(plugins: &mut [Discovered]) {
+    let named: Vec<(Option<String>, PathBuf)> = plugins
+        .iter()
+        .map(|d| {
+            let name = d.manifest.as_ref().map(|m| m.plugin.name.clone());
+            (name, d.manifest_path.clone())
+        })
+        .collect();
+    for (i, plugin) in plugins.iter_mut().enumerate() {
+        let (Some(name), path) = &named[i] else {
+            continue;
+        };
+        let others: Vec<String> = named
+            .iter()
+            .enumerate()
+            .filter(|(j, (n, _))| *j != i && n.as_ref() == Some(name))
+            .map(|(_, (_, p))| p.display().to_string())
+            .collect();
+        if !others.is_empty() {
+            plugin.status = Err(format!(
+                "{}: another plugin is also named {name:?} ({}); rename one or remove it from the plugins directories",
+                path.display(),
+                others.join(", ")
+            ));
+        }
+    }
+}
+
 impl Registry {
     /// Discovers (and loads) every plugin in `dirs`. A bad plugin is recorded with its reason;
     /// a missing directory is an error.
@@ -187,6 +217,7 @@ impl Registry {
                 });
             }
         }
+        refuse_duplicate_names(&mut plugins);
         Ok(Registry { plugins })
     }
 

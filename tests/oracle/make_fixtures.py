@@ -38,6 +38,10 @@ golden.safetensors in every variant holds (float32 / int64, batch dimension drop
   greedy_logits [24, V]   the logits row each greedy token was the argmax of
   tok_text_ids [n]        (tiny-wrapped-bf16 only) tokenizer ids of a sample string
 
+make_long_goldens.py (run after this script) adds golden_long.safetensors (a 700-token
+prompt) to every variant and golden_half.safetensors (transformers' own half-precision
+logits) to the two that the Rust tests run in half precision.
+
 For the bf16 variant the goldens are computed in float32 on the bf16-rounded weights;
 for the quantized variant they are computed in float32 on the dequantized weights
 (w = scales * q + biases).
