@@ -79,6 +79,35 @@ fn streaming_pieces_concatenate_to_the_full_text() {
     assert_eq!(text, g["text"].as_str().unwrap());
 }
 
+/// Cut anywhere, even inside a character whose bytes are separate tokens, the streamed pieces
+/// plus `finish` are the decoded text of what was generated.
+#[test]
+fn streaming_then_finish_gives_the_decoded_text_at_every_cut() {
+    let g = golden();
+    let tok = tokenizer();
+    let all = ids(&g["ids_no_special"]);
+    let mut held_back_somewhere = false;
+    for cut in 1..=all.len() {
+        let mut stream = StreamDecoder::new();
+        let mut text = String::new();
+        for &id in &all[..cut] {
+            text.push_str(&stream.push(&tok, id).unwrap());
+        }
+        let tail = stream.finish(&tok).unwrap();
+        held_back_somewhere |= !tail.is_empty();
+        text.push_str(&tail);
+        assert_eq!(
+            text,
+            tok.decode(&all[..cut]).unwrap(),
+            "cut after {cut} tokens"
+        );
+    }
+    assert!(
+        held_back_somewhere,
+        "no cut fell inside a character: the text checks nothing held back"
+    );
+}
+
 #[test]
 fn stop_ids_merge_config_and_generation_config() {
     let stops = stop_ids(&fixture("tiny-wrapped-bf16"), &[1, 106]).unwrap();

@@ -961,7 +961,7 @@ fn compare_fused(
     let repeats = args.repeats.max(3);
     // The path the model was loaded with, put back after the comparison.
     let configured = model.set_fast_path(None);
-    let on_cuda = cfg!(target_os = "linux") && device::default_is(mlx_rs::DeviceType::Gpu);
+    let on_cuda = on_cuda();
     let mut run_all = || -> Result<()> {
         for round in 0..=repeats {
             for (i, s) in sets.iter().enumerate() {
@@ -995,7 +995,6 @@ fn compare_fused(
     };
     let result = run_all();
     model.set_fast_path(configured);
-    args.model.allow_fused_kernels();
     result?;
     let median_split = |v: &[HostSplit]| HostSplit {
         build_ms: median(v.iter().map(|h| h.build_ms).collect()),
@@ -1248,8 +1247,8 @@ fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> 
 /// `bench --op-cost`: host time per operation, by kind.
 fn run_op_cost(args: &BenchArgs) -> Result<()> {
     device::select(args.model.device)?;
-    args.model.allow_fused_kernels();
-    let costs = mlx_spec::diagnostics::operation_costs(400, 1024, args.repeats)?;
+    let costs =
+        mlx_spec::diagnostics::operation_costs(400, 1024, args.repeats, args.model.fused_here())?;
     if args.json {
         let rows: Vec<_> = costs
             .iter()
@@ -1274,7 +1273,7 @@ fn run_op_cost(args: &BenchArgs) -> Result<()> {
 
 /// Whether MLX's default device is a CUDA GPU, where the fused kernels run.
 fn on_cuda() -> bool {
-    cfg!(target_os = "linux") && device::default_is(mlx_rs::DeviceType::Gpu)
+    mlx_spec::kernels::on_cuda_gpu()
 }
 
 /// `bench --check-kernels`: fused kernels against references on random data.
@@ -1283,7 +1282,6 @@ fn run_check_kernels(args: &BenchArgs) -> Result<()> {
     if !on_cuda() {
         bail!("--check-kernels needs a CUDA GPU (--device gpu with the CUDA libmlx)");
     }
-    args.model.allow_fused_kernels();
     let attention = mlx_spec::diagnostics::decode_attention_errors(Dtype::Bfloat16, 1e-2)?;
     let windows = mlx_spec::diagnostics::window_post_attention_differences()?;
     if args.json {
@@ -1320,7 +1318,6 @@ fn run_check_kernels(args: &BenchArgs) -> Result<()> {
 /// `bench --feed-forward-speed`: the feed-forward block's weight streaming rate, by method.
 fn run_feed_forward_speed(args: &BenchArgs) -> Result<()> {
     device::select(args.model.device)?;
-    args.model.allow_fused_kernels();
     let (_, _, config) = read_config(&args.model.model)?;
     let (hidden, intermediate) = (config.hidden_size as i32, config.intermediate_size as i32);
     // The first layer's heads (a sliding-window layer in every released size).
@@ -1332,6 +1329,7 @@ fn run_feed_forward_speed(args: &BenchArgs) -> Result<()> {
         attention_width,
         16,
         args.repeats,
+        args.model.fused_here(),
     )?;
     if args.json {
         let rows: Vec<_> = speeds

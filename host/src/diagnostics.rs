@@ -91,7 +91,12 @@ pub struct OperationCost {
 /// `chain` operations on a `[1, width]` bf16 vector with `[width, width]` weights, small enough
 /// that the device finishes each operation in about its launch time. The median of `rounds`
 /// chains after a warm-up one.
-pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<OperationCost>> {
+pub fn operation_costs(
+    chain: usize,
+    width: i32,
+    rounds: usize,
+    fused: Fused,
+) -> Result<Vec<OperationCost>> {
     if chain == 0 || width <= 0 || width % 8 != 0 || rounds == 0 {
         bail!("operation_costs needs a chain, a positive width divisible by 8 and a round");
     }
@@ -157,7 +162,7 @@ pub fn operation_costs(chain: usize, width: i32, rounds: usize) -> Result<Vec<Op
         "reshape (MLX)",
         Box::new(|x: &Array| Ok(x.reshape(&[-1])?.reshape(&[1, -1])?)),
     ));
-    if Fused::for_next_forward().products {
+    if fused.products {
         let (small, large, included) = (scale_small?, scale_large?, scale_included?);
         kinds.push((
             "scale, 0.1 KB source inline (ours)",
@@ -296,6 +301,7 @@ pub fn feed_forward_speed(
     attention_width: i32,
     layers: usize,
     rounds: usize,
+    fused: Fused,
 ) -> Result<Vec<FeedForwardSpeed>> {
     if hidden <= 0 || intermediate <= 0 || attention_width <= 0 || layers == 0 || rounds == 0 {
         bail!("feed_forward_speed needs positive sizes, a layer and a round");
@@ -357,7 +363,6 @@ pub fn feed_forward_speed(
             Ok(h.add(rms_norm(&d, Some(norm), eps)?)?)
         }),
     )];
-    let fused = Fused::for_next_forward();
     if fused.products {
         for rows in ROWS_PER_WARP_CHOICES {
             kinds.push((
@@ -718,19 +723,19 @@ mod tests {
 
     #[test]
     fn feed_forward_speed_times_mlx_operations_on_the_cpu() {
-        let speeds = feed_forward_speed(64, 128, 64, 2, 1).unwrap();
+        let speeds = feed_forward_speed(64, 128, 64, 2, 1, Fused::default()).unwrap();
         // No fused kernels off a CUDA device.
         assert_eq!(speeds.len(), 1, "{speeds:?}");
         assert_eq!(speeds[0].kind, "MLX operations");
         let s = &speeds[0];
         assert!(s.total_us >= s.build_us && s.gb_per_s > 0.0, "{s:?}");
-        assert!(feed_forward_speed(64, 128, 64, 0, 1).is_err());
-        assert!(feed_forward_speed(64, 128, 0, 2, 1).is_err());
+        assert!(feed_forward_speed(64, 128, 64, 0, 1, Fused::default()).is_err());
+        assert!(feed_forward_speed(64, 128, 0, 2, 1, Fused::default()).is_err());
     }
 
     #[test]
     fn operation_costs_time_every_mlx_kind_on_the_cpu() {
-        let costs = operation_costs(8, 64, 1).unwrap();
+        let costs = operation_costs(8, 64, 1, Fused::default()).unwrap();
         let kinds: Vec<&str> = costs.iter().map(|c| c.kind).collect();
         // No fused kernels off a CUDA device: MLX's four kinds of one row, then its two of a
         // four-row window.
@@ -740,7 +745,7 @@ mod tests {
         for c in &costs {
             assert!(c.build_us > 0.0 && c.total_us >= c.build_us, "{c:?}");
         }
-        assert!(operation_costs(0, 64, 1).is_err());
-        assert!(operation_costs(8, 60, 1).is_err());
+        assert!(operation_costs(0, 64, 1, Fused::default()).is_err());
+        assert!(operation_costs(8, 60, 1, Fused::default()).is_err());
     }
 }

@@ -53,7 +53,7 @@ impl LoadOptions {
             device: DeviceKind::Cpu,
             dtype: DtypeChoice::Auto,
             random_weights: None,
-            kernels: Fused::allowed(),
+            kernels: Fused::every(),
             handoff_layers: None,
         }
     }

@@ -215,9 +215,14 @@ impl ModelArgs {
         }
     }
 
-    /// Puts `--fused-kernels` in force for the process.
-    fn allow_fused_kernels(&self) {
-        mlx_spec::kernels::set_allowed(self.fused());
+    /// The kernels `--fused-kernels` allows where they can run (a CUDA GPU), none elsewhere:
+    /// for the lab's measurements outside a model.
+    fn fused_here(&self) -> mlx_spec::kernels::Fused {
+        if mlx_spec::kernels::on_cuda_gpu() {
+            self.fused()
+        } else {
+            mlx_spec::kernels::Fused::default()
+        }
     }
 }
 
@@ -441,10 +446,8 @@ impl ModelArgs {
     }
 }
 
-/// Loads the model `args` describe (the library's [`mlx_spec::load::load`]), with the
-/// process-wide settings the flags still carry put in force first.
+/// Loads the model `args` describe (the library's [`mlx_spec::load::load`]).
 fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
-    args.allow_fused_kernels();
     mlx_spec::load::load(&args.load_options()?)
 }
 
@@ -608,6 +611,10 @@ fn run_job(job: Job) -> Result<()> {
             json!({"tokens": tokens, "text": text, "stats": stats_json})
         )?;
     } else {
+        // Bytes of an incomplete character held back at the end: as the decoded text has them.
+        if let Some(t) = tok {
+            write!(stdout, "{}", stream.finish(t)?)?;
+        }
         writeln!(stdout)?;
         eprintln!(
             "prompt: {} tokens, {:.1} tokens/s | generation: {} tokens, {:.1} tokens/s",
@@ -804,8 +811,11 @@ mod tests {
             panic!("parsed another command")
         };
         assert_eq!(args.model.fused_kernels, FusedKernelsArg::Default);
-        // And the library's own default, which runs until a command sets it.
-        assert_eq!(args.model.fused(), mlx_spec::kernels::Fused::allowed());
+        // And the loader's own default.
+        assert_eq!(
+            args.model.fused(),
+            mlx_spec::load::LoadOptions::new("m").kernels
+        );
     }
 
     #[test]

@@ -136,6 +136,20 @@ impl StreamDecoder {
             Ok(String::new())
         }
     }
+
+    /// The text of the tokens held back so far (an incomplete UTF-8 sequence at the end of a
+    /// generation decodes to U+FFFD, as the whole text's decoding gives it), so that the
+    /// streamed pieces add up to the decoded text.
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String> {
+        let before = tok.decode(&self.ids[self.prefix_start..self.read_start])?;
+        let after = tok.decode(&self.ids[self.prefix_start..])?;
+        self.prefix_start = self.read_start;
+        self.read_start = self.ids.len();
+        Ok(after
+            .strip_prefix(before.as_str())
+            .unwrap_or_default()
+            .to_owned())
+    }
 }
 
 /// Stop token ids: config.json's `eos_token_id` plus generation_config.json's, deduplicated.

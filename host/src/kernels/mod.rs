@@ -55,20 +55,10 @@ use std::cell::RefCell;
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, CString};
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Result};
 use mlx_rs::{Array, Dtype};
 
-// What `--fused-kernels` allows; until it is set, the default set.
-static ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
-static PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
-static POST_ATTENTION_ALLOWED: AtomicBool = AtomicBool::new(true);
-static AFFINE4_ALLOWED: AtomicBool = AtomicBool::new(true);
-static AFFINE4_HEADS_ALLOWED: AtomicBool = AtomicBool::new(true);
-static AFFINE4_PRODUCTS_ALLOWED: AtomicBool = AtomicBool::new(true);
-static OUTPUT_HEAD_ALLOWED: AtomicBool = AtomicBool::new(true);
-static WINDOW_ALLOWED: AtomicBool = AtomicBool::new(true);
 /// Which fused kernels a forward uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fused {
@@ -98,18 +88,6 @@ pub struct Fused {
 }
 
 impl Fused {
-    /// What the next forward may use: the kernels allowed for this process, when this is a
-    /// Linux build (MLX's GPU backend there is CUDA) and MLX's default device is the GPU.
-    pub fn for_next_forward() -> Fused {
-        if capturing() {
-            return Fused::allowed();
-        }
-        if !cfg!(target_os = "linux") || !crate::device::default_is(mlx_rs::DeviceType::Gpu) {
-            return Fused::default();
-        }
-        Fused::allowed()
-    }
-
     /// Every kernel allowed: the default set.
     pub fn every() -> Fused {
         Fused {
@@ -123,21 +101,12 @@ impl Fused {
             window: true,
         }
     }
+}
 
-    /// What `--fused-kernels` allows for this process ([`set_allowed`]); until it is set, the
-    /// library's default set, which is the command line's default too.
-    pub fn allowed() -> Fused {
-        Fused {
-            attention: ATTENTION_ALLOWED.load(Ordering::Relaxed),
-            products: PRODUCTS_ALLOWED.load(Ordering::Relaxed),
-            post_attention: POST_ATTENTION_ALLOWED.load(Ordering::Relaxed),
-            affine4: AFFINE4_ALLOWED.load(Ordering::Relaxed),
-            affine4_heads: AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed),
-            affine4_products: AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed),
-            output_head: OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed),
-            window: WINDOW_ALLOWED.load(Ordering::Relaxed),
-        }
-    }
+/// Whether mlx-spec's kernels can run here: a Linux build (MLX's GPU backend there is CUDA)
+/// whose MLX default device is the GPU.
+pub fn on_cuda_gpu() -> bool {
+    cfg!(target_os = "linux") && crate::device::default_is(mlx_rs::DeviceType::Gpu)
 }
 
 thread_local! {
@@ -167,18 +136,6 @@ pub(crate) fn step_ints(values: &[i32]) -> Result<Array> {
         memo.push((values.to_vec(), a.clone()));
         Ok(a)
     })
-}
-
-/// Allows or forbids each fused kernel for the rest of the process (`--fused-kernels`).
-pub fn set_allowed(allowed: Fused) {
-    ATTENTION_ALLOWED.store(allowed.attention, Ordering::Relaxed);
-    PRODUCTS_ALLOWED.store(allowed.products, Ordering::Relaxed);
-    POST_ATTENTION_ALLOWED.store(allowed.post_attention, Ordering::Relaxed);
-    AFFINE4_ALLOWED.store(allowed.affine4, Ordering::Relaxed);
-    AFFINE4_HEADS_ALLOWED.store(allowed.affine4_heads, Ordering::Relaxed);
-    AFFINE4_PRODUCTS_ALLOWED.store(allowed.affine4_products, Ordering::Relaxed);
-    OUTPUT_HEAD_ALLOWED.store(allowed.output_head, Ordering::Relaxed);
-    WINDOW_ALLOWED.store(allowed.window, Ordering::Relaxed);
 }
 
 /// A compile-time constant of a kernel's source.
@@ -327,8 +284,8 @@ thread_local! {
 }
 
 /// Runs `f` with every fused-kernel call recorded rather than run: the calls return zeros
-/// of their outputs' shapes, the kernels are allowed off a CUDA device (as
-/// [`Fused::allowed`] says) and a grid-wide barrier's grid is taken as that of an H200 (132
+/// of their outputs' shapes, the kernels of the model's fast path run off a CUDA device too,
+/// and a grid-wide barrier's grid is taken as that of an H200 (132
 /// multiprocessors). Nothing of what `f` builds is meant to be evaluated for its values, and
 /// a kernel first made while capturing (each is made once a thread) refuses to run later:
 /// this is for one-shot dumps (`bench --dump-kernel-sources`), not for a serving process.
@@ -872,21 +829,6 @@ __device__ inline float block_max(float v, float* red) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn off_a_cuda_gpu_no_fused_kernel_runs_whatever_is_allowed() {
-        // The 4-bit kernels and the output head too: a layer must not launch a CUDA kernel on the
-        // CPU of a CUDA build (`--device cpu`). Tests run on the CPU device.
-        set_allowed(Fused::every());
-        let next = Fused::for_next_forward();
-        let affine4 = AFFINE4_ALLOWED.load(Ordering::Relaxed)
-            && AFFINE4_HEADS_ALLOWED.load(Ordering::Relaxed)
-            && AFFINE4_PRODUCTS_ALLOWED.load(Ordering::Relaxed)
-            && OUTPUT_HEAD_ALLOWED.load(Ordering::Relaxed);
-        set_allowed(Fused::default());
-        assert!(affine4, "set_allowed did not allow the 4-bit kernels");
-        assert_eq!(next, Fused::default());
-    }
 
     #[test]
     fn a_captured_call_is_recorded_as_mlx_would_compile_it_and_returns_zeros() {
