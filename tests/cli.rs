@@ -342,7 +342,7 @@ fn without_model_flag_the_default_code_model_writes_python() {
 #[test]
 fn repeatability_finds_the_cpu_decode_bitwise_repeatable() {
     let out = mlx_spec(&[
-        "bench",
+        "lab",
         "--prompt-tokens",
         "24",
         "--gen-tokens",
@@ -367,7 +367,7 @@ fn repeatability_finds_the_cpu_decode_bitwise_repeatable() {
 #[test]
 fn compare_sampling_measures_every_setting_drawn_on_the_device_and_on_the_host() {
     let out = mlx_spec(&[
-        "bench",
+        "lab",
         "--prompt-tokens",
         "8",
         "--gen-tokens",
@@ -401,7 +401,7 @@ fn compare_fused_off_cuda_runs_the_same_operations_for_every_set() {
     // operations: the same tokens and a logit gap of exactly 0 (a set whose kernels leaked
     // onto the CPU would fail here, and so would a gap computed against the wrong set).
     let out = mlx_spec(&[
-        "bench",
+        "lab",
         "--prompt-tokens",
         "8",
         "--gen-tokens",

@@ -253,7 +253,7 @@ fn rollbacks_deeper_than_the_sliding_window_keep_greedy_output_exact() {
 fn replay_bench(args: &[&str]) -> std::process::Output {
     let model = common::fixture("tiny-ple-kvshare");
     let mut all = vec![
-        "bench",
+        "lab",
         "--model",
         model.to_str().unwrap(),
         "--prompt-tokens",

@@ -1,4 +1,4 @@
-"""Each set's rate in every round of a `bench --compare-fused -v` run, from its log (stderr):
+"""Each set's rate in every round of a `lab --compare-fused -v` run, from its log (stderr):
 the spread that a median hides, and how often each set led its round. Rounds after the first
 (the first compiles kernels and warms caches) count.
 

@@ -59,7 +59,7 @@ EOF
         dir="$OUT/$model-$([[ $bits == 4 ]] && echo 4bit || echo bf16)"
         extra=()
         [[ $bits == 4 ]] && extra=(--random-bits 4)
-        "$BIN" bench --random-weights --model "$config" --dtype bf16 "${extra[@]}" \
+        "$BIN" lab --random-weights --model "$config" --dtype bf16 "${extra[@]}" \
             --prompt-tokens 4 --gen-tokens 1 --dump-kernel-sources "$dir"
         dumps+=("$dir")
     done

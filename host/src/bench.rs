@@ -45,7 +45,7 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
                 .map(|v| v as usize)
         })
         .unwrap_or(10);
-    let loaded = load_model(&args.model)?;
+    let loaded = load_model(&args.model, &args.random)?;
     let model = &loaded.model;
     let need_tokenizer = || {
         loaded
@@ -250,7 +250,7 @@ fn explain_mismatch(
 fn report_replayed_drafts(model: &mut Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
     use mlx_spec::model::gemma4::RunSettings;
     use mlx_spec::speculative::replay::{expected_acceptance_length, ReplayDrafter};
-    if args.replay_draft_lengths.contains(&0) {
+    if args.lab.replay_draft_lengths.contains(&0) {
         bail!("--replay-draft-lengths: every length must be at least 1");
     }
     let request = GenerateRequest {
@@ -261,15 +261,15 @@ fn report_replayed_drafts(model: &mut Gemma4Model, prompt: &[u32], args: &BenchA
         ignore_eos: true,
     };
     let configured = model.settings();
-    let handoffs = if args.replay_handoffs.is_empty() {
+    let handoffs = if args.lab.replay_handoffs.is_empty() {
         vec![configured.handoff_layers]
     } else {
-        args.replay_handoffs.clone()
+        args.lab.replay_handoffs.clone()
     };
     let mut cases = Vec::new();
-    for &k in &args.replay_draft_lengths {
-        for &p in &args.replay_drafts {
-            for sizing in &args.replay_sizings {
+    for &k in &args.lab.replay_draft_lengths {
+        for &p in &args.lab.replay_drafts {
+            for sizing in &args.lab.replay_sizings {
                 for &handoff in &handoffs {
                     let fitted = sizing == "fitted";
                     cases.push(ReplayCase {
@@ -288,7 +288,13 @@ fn report_replayed_drafts(model: &mut Gemma4Model, prompt: &[u32], args: &BenchA
     // Per case: the slowest drafted round of the measured rounds, seconds.
     let mut slowest = vec![0.0f64; cases.len()];
     let mut plain_rates = Vec::new();
-    let most_drafts = args.replay_draft_lengths.iter().copied().max().unwrap_or(1);
+    let most_drafts = args
+        .lab
+        .replay_draft_lengths
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1);
     prime_windows(model, prompt, most_drafts + 1, args.gen_tokens)?;
     for round in 0..=args.repeats {
         let start = Instant::now();
@@ -1367,35 +1373,35 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     if let Some(drafter) = args.spec.drafter.clone() {
         return run_bench_spec(&args, &drafter);
     }
-    if args.op_cost {
+    if args.lab.op_cost {
         return run_op_cost(&args);
     }
-    if args.feed_forward_speed {
+    if args.lab.feed_forward_speed {
         return run_feed_forward_speed(&args);
     }
-    if args.check_kernels {
+    if args.lab.check_kernels {
         return run_check_kernels(&args);
     }
-    let mut loaded = load_model(&args.model)?;
+    let mut loaded = load_model(&args.model, &args.random)?;
     let weight_bytes = mlx_rs::memory::active_memory().unwrap_or(0);
     let prompt = synthetic_prompt(loaded.model.config.vocab_size, args.prompt_tokens);
-    if !args.replay_drafts.is_empty() {
+    if !args.lab.replay_drafts.is_empty() {
         return report_replayed_drafts(&mut loaded.model, &prompt, &args);
     }
     let model = &mut loaded.model;
-    if let Some(runs) = args.repeatability {
+    if let Some(runs) = args.lab.repeatability {
         return report_repeatability(model, &prompt, runs, args.gen_tokens);
     }
-    if args.stage_times {
+    if args.lab.stage_times {
         return report_stage_times(model, &prompt, &args);
     }
-    if let Some(dir) = &args.dump_kernel_sources {
+    if let Some(dir) = &args.lab.dump_kernel_sources {
         return dump_kernel_sources(model, &prompt, dir);
     }
-    if let Some(k) = args.verify_window {
+    if let Some(k) = args.lab.verify_window {
         return report_verify_window(model, &prompt, k, &args);
     }
-    if args.compare_sampling {
+    if args.lab.compare_sampling {
         return report_sampling(model, &prompt, &args);
     }
 
@@ -1447,7 +1453,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     } else {
         Vec::new()
     };
-    let step_ops = match &args.dump_step_graph {
+    let step_ops = match &args.lab.dump_step_graph {
         Some(path) => {
             let mut cache = model.new_cache();
             let logits = prefill(model, &mut cache, &prompt)?;
@@ -1462,7 +1468,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         }
         None => None,
     };
-    let fused_comparison = if args.compare_fused {
+    let fused_comparison = if args.lab.compare_fused {
         if !on_cuda() {
             tracing::warn!(
                 "--compare-fused: the fused kernels run on a CUDA GPU only; here every set runs \
@@ -1473,7 +1479,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     } else {
         Vec::new()
     };
-    let check = match args.check_cpu {
+    let check = match args.lab.check_cpu {
         Some(n) => {
             let short = &prompt[..prompt.len().min(16)];
             Some(check_against_cpu(
@@ -1490,7 +1496,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         println!(
             "{}",
             json!({
-                "model": name, "random_weights": args.model.random_weights, "dtype": format!("{:?}", model.dtype),
+                "model": name, "random_weights": args.random.random_weights, "dtype": format!("{:?}", model.dtype),
                 "device": args.model.device, "mlx_version": device::mlx_version(), "weight_bytes": weight_bytes,
                 "weight_bytes_read_per_token": model.weight_bytes_read_per_token(weight_bytes),
                 "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
@@ -1515,7 +1521,7 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         println!("|---|---|---|---|---|---|");
         println!(
             "| {name}{} | {:?} | {:?} | {:.1} | {prefill_rate:.1} | {decode_rate:.1} |",
-            if args.model.random_weights {
+            if args.random.random_weights {
                 " (random)"
             } else {
                 ""

@@ -44,8 +44,11 @@ enum Command {
     Generate(GenerateArgs),
     /// Generate as a deploy config (TOML) says: model, device, plugins, drafter, sampling.
     Run(RunArgs),
-    /// Measure prefill and decode speed (tokens/s) of a model.
-    Bench(BenchArgs),
+    /// Measure prefill and decode speed (tokens/s), plain or speculative side by side.
+    Bench(UserBenchArgs),
+    /// Developer measurements and checks of the fast path (bench/gpu/README.md).
+    #[command(hide = true)]
+    Lab(BenchArgs),
     /// Inspect drafter plugins.
     #[command(subcommand)]
     Plugins(PluginsCommand),
@@ -72,32 +75,20 @@ struct SpecArgs {
     /// Directory holding drafter plugin folders (repeatable).
     #[arg(long = "plugins-dir", value_name = "DIR", default_values_os_t = vec![mlx_spec::default_plugins_dir()])]
     plugins_dirs: Vec<PathBuf>,
-    /// Most tokens drafted per round (default: the drafter's `num_draft_tokens`, else 10). On a
-    /// GPU a round keeps to one window of the window kernels (7 drafts); where they take no
-    /// window of the model (MoE, weights of other bit widths than 4), the drafter is not asked:
-    /// such windows would verify a token at a time.
+    /// Most tokens drafted per round (default: the drafter's `num_draft_tokens`, else 10).
     #[arg(long, requires = "drafter")]
     num_draft_tokens: Option<usize>,
-    /// Override a drafter setting of the manifest's [defaults] (KEY=VALUE, TOML value; repeatable).
+    /// Override a setting of the drafter's manifest [defaults] (TOML value; repeatable).
     #[arg(long = "drafter-set", value_name = "KEY=VALUE", requires = "drafter")]
     drafter_set: Vec<String>,
     /// Keep drafting even when acceptance stays near zero.
     #[arg(long, requires = "drafter")]
     no_auto_off: bool,
-    /// Size each round by about twice the recent accepted tokens, plus one, as before the
-    /// default became fitted rounds: by what windows were measured to cost and how often a
-    /// draft is accepted at each position, once rounds of two lengths have been timed (ahead or
-    /// even in every case measured on an H200; BENCHMARKS.md).
-    #[arg(long, requires = "drafter")]
+    /// Size rounds by recent acceptance alone rather than by the measured cost of windows and
+    /// the acceptance at each draft position (the default, ahead or even in every case
+    /// measured); for the lab's comparisons.
+    #[arg(long, requires = "drafter", hide = true)]
     recent_draft_length: bool,
-    /// Fitted rounds, the default now; accepted so that older command lines still run.
-    #[arg(
-        long,
-        requires = "drafter",
-        hide = true,
-        conflicts_with = "recent_draft_length"
-    )]
-    fitted_draft_length: bool,
 }
 
 #[derive(Args)]
@@ -114,7 +105,6 @@ struct RunArgs {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum DtypeArg {
-    /// The checkpoint's own float dtype.
     Auto,
     F32,
     Bf16,
@@ -134,18 +124,28 @@ impl DtypeArg {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// Model folder (config.json + safetensors [+ tokenizer.json]); default: the small code
-    /// model shipped in the repo. With --random-weights, a config.json file or a folder
-    /// holding one.
+    /// Model folder (config.json + safetensors [+ tokenizer.json]).
     #[arg(long, env = "MLX_SPEC_MODEL", value_name = "PATH", default_value_os_t = mlx_spec::default_model_path())]
     model: PathBuf,
-    /// Device to run on. `gpu` needs a GPU build of libmlx (CUDA on Linux, Metal on macOS).
+    /// Device: `gpu` needs a GPU build of libmlx (CUDA on Linux, Metal on macOS).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceKind,
-    /// Compute dtype.
+    /// Compute dtype (`auto`: the checkpoint's).
     #[arg(long, value_enum, default_value = "auto")]
     dtype: DtypeArg,
-    /// Ignore the checkpoint's weights: build the config's shapes with seeded random weights.
+    /// mlx-spec's fused CUDA kernels on a CUDA GPU, or `none` for MLX's operations alone.
+    #[arg(long, value_enum, default_value = "default")]
+    fused_kernels: FusedKernelsArg,
+    /// Layers a group when a verify window goes to the device (0: whole; default 3 on a GPU).
+    #[arg(long, value_name = "N", hide = true)]
+    handoff_layers: Option<usize>,
+}
+
+/// Seeded random weights of a config's shapes, for measuring released sizes without their
+/// checkpoints.
+#[derive(Args)]
+struct RandomArgs {
+    /// Ignore the checkpoint: seeded random weights of the --model config's shapes.
     #[arg(long)]
     random_weights: bool,
     /// Seed of --random-weights.
@@ -157,31 +157,20 @@ struct ModelArgs {
     /// Group size of --random-bits.
     #[arg(long, default_value_t = 64, requires = "random_bits")]
     random_group_size: i32,
-    /// mlx-spec's own CUDA kernels on a CUDA GPU (elsewhere MLX's operations run): `default`,
-    /// the set that held its rate on every H200 host measured, for each kind of weight
-    /// (BENCHMARKS.md): one decode token's attention heads and attention, everything of a
-    /// layer after its attention heads as one kernel over dense or 4-bit weights (the product
-    /// kernels where it does not serve a layer), the final norm, output head and logit
-    /// soft-cap as one kernel, and the same for verify windows of 2-8 tokens, each token bit
-    /// for bit what a decode step gives it; or `none` (MLX's operations only). On a GPU shared
-    /// through MPS the kernels with grid-wide barriers give way to the product kernels.
-    #[arg(long, value_enum, default_value = "default")]
-    fused_kernels: FusedKernelsArg,
-    /// A forward whose result the host reads at once (a verify window) goes
-    /// to the device every N layers as the host builds it, so that the device starts on the
-    /// first layers while the host builds the rest; 0 hands it over whole. Default: 3 on a
-    /// GPU, 0 on the CPU. The values computed are the same either way.
-    #[arg(long, value_name = "N")]
-    handoff_layers: Option<usize>,
-    /// Where sampled tokens are drawn: `device` (MLX's operations, so that sampled decoding
-    /// queues its steps as greedy decoding does), `host` (float64 on the host, waiting for each
-    /// step's logits, as the first versions did: the same distribution, other tokens for a
-    /// seed), or `auto`: the device, except top-p without top-k on the CPU, where sorting the
-    /// whole vocabulary on the device costs more than waiting (BENCHMARKS.md).
-    #[arg(long, value_enum, default_value = "auto")]
-    sampler: SamplerArg,
 }
 
+impl RandomArgs {
+    fn none() -> RandomArgs {
+        RandomArgs {
+            random_weights: false,
+            weights_seed: 0,
+            random_bits: None,
+            random_group_size: 64,
+        }
+    }
+}
+
+/// Where sampled tokens are drawn (hidden `--sampler`; the deploy config's `drawn_on`).
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum SamplerArg {
     Auto,
@@ -272,15 +261,21 @@ struct GenerateArgs {
     /// Keep generating through end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// Where sampled tokens are drawn: `auto` (the device, except top-p alone on the CPU),
+    /// `device`, or `host` (float64); the same distribution, other tokens for a seed.
+    #[arg(long, value_enum, default_value = "auto", hide = true)]
+    sampler: SamplerArg,
     /// Print one JSON object {"tokens", "text", "stats"} instead of streaming text.
     #[arg(long)]
     json: bool,
 }
 
 #[derive(Args)]
-struct BenchArgs {
+struct BenchCommon {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    random: RandomArgs,
     /// Prompt length of the prefill measurement.
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
@@ -299,8 +294,7 @@ struct BenchArgs {
     /// With --prompt-file: wrap the text as a chat turn.
     #[arg(long, requires = "prompt_file")]
     chat: bool,
-    /// With --drafter: a JSONL prompt set (one object per line with `messages`: chat turns of
-    /// `role`/`content`), e.g. bench/prompts/code_edit.jsonl; results are summed over it.
+    /// With --drafter: a JSONL prompt set of chat turns (e.g. bench/prompts/code_edit.jsonl).
     #[arg(
         long,
         value_name = "FILE",
@@ -308,10 +302,18 @@ struct BenchArgs {
         conflicts_with = "prompt_file"
     )]
     prompt_set: Option<PathBuf>,
-    /// Also time one target forward over k = 1, 2, 4, 8, 16, 32 tokens after the prompt (the
-    /// verify cost curve: how many drafted tokens a verify window absorbs nearly for free).
+    /// Also time one forward over k = 1 ... 32 tokens: the verify cost curve.
     #[arg(long, conflicts_with = "drafter")]
     verify_curve: bool,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The lab's measurements and checks (`mlx-spec lab`, hidden): everything `bench` does, and
+/// the instruments behind BENCHMARKS.md and bench/gpu/run.sh.
+#[derive(Args, Default)]
+struct LabArgs {
     /// Also compare pipelined decode with the default set of fused CUDA kernels and with none,
     /// alternating between them round by round in this process.
     #[arg(long)]
@@ -398,10 +400,26 @@ struct BenchArgs {
     /// (one measurement each; 0: whole). Default: the process's `--handoff-layers`.
     #[arg(long, value_name = "N", value_delimiter = ',')]
     replay_handoffs: Vec<usize>,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    json: bool,
 }
+
+/// What `bench.rs` runs: a user's `bench`, or the lab's.
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    common: BenchCommon,
+    #[command(flatten)]
+    lab: LabArgs,
+}
+
+impl std::ops::Deref for BenchArgs {
+    type Target = BenchCommon;
+    fn deref(&self) -> &BenchCommon {
+        &self.common
+    }
+}
+
+/// `mlx-spec bench`'s arguments.
+type UserBenchArgs = BenchCommon;
 
 fn init_logging(verbose: u8) {
     let default = match verbose {
@@ -420,14 +438,14 @@ fn init_logging(verbose: u8) {
 
 impl ModelArgs {
     /// The load these flags describe.
-    fn load_options(&self) -> Result<LoadOptions> {
-        let random_weights = if self.random_weights {
+    fn load_options(&self, random: &RandomArgs) -> Result<LoadOptions> {
+        let random_weights = if random.random_weights {
             Some(RandomWeights {
-                seed: self.weights_seed,
-                quant: match &self.random_bits {
+                seed: random.weights_seed,
+                quant: match &random.random_bits {
                     Some(bits) => Some(QuantSpec {
                         bits: bits.parse()?,
-                        group_size: self.random_group_size,
+                        group_size: random.random_group_size,
                     }),
                     None => None,
                 },
@@ -447,8 +465,8 @@ impl ModelArgs {
 }
 
 /// Loads the model `args` describe (the library's [`mlx_spec::load::load`]).
-fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
-    mlx_spec::load::load(&args.load_options()?)
+fn load_model(args: &ModelArgs, random: &RandomArgs) -> Result<LoadedModel> {
+    mlx_spec::load::load(&args.load_options(random)?)
 }
 
 /// Which drafter to use and how.
@@ -538,7 +556,7 @@ fn run_job(job: Job) -> Result<()> {
         None => None,
     };
 
-    let loaded = load_model(&job.model)?;
+    let loaded = load_model(&job.model, &RandomArgs::none())?;
     let tok = loaded.tokenizer.as_ref();
     let request = GenerateRequest {
         prompt_ids: prompt_ids(job.input, tok, &job.model.model)?,
@@ -656,7 +674,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }),
         None => None,
     };
-    let draw = args.model.sampler.place();
     run_job(Job {
         model: args.model,
         input: &args.input,
@@ -667,7 +684,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             top_p: args.top_p,
             min_p: args.min_p,
             seed: args.seed,
-            draw,
+            draw: args.sampler.place(),
         },
         ignore_eos: args.ignore_eos,
         drafter,
@@ -693,17 +710,8 @@ fn run_deploy(args: RunArgs) -> Result<()> {
                 .unwrap_or_else(mlx_spec::default_model_path),
             device: cfg.model.device,
             dtype,
-            random_weights: false,
-            weights_seed: 0,
-            random_bits: None,
-            random_group_size: 64,
             fused_kernels: FusedKernelsArg::Default,
             handoff_layers: cfg.model.handoff_layers,
-            sampler: match s.drawn_on {
-                DrawnOn::Auto => SamplerArg::Auto,
-                DrawnOn::Device => SamplerArg::Device,
-                DrawnOn::Host => SamplerArg::Host,
-            },
         },
         input: &args.input,
         max_tokens: s.max_tokens,
@@ -781,7 +789,11 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Run(args) => run_deploy(args),
-        Command::Bench(args) => bench::run_bench(args),
+        Command::Bench(common) => bench::run_bench(BenchArgs {
+            common,
+            lab: LabArgs::default(),
+        }),
+        Command::Lab(args) => bench::run_bench(args),
         Command::Plugins(cmd) => run_plugins(cmd),
     };
     match result {
