@@ -232,10 +232,19 @@ struct PromptArgs {
     prompt_ids: Option<Vec<u32>>,
 }
 
+// Random weights generate nothing a user reads; the lab's GPU runs use them (hidden here).
 #[derive(Args)]
+#[command(
+    mut_arg("random_weights", |a| a.hide(true)),
+    mut_arg("weights_seed", |a| a.hide(true)),
+    mut_arg("random_bits", |a| a.hide(true)),
+    mut_arg("random_group_size", |a| a.hide(true))
+)]
 struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    random: RandomArgs,
     #[command(flatten)]
     input: PromptArgs,
     #[command(flatten)]
@@ -482,6 +491,7 @@ struct DrafterChoice {
 /// Everything one generation needs, from flags or from a deploy config.
 struct Job<'a> {
     model: ModelArgs,
+    random: RandomArgs,
     input: &'a PromptArgs,
     max_tokens: usize,
     sampling: SamplingParams,
@@ -556,7 +566,7 @@ fn run_job(job: Job) -> Result<()> {
         None => None,
     };
 
-    let loaded = load_model(&job.model, &RandomArgs::none())?;
+    let loaded = load_model(&job.model, &job.random)?;
     let tok = loaded.tokenizer.as_ref();
     let request = GenerateRequest {
         prompt_ids: prompt_ids(job.input, tok, &job.model.model)?,
@@ -676,6 +686,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     };
     run_job(Job {
         model: args.model,
+        random: args.random,
         input: &args.input,
         max_tokens: args.max_tokens,
         sampling: SamplingParams {
@@ -713,6 +724,7 @@ fn run_deploy(args: RunArgs) -> Result<()> {
             fused_kernels: FusedKernelsArg::Default,
             handoff_layers: cfg.model.handoff_layers,
         },
+        random: RandomArgs::none(),
         input: &args.input,
         max_tokens: s.max_tokens,
         sampling: SamplingParams {
