@@ -514,15 +514,22 @@ mod tests {
             // A prompt of three, then single tokens past a compaction of the sliding buffer.
             let prompt = Array::zeros::<f32>(&[1, 1, 3, 2]).unwrap();
             layer.append(&prompt, &prompt).unwrap();
-            for step in 0..300 {
+            let mut compactions = 0;
+            for step in 0..1100 {
+                let head = layer.head;
                 let token =
                     Array::full::<f32>(&[1, 1, 1, 2], Array::from_f32(step as f32)).unwrap();
                 let view = layer.append(&token, &token).unwrap();
+                // Only a compaction moves the first slot back.
+                compactions += usize::from(layer.head < head);
                 let seen: Vec<usize> = view.first_query_slots.clone().collect();
                 assert_eq!(seen, visible_in_mask(&view), "{kind:?}, step {step}");
                 if kind == AttentionKind::Sliding {
                     assert_eq!(seen.len(), 4, "a window of four, step {step}");
                 }
+            }
+            if kind == AttentionKind::Sliding {
+                assert!(compactions >= 2, "the buffer compacted {compactions} times");
             }
         }
     }
@@ -558,9 +565,12 @@ mod tests {
             let prompt = Array::zeros::<f32>(&[1, 1, 2, 2]).unwrap();
             layer.append(&prompt, &prompt).unwrap();
             // Windows of three past several compactions.
-            for step in 0..200 {
+            let mut compactions = 0;
+            for step in 0..600 {
+                let head = layer.head;
                 let window = Array::zeros::<f32>(&[1, 1, 3, 2]).unwrap();
                 let view = layer.append(&window, &window).unwrap();
+                compactions += usize::from(layer.head < head);
                 let mask = view
                     .slot_mask
                     .as_ref()
@@ -580,6 +590,9 @@ mod tests {
                 // Rejected drafts: the cache rolls back one of the three, as a verify step does.
                 layer.trim(0, 1).unwrap();
             }
+            if kind == AttentionKind::Sliding {
+                assert!(compactions >= 1, "the buffer compacted {compactions} times");
+            }
         }
     }
 
@@ -588,7 +601,9 @@ mod tests {
         let mut by_append = LayerKv::new(AttentionKind::Sliding, 4, 2, MaskMemo::default());
         let mut by_kernel = LayerKv::new(AttentionKind::Sliding, 4, 2, MaskMemo::default());
         let token = Array::zeros::<f32>(&[1, 1, 1, 2]).unwrap();
-        for step in 0..300 {
+        let mut compactions = 0;
+        for step in 0..1100 {
+            let head = by_kernel.head;
             let appended = by_append.append(&token, &token).unwrap();
             let (keys, _, slot) = by_kernel
                 .slot_for_next(&[1, 1, 1, 2], Dtype::Float32)
@@ -606,6 +621,8 @@ mod tests {
                 counted.first_query_slots, appended.first_query_slots,
                 "step {step}"
             );
+            compactions += usize::from(by_kernel.head < head);
         }
+        assert!(compactions >= 2, "the buffer compacted {compactions} times");
     }
 }
