@@ -30,6 +30,8 @@ while (($#)); do
     esac
 done
 
+source "$ROOT/scripts/plugin-library.sh"
+
 say() { printf '[install] %s\n' "$*" >&2; }
 die() { printf '[install] error: %s\n' "$*" >&2; exit 1; }
 
@@ -63,9 +65,7 @@ for manifest in "$ROOT"/plugins/*/plugin.toml; do
     src="$(dirname "$manifest")"
     name="$(basename "$src")"
     dest="$SHARE/plugins/$name"
-    lib="$(python3 -c 'import sys, tomllib, platform
-lib = tomllib.load(open(sys.argv[1], "rb"))["plugin"]["library"]
-print(lib if isinstance(lib, str) else lib.get("macos" if platform.system() == "Darwin" else "linux", ""))' "$manifest")"
+    lib="$(plugin_library "$manifest")"
     rm -rf "$dest"
     mkdir -p "$dest"
     cp "$manifest" "$dest/"

@@ -18,6 +18,8 @@ STATE="$ROOT/.mlx"
 BUILD=1
 [[ "${1:-}" == "--no-build" ]] && BUILD=0
 
+source "$ROOT/scripts/plugin-library.sh"
+
 say() { printf '[setup] %s\n' "$*" >&2; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
@@ -91,9 +93,7 @@ install_plugins() {
     local manifest lib
     for manifest in "$ROOT"/plugins/*/plugin.toml; do
         [[ -f "$manifest" ]] || continue
-        lib="$(python3 -c 'import sys, tomllib, platform
-lib = tomllib.load(open(sys.argv[1], "rb"))["plugin"]["library"]
-print(lib if isinstance(lib, str) else lib.get("macos" if platform.system() == "Darwin" else "linux", ""))' "$manifest")"
+        lib="$(plugin_library "$manifest")"
         if [[ -f "$ROOT/target/release/$lib" ]]; then
             cp "$ROOT/target/release/$lib" "$(dirname "$manifest")/$lib"
         else

@@ -16,7 +16,7 @@ use mlx_rs::Dtype;
 use mlx_spec::generate::{generate, GenerateRequest, StopReason};
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model};
 use mlx_spec::sampler::SamplingParams;
-use mlx_spec::speculative::replay::ReplayDrafter;
+use mlx_spec::speculative::replay::{coin, ReplayDrafter};
 use mlx_spec::speculative::{generate_speculative, SpecOptions, SpecStats};
 
 const SEED: u64 = 11;
@@ -60,16 +60,6 @@ fn speculate(
     })
     .unwrap();
     (tokens, streamed, stats.stop_reason, spec)
-}
-
-/// SplitMix64 of `(seed, index)` as a number in [0, 1): whether the replayed draft for
-/// emitted index `index` is the right token (below the hit rate) or the right one plus one.
-fn coin(seed: u64, index: u64) -> f64 {
-    let mut z = seed ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^= z >> 31;
-    (z >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// The counters the loop must report, simulated from the coins.

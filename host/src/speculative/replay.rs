@@ -56,8 +56,10 @@ pub fn expected_acceptance_length(p: f64, k: usize) -> f64 {
     (0..=k).map(|j| p.powi(j as i32)).sum()
 }
 
-/// A uniform number in [0, 1) that depends only on `(seed, index)` (SplitMix64).
-fn coin(seed: u64, index: u64) -> f64 {
+/// A uniform number in [0, 1) that depends only on `(seed, index)` (SplitMix64): whether the
+/// replayed draft at emitted index `index` is right (below the hit rate). Public so that a
+/// test can simulate the drafter's counters.
+pub fn coin(seed: u64, index: u64) -> f64 {
     let mut z = seed ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

@@ -146,7 +146,7 @@ impl CudaDecode {
         {
             return None;
         }
-        let weights = kernel_head_weights(att, state, owning)?;
+        let weights = kernel_head_weights(att, &state.rope_periods, owning)?;
         let hidden = x.shape()[x.ndim() - 1];
         let mut all = weights.projections();
         let allowed = if weights.q.is_dense() {
@@ -183,7 +183,7 @@ impl CudaDecode {
         if !window_attention_heads::serves(t, hidden, att.head_dim as usize, x.dtype()) {
             return None;
         }
-        let weights = kernel_head_weights(att, state, owning)?;
+        let weights = kernel_head_weights(att, &state.rope_periods, owning)?;
         let served = one_layout(&weights, hidden as i32, x.dtype())
             && (weights.q.is_dense() || fused.affine4_heads);
         served.then_some(weights)
@@ -207,11 +207,7 @@ impl CudaDecode {
     ) -> Result<(Array, Option<KvView>)> {
         let t = x.shape()[0];
         let dtype = x.dtype();
-        let shape = HeadShape {
-            heads: att.num_heads,
-            kv_heads: att.num_kv_heads,
-            head_dim: att.head_dim,
-        };
+        let shape = head_shape(att);
         let heads = |target: Option<CacheSlot>| {
             window_attention_heads(
                 x,
@@ -291,11 +287,7 @@ impl CudaDecode {
         cache: Option<&mut LayerKv>,
         shared: Option<&KvView>,
     ) -> Result<FusedHeads> {
-        let shape = HeadShape {
-            heads: att.num_heads,
-            kv_heads: att.num_kv_heads,
-            head_dim: att.head_dim,
-        };
+        let shape = head_shape(att);
         let dtype = x.dtype();
         let heads = |target: Option<CacheSlot>, view: &KvView| {
             attention_heads(
@@ -386,24 +378,21 @@ impl CudaDecode {
     }
 }
 
-/// The layer's projections (k and v on a KV-owning layer with `owning`) as the heads kernels
-/// read them, with the head norms and RoPE periods; `None` where one is of no layout they
-/// read.
-fn kernel_head_weights<'a>(
-    att: &'a Attention,
-    state: &'a LayerState,
-    owning: bool,
-) -> Option<HeadWeights<'a>> {
-    kernel_head_weights_with(att, &state.rope_periods, owning)
+/// The heads' sizes as the heads kernels take them.
+fn head_shape(att: &Attention) -> HeadShape {
+    HeadShape {
+        heads: att.num_heads,
+        kv_heads: att.num_kv_heads,
+        head_dim: att.head_dim,
+    }
 }
 
 /// The most tokens a window may hold for [`window_attention_heads`] to take this layer's
 /// heads (projections all dense or all 4-bit in one group size, a head size and width it
 /// takes), 1 when it takes none.
 pub(super) fn largest_window(att: &Attention, hidden: usize, dtype: mlx_rs::Dtype) -> usize {
-    // Only the layout is read here: any periods array will do.
-    let periods = att.rope.periods();
-    let served = kernel_head_weights_with(att, periods, true)
+    // Only the layout is read here: the host copy of the periods will do.
+    let served = kernel_head_weights(att, att.rope.periods(), true)
         .is_some_and(|w| one_layout(&w, hidden as i32, dtype));
     if !served {
         return 1;
@@ -414,8 +403,10 @@ pub(super) fn largest_window(att: &Attention, hidden: usize, dtype: mlx_rs::Dtyp
         .unwrap_or(1)
 }
 
-/// [`kernel_head_weights`] with the periods given.
-fn kernel_head_weights_with<'a>(
+/// The layer's projections (k and v on a KV-owning layer with `owning`) as the heads kernels
+/// read them, with the head norms and the RoPE `periods`; `None` where one is of no layout
+/// they read.
+fn kernel_head_weights<'a>(
     att: &'a Attention,
     periods: &'a Array,
     owning: bool,

@@ -111,11 +111,6 @@ impl CudaDecode {
         })
     }
 
-    /// The kernels this path uses.
-    pub fn kernels(&self) -> Fused {
-        self.kernels
-    }
-
     /// The most tokens a window may hold for the window kernels to take all of the model
     /// (every layer, and the head): 2-8 for dense or 4-bit weights of the shapes they take, 1
     /// where they take any part of it not (an MoE branch, other bit widths). Windows longer

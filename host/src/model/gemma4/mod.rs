@@ -255,11 +255,6 @@ impl Gemma4Model {
         std::mem::replace(&mut self.fast_path, fast_path)
     }
 
-    /// Whether a fast path is installed.
-    pub fn has_fast_path(&self) -> bool {
-        self.fast_path.is_some()
-    }
-
     /// The decoder layers.
     pub fn layers(&self) -> &[DecoderLayer] {
         &self.layers
