@@ -297,7 +297,7 @@ pub fn most_drafts(requested: usize, window_limit: Option<usize>) -> Option<usiz
 
 /// Generates with speculative decoding. The drafter comes from `provider`; without one (or
 /// once it faults, or where drafting cannot pay: [`most_drafts`]) this is plain decoding
-/// through the same loop.
+/// through the same loop. A loop over [`SpecStepper`] to the end.
 pub fn generate_speculative(
     model: &Gemma4Model,
     req: &GenerateRequest,
@@ -305,155 +305,227 @@ pub fn generate_speculative(
     options: SpecOptions,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, GenerateStats, SpecStats)> {
-    if req.prompt_ids.is_empty() {
-        bail!("the prompt is empty: give at least one token");
-    }
-    req.sampling.validate()?;
-    let sampling: SamplingParams = req.sampling;
-    let vocab = model.config.vocab_size;
-    let mut stats = SpecStats::default();
-    let (k_max, provider) = match most_drafts(options.num_draft_tokens, model.verify_window_limit())
-    {
-        Some(k) => (k, provider),
-        None => {
-            let why = "this target's verify windows run a token at a time on this device (its weights have no window kernels, the kernel set lacks the single-token kernels they match, or no grid-wide barrier is safe here), so a drafted round costs as many steps as it could emit: decoding plainly";
-            tracing::info!("{why}");
-            stats.drafting_skipped = Some(why.to_owned());
-            (1, None)
+    let mut stepper = SpecStepper::new(model, req, provider, options)?;
+    while !stepper.is_done() {
+        for t in stepper.step()? {
+            on_token(t)?;
         }
-    };
-    let mut gate = DraftGate::new(options.auto_off).with_fitted_length(options.fitted_draft_length);
-    let mut cache =
-        ModelCache::with_reserve(&model.config, DEFAULT_ROLLBACK_RESERVE.max(k_max + 1));
+    }
+    Ok(stepper.finish())
+}
 
-    let sampling_info = SamplingInfo {
-        temperature: sampling.temperature,
-        top_k: sampling.top_k as u32,
-        top_p: sampling.top_p,
-        min_p: sampling.min_p,
-        seed: sampling.seed,
-    };
-    let mut source = None;
-    if let Some(p) = provider {
-        match ffi(p.open(target_info(model), sampling_info)) {
-            Ok(s) => source = Some(ActiveSource { source: s }),
-            Err(e) => {
-                tracing::warn!("drafter could not open this request, decoding plainly: {e}");
-                stats.drafter_error = Some(e);
+/// One request's speculative generation as a value: its cache, sampler settings, drafter
+/// session, gate and counters. [`SpecStepper::step`] advances it one round (the prefill and
+/// first token, a drafted round, or a burst of plain rounds) and returns what that round
+/// emitted, so a caller can interleave several requests round by round; each request's
+/// tokens are those [`generate_speculative`] gives it alone.
+pub struct SpecStepper<'m> {
+    model: &'m Gemma4Model,
+    req: GenerateRequest,
+    vocab: usize,
+    k_max: usize,
+    stats: SpecStats,
+    gate: DraftGate,
+    cache: ModelCache,
+    source: Option<ActiveSource>,
+    tokens: Vec<u32>,
+    history: Vec<u32>,
+    stop_token: Option<u32>,
+    /// The last emitted token, not yet in the cache (valid once prefilled).
+    pending: u32,
+    /// Set by the first step (the prefill).
+    prefilled: bool,
+    prefill_seconds: f64,
+    decode_start: Instant,
+    /// Most plain rounds one step runs.
+    plain_burst_limit: usize,
+}
+
+impl<'m> SpecStepper<'m> {
+    /// Checks the request and opens the drafter's session (a drafter that cannot open is
+    /// recorded in the stats and the request decodes plainly); nothing runs on the model yet.
+    pub fn new(
+        model: &'m Gemma4Model,
+        req: &GenerateRequest,
+        provider: Option<&DraftProviderBox>,
+        options: SpecOptions,
+    ) -> Result<Self> {
+        if req.prompt_ids.is_empty() {
+            bail!("the prompt is empty: give at least one token");
+        }
+        req.sampling.validate()?;
+        let sampling: SamplingParams = req.sampling;
+        let mut stats = SpecStats::default();
+        let (k_max, provider) = match most_drafts(
+            options.num_draft_tokens,
+            model.verify_window_limit(),
+        ) {
+            Some(k) => (k, provider),
+            None => {
+                let why = "this target's verify windows run a token at a time on this device (its weights have no window kernels, the kernel set lacks the single-token kernels they match, or no grid-wide barrier is safe here), so a drafted round costs as many steps as it could emit: decoding plainly";
+                tracing::info!("{why}");
+                stats.drafting_skipped = Some(why.to_owned());
+                (1, None)
+            }
+        };
+        let gate = DraftGate::new(options.auto_off).with_fitted_length(options.fitted_draft_length);
+        let cache =
+            ModelCache::with_reserve(&model.config, DEFAULT_ROLLBACK_RESERVE.max(k_max + 1));
+
+        let sampling_info = SamplingInfo {
+            temperature: sampling.temperature,
+            top_k: sampling.top_k as u32,
+            top_p: sampling.top_p,
+            min_p: sampling.min_p,
+            seed: sampling.seed,
+        };
+        let mut source = None;
+        if let Some(p) = provider {
+            match ffi(p.open(target_info(model), sampling_info)) {
+                Ok(s) => source = Some(ActiveSource { source: s }),
+                Err(e) => {
+                    tracing::warn!("drafter could not open this request, decoding plainly: {e}");
+                    stats.drafter_error = Some(e);
+                }
             }
         }
-    }
-    let start = Instant::now();
-    let prompt = &req.prompt_ids;
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut history: Vec<u32> = prompt.clone();
-    let mut stop_token = None;
-
-    // Prefill: the whole prompt, as plain decoding prefills it, whatever prefill mode the
-    // drafter names. The first token is then plain decoding's own, and every later token is
-    // made by windows that compute what decode steps compute. Leaving the last prompt token to
-    // head the first window (a "tail split") made the cache of the prompt and the first token
-    // come out of other operations than plain decoding's (a prompt of one token less, then a
-    // window instead of the prompt's last row), and on random E4B weights on an H200 that was
-    // enough to change the greedy tokens.
-    let mut pending = {
-        let logits = prefill(model, &mut cache, prompt)?;
-        let first = pick_token(&logits, &sampling, 0)?;
-        if !req.ignore_eos && req.stop_ids.contains(&first) {
-            stop_token = Some(first);
-        } else if req.max_tokens > 0 {
-            tokens.push(first);
-            history.push(first);
-            on_token(first)?;
-        }
-        first
-    };
-    let prefill_seconds = start.elapsed().as_secs_f64();
-    let decode_start = Instant::now();
-    if let Some(s) = source.as_mut() {
-        let target = HostTarget {
+        Ok(SpecStepper {
             model,
-            position: cache.offset() as u64,
-        };
-        if let Err(e) = ffi(s
-            .source
-            .prefill(RSlice::from_slice(prompt), ActiveSource::port(&target)))
-        {
-            tracing::warn!("drafter failed in prefill, decoding plainly: {e}");
-            stats.drafter_error = Some(e);
-            source = None;
-        }
+            req: req.clone(),
+            vocab: model.config.vocab_size,
+            k_max,
+            stats,
+            gate,
+            cache,
+            source,
+            tokens: Vec::new(),
+            history: req.prompt_ids.clone(),
+            stop_token: None,
+            pending: 0,
+            prefilled: false,
+            prefill_seconds: 0.0,
+            decode_start: Instant::now(),
+            plain_burst_limit: usize::MAX,
+        })
     }
 
-    while stop_token.is_none() && tokens.len() < req.max_tokens {
-        let remaining = req.max_tokens - tokens.len();
+    /// Caps the plain rounds one [`SpecStepper::step`] runs (unlimited by default), so a
+    /// request without a drafter still yields its turn; the tokens are the same.
+    pub fn limit_plain_burst(&mut self, rounds: usize) {
+        self.plain_burst_limit = rounds.max(2);
+    }
+
+    /// Whether generation has ended (a stop token or the budget).
+    pub fn is_done(&self) -> bool {
+        self.prefilled && (self.stop_token.is_some() || self.tokens.len() >= self.req.max_tokens)
+    }
+
+    /// The tokens emitted so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The speculation counters so far.
+    pub fn spec_stats(&self) -> &SpecStats {
+        &self.stats
+    }
+
+    /// Whether the request still has its drafter (it has not faulted).
+    pub fn drafting(&self) -> bool {
+        self.source.is_some()
+    }
+
+    /// Runs one round and returns the tokens it emitted (none once done).
+    pub fn step(&mut self) -> Result<Vec<u32>> {
+        if !self.prefilled {
+            return self.prefill();
+        }
+        if self.is_done() {
+            return Ok(Vec::new());
+        }
+        let model = self.model;
+        let sampling = self.req.sampling;
+        let req = &self.req;
+        let remaining = req.max_tokens - self.tokens.len();
         // Rounds known not to draft (no drafter, or a pause) run as plain greedy decoding
         // does, each step queued before the previous token is read: a round that synchronises
         // costs a plain step its overlap of host and device, which is most of a CPU step.
-        let plain_rounds = match &source {
+        let plain_rounds = match &self.source {
             None => remaining,
-            Some(_) => (gate.paused_remaining() as usize).min(remaining),
+            Some(_) => (self.gate.paused_remaining() as usize).min(remaining),
+        };
+        // A capped burst never leaves a single plain round behind, which would run as a
+        // window of one instead of a queued step.
+        let plain_rounds = match plain_rounds.checked_sub(self.plain_burst_limit) {
+            None | Some(0) | Some(1) => plain_rounds,
+            Some(_) => self.plain_burst_limit,
         };
         if plain_rounds >= 2 {
-            gate.spend_pause(plain_rounds);
+            self.gate.spend_pause(plain_rounds);
             let stop_ids: &[u32] = if req.ignore_eos { &[] } else { &req.stop_ids };
             let began = Instant::now();
             let steps = PlainSteps {
                 rounds: plain_rounds,
                 stop_ids,
                 sampling: &sampling,
-                first_index: tokens.len() as u64,
+                first_index: self.tokens.len() as u64,
             };
-            let burst = plain_burst(model, &mut cache, pending, steps)?;
-            gate.observe_plain_time(began.elapsed().as_secs_f64(), burst.emitted.len());
-            stats.target_forwards += burst.forwards;
-            for &t in &burst.emitted {
-                on_token(t)?;
+            let burst = plain_burst(model, &mut self.cache, self.pending, steps)?;
+            self.gate
+                .observe_plain_time(began.elapsed().as_secs_f64(), burst.emitted.len());
+            self.stats.target_forwards += burst.forwards;
+            self.stop_token = burst.stop_token;
+            self.tokens.extend_from_slice(&burst.emitted);
+            self.history.extend_from_slice(&burst.emitted);
+            if self.is_done() {
+                return Ok(burst.emitted);
             }
-            stop_token = burst.stop_token;
-            tokens.extend_from_slice(&burst.emitted);
-            history.extend_from_slice(&burst.emitted);
-            if stop_token.is_some() || tokens.len() >= req.max_tokens {
-                break;
-            }
-            pending = *burst
+            self.pending = *burst
                 .emitted
                 .last()
                 .expect("a burst that does not stop emits");
             // One plain round per token, as the drafter would have seen them.
             for t in &burst.emitted {
-                commit_round(&mut source, &mut stats, 0, 0, std::slice::from_ref(t));
+                commit_round(
+                    &mut self.source,
+                    &mut self.stats,
+                    0,
+                    0,
+                    std::slice::from_ref(t),
+                );
             }
-            continue;
+            return Ok(burst.emitted);
         }
         // A round emits up to drafts + 1 tokens; never ask for more than the budget allows.
-        let n = gate.draft_len(k_max).min(remaining - 1);
+        let n = self.gate.draft_len(self.k_max).min(remaining - 1);
         let mut proposal = Proposal {
             tokens: Vec::new(),
             probs: None,
         };
         // The round's time, drafting and verifying, tells the gate what drafting costs.
         let round_began = Instant::now();
-        if n > 0 && source.is_some() && gate.should_draft() {
+        if n > 0 && self.source.is_some() && self.gate.should_draft() {
             let target = HostTarget {
                 model,
-                position: cache.offset() as u64,
+                position: self.cache.offset() as u64,
             };
             let began = Instant::now();
-            let result =
-                source
-                    .as_mut()
-                    .unwrap()
-                    .draft(&history, n, tokens.len() as u64, &target, vocab);
-            stats.drafter_seconds += began.elapsed().as_secs_f64();
+            let result = self.source.as_mut().unwrap().draft(
+                &self.history,
+                n,
+                self.tokens.len() as u64,
+                &target,
+                self.vocab,
+            );
+            self.stats.drafter_seconds += began.elapsed().as_secs_f64();
             match result {
                 Ok(p) => proposal = p,
                 Err(e) => {
                     tracing::warn!(
                         "drafter failed, finishing this request with plain decoding: {e}"
                     );
-                    stats.drafter_error = Some(e);
-                    source = None;
+                    self.stats.drafter_error = Some(e);
+                    self.source = None;
                 }
             }
         }
@@ -461,14 +533,14 @@ pub fn generate_speculative(
         let d = drafts.len();
 
         let mut window = Vec::with_capacity(d + 1);
-        window.push(pending);
+        window.push(self.pending);
         window.extend_from_slice(drafts);
         // The round reads the picks at once: the window goes to the device a few layers at a
         // time as they are built, so the device does not wait for the whole graph.
         let logits = model
-            .forward_to_read(&window, &mut cache, LogitsFor::All, false)?
+            .forward_to_read(&window, &mut self.cache, LogitsFor::All, false)?
             .logits;
-        stats.target_forwards += 1;
+        self.stats.target_forwards += 1;
 
         // The target's own token at every window position, drawn on the device as plain
         // decoding draws it, so the round reads a few ids, not rows of logits; rejection
@@ -478,7 +550,7 @@ pub fn generate_speculative(
             logits.eval()?;
             Vec::new()
         } else {
-            let picks = draw_tokens(&logits, &sampling, tokens.len() as u64)?;
+            let picks = draw_tokens(&logits, &sampling, self.tokens.len() as u64)?;
             picks.eval()?;
             picks.as_slice::<u32>().to_vec()
         };
@@ -491,27 +563,25 @@ pub fn generate_speculative(
             &Verified {
                 picks: &picks,
                 rows,
-                vocab,
+                vocab: self.vocab,
             },
             drafts,
             proposal.probs.as_deref(),
             &sampling,
             WalkLimits {
-                first_index: tokens.len() as u64,
-                budget: req.max_tokens - tokens.len(),
+                first_index: self.tokens.len() as u64,
+                budget: req.max_tokens - self.tokens.len(),
                 stop_ids: if req.ignore_eos { &[] } else { &req.stop_ids },
             },
         );
-        for &t in &walk.emitted {
-            on_token(t)?;
-        }
-        stop_token = walk.stop_token;
+        self.stop_token = walk.stop_token;
         let (emitted, accepted) = (walk.emitted, walk.accepted);
 
         // Only drafted rounds are timed here: an undrafted one waited for its token, and plain
         // rounds are timed in bursts, where they queue as plain decoding does, greedy or
         // sampled.
         if d > 0 {
+            let stats = &mut self.stats;
             stats.num_drafts += 1;
             stats.num_draft_tokens += d as u64;
             stats.num_accepted_tokens += accepted as u64;
@@ -531,41 +601,90 @@ pub fn generate_speculative(
                 stats.slowest_round_seconds = round_seconds;
                 stats.slowest_round_window = d as u64 + 1;
             }
-            gate.observe_round_time(round_seconds, d);
-            gate.observe(d, accepted);
+            self.gate.observe_round_time(round_seconds, d);
+            self.gate.observe(d, accepted);
         }
-        tokens.extend_from_slice(&emitted);
-        history.extend_from_slice(&emitted);
-        if stop_token.is_some() || tokens.len() >= req.max_tokens {
-            break;
+        self.tokens.extend_from_slice(&emitted);
+        self.history.extend_from_slice(&emitted);
+        if self.is_done() {
+            return Ok(emitted);
         }
 
         // Keep `pending` and the accepted drafts in the cache; the last emitted token is the
         // next pending one.
-        cache.trim(d - accepted)?;
-        pending = *emitted
+        self.cache.trim(d - accepted)?;
+        self.pending = *emitted
             .last()
             .expect("a round that does not stop emits a token");
-        commit_round(&mut source, &mut stats, d, accepted, &emitted);
+        commit_round(&mut self.source, &mut self.stats, d, accepted, &emitted);
+        Ok(emitted)
     }
 
-    stats.paused_rounds = gate.paused_rounds;
-    stats.mean_acceptance_length = if stats.num_drafts > 0 {
-        1.0 + stats.num_accepted_tokens as f64 / stats.num_drafts as f64
-    } else {
-        0.0
-    };
-    let decode_seconds = decode_start.elapsed().as_secs_f64();
-    let decoded = tokens.len().saturating_sub(1);
-    let generate_stats = GenerateStats::new(
-        prompt.len(),
-        tokens.len(),
-        prefill_seconds,
-        decode_seconds,
-        decoded,
-        stop_token,
-    );
-    Ok((tokens, generate_stats, stats))
+    /// The first round: the prompt's prefill, the first token, and the drafter's prefill.
+    fn prefill(&mut self) -> Result<Vec<u32>> {
+        let model = self.model;
+        let sampling = self.req.sampling;
+        let start = Instant::now();
+        let prompt = &self.req.prompt_ids;
+        let mut emitted = Vec::new();
+        // Prefill: the whole prompt, as plain decoding prefills it, whatever prefill mode the
+        // drafter names. The first token is then plain decoding's own, and every later token is
+        // made by windows that compute what decode steps compute. Leaving the last prompt token
+        // to head the first window (a "tail split") made the cache of the prompt and the first
+        // token come out of other operations than plain decoding's (a prompt of one token less,
+        // then a window instead of the prompt's last row), and on random E4B weights on an H200
+        // that was enough to change the greedy tokens.
+        let logits = prefill(model, &mut self.cache, prompt)?;
+        let first = pick_token(&logits, &sampling, 0)?;
+        if !self.req.ignore_eos && self.req.stop_ids.contains(&first) {
+            self.stop_token = Some(first);
+        } else if self.req.max_tokens > 0 {
+            self.tokens.push(first);
+            self.history.push(first);
+            emitted.push(first);
+        }
+        self.pending = first;
+        self.prefilled = true;
+        self.prefill_seconds = start.elapsed().as_secs_f64();
+        self.decode_start = Instant::now();
+        if let Some(s) = self.source.as_mut() {
+            let target = HostTarget {
+                model,
+                position: self.cache.offset() as u64,
+            };
+            if let Err(e) = ffi(s
+                .source
+                .prefill(RSlice::from_slice(prompt), ActiveSource::port(&target)))
+            {
+                tracing::warn!("drafter failed in prefill, decoding plainly: {e}");
+                self.stats.drafter_error = Some(e);
+                self.source = None;
+            }
+        }
+        Ok(emitted)
+    }
+
+    /// The tokens and the counters of the request, as [`generate_speculative`] returns them.
+    pub fn finish(mut self) -> (Vec<u32>, GenerateStats, SpecStats) {
+        let mut stats = std::mem::take(&mut self.stats);
+        stats.paused_rounds = self.gate.paused_rounds;
+        stats.mean_acceptance_length = if stats.num_drafts > 0 {
+            1.0 + stats.num_accepted_tokens as f64 / stats.num_drafts as f64
+        } else {
+            0.0
+        };
+        let decode_seconds = self.decode_start.elapsed().as_secs_f64();
+        let decoded = self.tokens.len().saturating_sub(1);
+        let generate_stats = GenerateStats::new(
+            self.req.prompt_ids.len(),
+            self.tokens.len(),
+            self.prefill_seconds,
+            decode_seconds,
+            decoded,
+            self.stop_token,
+        );
+        (std::mem::take(&mut self.tokens), generate_stats, stats)
+    }
 }
 
 /// Tells the drafter (if still active) how a round ended; a drafter that fails here is
