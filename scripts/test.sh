@@ -13,3 +13,12 @@ cargo build --release --workspace --quiet
 # from one thread). Run in parallel, about 1 in 60 runs of the oracle tests ended in a heap
 # corruption on a loaded 2-core machine; none in 80 run this way.
 cargo test --release --workspace -- --test-threads=1
+# The server against the official openai Python client, pinned, in a venv under target/
+# (CI has only what this script installs).
+OPENAI_VERSION=3.60.0
+VENV="$ROOT/target/test-venv"
+if ! "$VENV/bin/python" -c "import openai, sys; sys.exit(openai.__version__ != '$OPENAI_VERSION')" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION"
+fi
+timeout 600 "$VENV/bin/python" tests/serve_openai.py target/release/mlx-spec

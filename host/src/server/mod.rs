@@ -773,7 +773,13 @@ fn stream_response(
         let send = |v: Value| SseEvent::default().data(v.to_string());
         let mut first = true;
         loop {
-            let event = match run.next().await {
+            // A client that leaves drops the stream: stop waiting for the engine then, even
+            // while the request still waits in the queue.
+            let step = tokio::select! {
+                step = run.next() => step,
+                _ = tx.closed() => break,
+            };
+            let event = match step {
                 Step::Delta { text, tokens } => {
                     if text.is_empty() && tokens.is_empty() && !first {
                         continue;
@@ -817,5 +823,5 @@ fn stream_response(
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx))
     });
-    Sse::new(stream).keep_alive(KeepAlive::default())
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(1)))
 }
