@@ -17,6 +17,7 @@ use mlx_spec::model::gemma4::config::QuantSpec;
 use mlx_spec::model::gemma4::DtypeChoice;
 use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
 use mlx_spec::sampler::{DrawPlace, SamplingParams};
+use mlx_spec::speculative::target_port::target_spec;
 use mlx_spec::speculative::{generate_speculative, SpecOptions};
 use mlx_spec::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
@@ -544,10 +545,14 @@ fn prompt_ids(input: &PromptArgs, tok: Option<&Tokenizer>, model_path: &Path) ->
 fn run_job(job: Job) -> Result<()> {
     job.sampling.validate()?;
     // Plugins are checked before the (slow) model load, so a wrong name fails fast.
-    let provider = match &job.drafter {
-        Some(choice) => {
-            let registry = Registry::scan(&choice.plugins_dirs)?;
-            let (manifest, module) = registry.get(&choice.name)?;
+    let registry = match &job.drafter {
+        Some(choice) => Some(Registry::scan(&choice.plugins_dirs)?),
+        None => None,
+    };
+    let provider = match (&job.drafter, &registry) {
+        (Some(choice), Some(registry)) => {
+            let plugin = registry.get(&choice.name)?;
+            let manifest = plugin.manifest;
             let k = choice
                 .num_draft_tokens
                 .or_else(|| {
@@ -561,12 +566,15 @@ fn run_job(job: Job) -> Result<()> {
             if k == 0 || k > 64 {
                 bail!("--num-draft-tokens must be between 1 and 64, got {k}");
             }
-            Some((instantiate(manifest, module, &choice.overrides)?, k))
+            Some((instantiate(plugin, &choice.overrides)?, k, manifest))
         }
-        None => None,
+        _ => None,
     };
 
     let loaded = load_model(&job.model, &job.random)?;
+    if let Some((_, _, manifest)) = &provider {
+        plugins::check_needs(manifest, &target_spec(&loaded.model))?;
+    }
     let tok = loaded.tokenizer.as_ref();
     let request = GenerateRequest {
         prompt_ids: prompt_ids(job.input, tok, &job.model.model)?,
@@ -591,7 +599,7 @@ fn run_job(job: Job) -> Result<()> {
         Ok(())
     };
     let (tokens, stats, spec) = match &provider {
-        Some((provider, k)) => {
+        Some((provider, k, _)) => {
             let options = SpecOptions {
                 num_draft_tokens: *k,
                 auto_off: job.drafter.as_ref().is_some_and(|d| d.auto_off),

@@ -16,6 +16,7 @@ use abi_stable::std_types::RStr;
 use anyhow::{bail, Context, Result};
 use mlx_spec_plugin_api::abi::{DraftProviderBox, PluginModuleRef};
 use mlx_spec_plugin_api::manifest::Manifest;
+use mlx_spec_plugin_api::target_spec::TargetSpec;
 use mlx_spec_plugin_api::{ABI_MAJOR, MLX_HEADERS};
 use sha2::{Digest, Sha256};
 
@@ -145,6 +146,20 @@ pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<PluginModuleRef
             module.abi_major()
         ));
     }
+    // "unknown" means a build found no MLX version header: two such builds would compare
+    // equal without saying anything about the MLX behind their handles.
+    if MLX_HEADERS == "unknown" {
+        return Err(format!(
+            "{}: this host was built without knowing its MLX version, so no plugin can be checked against it; rebuild the host with scripts/setup.sh",
+            library.display()
+        ));
+    }
+    if module.mlx_headers().as_str() == "unknown" {
+        return Err(format!(
+            "{}: the library does not know which MLX headers it was built against (its mlx-sys build found no mlx/version.h); rebuild it against the host's patched mlx-sys",
+            library.display()
+        ));
+    }
     if module.mlx_headers().as_str() != MLX_HEADERS {
         return Err(format!(
             "{}: the library was built against MLX {} but this host uses MLX {MLX_HEADERS}; rebuild it against the same mlx-sys",
@@ -160,7 +175,47 @@ pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<PluginModuleRef
             p.name
         ));
     }
+    if module.version().as_str() != p.version {
+        return Err(format!(
+            "{}: the library is version {} but {where_} says {} (a manifest left beside another build of the library?)",
+            library.display(),
+            module.version().as_str(),
+            p.version
+        ));
+    }
     Ok(module)
+}
+
+/// The interface revision a loaded library was built with (1 for libraries older than the
+/// field).
+pub fn interface_revision(module: PluginModuleRef) -> u32 {
+    module.interface_revision().unwrap_or(1)
+}
+
+/// Refuses a plugin whose `[needs]` this target cannot meet: a target family it does not
+/// name, or a capability the target lacks (donor K/V needs a KV-owning layer of some kind).
+pub fn check_needs(manifest: &Manifest, target: &TargetSpec) -> Result<()> {
+    let name = &manifest.plugin.name;
+    let families = &manifest.needs.target_families;
+    if !families.is_empty() && !families.contains(&target.family) {
+        bail!(
+            "drafter {name:?} serves targets of family {} but this target is {:?}",
+            families.join(", "),
+            target.family
+        );
+    }
+    for capability in &manifest.needs.capabilities {
+        let offered = match capability.as_str() {
+            "donor_kv" => {
+                target.donor_layers.sliding.is_some() || target.donor_layers.full.is_some()
+            }
+            _ => true,
+        };
+        if !offered {
+            bail!("drafter {name:?} needs {capability:?}, which this target does not offer");
+        }
+    }
+    Ok(())
 }
 
 /// Marks every plugin whose manifest name another one also has as unusable, naming the other
@@ -222,14 +277,18 @@ impl Registry {
     }
 
     /// The usable plugin called `name`, or an error listing what there is.
-    pub fn get(&self, name: &str) -> Result<(&Manifest, PluginModuleRef)> {
+    pub fn get(&self, name: &str) -> Result<Plugin<'_>> {
         let found = self.plugins.iter().find(|d| d.name() == name);
         match found {
             Some(Discovered {
                 manifest: Some(m),
                 status: Ok(module),
-                ..
-            }) => Ok((m, *module)),
+                manifest_path,
+            }) => Ok(Plugin {
+                manifest: m,
+                module: *module,
+                dir: manifest_path.parent().unwrap_or(Path::new(".")),
+            }),
             Some(Discovered {
                 status: Err(reason),
                 ..
@@ -252,12 +311,22 @@ impl Registry {
 /// `[defaults]` key read by the host (tokens asked per round), not passed to the drafter.
 pub const HOST_KEY_NUM_DRAFT_TOKENS: &str = "num_draft_tokens";
 
-/// Builds a drafter from a plugin with its manifest defaults overridden by `overrides`.
-pub fn instantiate(
-    manifest: &Manifest,
-    module: PluginModuleRef,
-    overrides: &toml::Table,
-) -> Result<DraftProviderBox> {
+/// A usable plugin: its manifest, its loaded library and the folder holding both.
+#[derive(Clone, Copy)]
+pub struct Plugin<'a> {
+    pub manifest: &'a Manifest,
+    pub module: PluginModuleRef,
+    pub dir: &'a Path,
+}
+
+/// Builds a drafter from a plugin with its manifest defaults overridden by `overrides`. The
+/// drafter resolves relative paths of its configuration against the plugin's folder.
+pub fn instantiate(plugin: Plugin<'_>, overrides: &toml::Table) -> Result<DraftProviderBox> {
+    let Plugin {
+        manifest,
+        module,
+        dir,
+    } = plugin;
     let mut config = manifest.defaults.clone();
     for (k, v) in overrides {
         config.insert(k.clone(), v.clone());
@@ -266,7 +335,17 @@ pub fn instantiate(
     config.remove(HOST_KEY_NUM_DRAFT_TOKENS);
     let json = serde_json::to_string(&config)
         .context("drafter configuration cannot be expressed as JSON")?;
-    match (module.new_provider())(RStr::from_str(&json)) {
+    let dir = dir
+        .canonicalize()
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .to_string_lossy()
+        .into_owned();
+    let built = match module.new_provider_in() {
+        Some(new_provider_in) => new_provider_in(RStr::from_str(&json), RStr::from_str(&dir)),
+        // A library of interface revision 1 does not take the folder.
+        None => (module.new_provider())(RStr::from_str(&json)),
+    };
+    match built {
         abi_stable::std_types::ROk(provider) => Ok(provider),
         abi_stable::std_types::RErr(e) => bail!(
             "drafter {:?} refused its configuration: {e}",

@@ -7,16 +7,38 @@
 //! [`TargetPortRef`] for each call: the capabilities of the target model the drafter may use.
 //! Every method returns errors as values; the SDK adapters catch panics before they reach
 //! this layer (a panic crossing it would end the process).
+//!
+//! # Growing the interface without breaking built plugins
+//!
+//! abi_stable compares the layout of every type here when a library loads, and refuses a
+//! library whose version string it judges incompatible (for `0.y.z`, any other `y`). So the
+//! interface keeps one version string, [`INTERFACE_VERSION`], whatever the crates' versions
+//! are, and grows only by appending: methods after a trait's `last_prefix_field`, each with a
+//! default body (run in the host when an older library's vtable lacks the method), and
+//! root-module fields after its `last_prefix_field`, read as `Option`s. Each such step raises
+//! [`INTERFACE_REVISION`]. A change that cannot be made by appending raises
+//! [`crate::ABI_MAJOR`] instead, and the host then refuses older plugins by name.
 
 #![allow(non_local_definitions)] // emitted by #[sabi_trait] on current Rust
 
 use abi_stable::library::RootModule;
 use abi_stable::sabi_types::RRef;
 use abi_stable::sabi_types::VersionStrings;
-use abi_stable::std_types::{RBox, ROption, RResult, RSlice, RStr, RString, RVec};
-use abi_stable::{declare_root_module_statics, package_version_strings, sabi_trait, StableAbi};
+use abi_stable::std_types::{RBox, RErr, ROk, ROption, RResult, RSlice, RStr, RString, RVec};
+use abi_stable::{declare_root_module_statics, sabi_trait, StableAbi};
 
 use crate::tensor::{Tensor, TensorRef};
+
+/// The version string abi_stable checks at load. It stays `0.1.0` for as long as the
+/// interface only grows by appending (see the module documentation): abi_stable would refuse
+/// every plugin built before a change of its `0.y` part, layout-compatible or not.
+pub const INTERFACE_VERSION: &str = "0.1.0";
+
+/// How far the interface has grown by appending: 1 = the first interface (ids, embeddings,
+/// logits from hidden); 2 = hidden-state taps, donor K/V, the target description, the
+/// port-aware `open_for` and the plugin's own folder. A library records the revision of the
+/// SDK it was built with in [`PluginModule::interface_revision`] (absent: 1).
+pub const INTERFACE_REVISION: u32 = 2;
 
 /// How a source asked the host to prefill the target. Kept so that libraries built against
 /// earlier SDKs still load; the host now prefills the whole prompt for every source, as plain
@@ -83,6 +105,57 @@ pub trait TargetPort {
     /// Float32 logits `[rows, vocab]` from final-norm hidden states `[.., rows, hidden]`.
     #[sabi(last_prefix_field)]
     fn logits_from_hidden(&self, hidden: TensorRef<'_>) -> RResult<Tensor, RString>;
+
+    /// Revision 2: the target's shape as JSON ([`crate::target_spec::TargetSpec`]): layer
+    /// kinds, heads, head sizes, sliding window, RoPE, dtype, donor layers, its config.json.
+    fn describe(&self) -> RResult<RString, RString> {
+        RErr(RString::from(
+            "this host does not describe its target (interface revision 1)",
+        ))
+    }
+
+    /// Revision 2: the keys and values the target's KV-owning layer `layer` holds for the
+    /// positions it has processed and kept (never a rejected draft), oldest first. Lent for
+    /// this call only: see [`DonorKv`].
+    fn donor_kv(&self, layer: u32) -> RResult<DonorKv, RString> {
+        let _ = layer;
+        RErr(RString::from(
+            "this host does not lend K/V (interface revision 1)",
+        ))
+    }
+}
+
+/// Keys and values of one KV-owning target layer (revision 2).
+///
+/// `keys`/`values` are `[1, kv_heads, n, head_dim]` in the target's activation dtype: K after
+/// the layer's `k_norm` and RoPE at each entry's position, V after `v_norm` (for a layer with
+/// `attention_k_eq_v`, V is made from the K projection, before RoPE). Entry `i` holds absolute
+/// position `first_position + i`; the entries are contiguous and end at the last position the
+/// target processed. For a sliding layer they cover at least the window before the next
+/// position, often more: the drafter picks what it attends to by position.
+///
+/// The arrays are new handles, owned by the receiver, but their data may be the target's
+/// cache buffer itself, which the target's fused kernels write in place: read them during the
+/// call that received them, and copy (and evaluate) what must outlive it.
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct DonorKv {
+    pub keys: Tensor,
+    pub values: Tensor,
+    pub first_position: u64,
+}
+
+/// Hidden states of positions the target verified, at the tap points a source asked for
+/// (revision 2; see [`DraftSource::tap_layers`]).
+///
+/// `layers[j]` is `[rows, hidden]` for the `j`-th tap point asked for; row `r` belongs to
+/// absolute position `first_position + r`. Ownership moves to the receiver; the arrays hold
+/// their own data (nothing writes them afterwards).
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct TapRows {
+    pub first_position: u64,
+    pub layers: RVec<Tensor>,
 }
 
 /// A borrowed target port.
@@ -121,6 +194,26 @@ pub trait DraftSource: Send {
         accepted: u32,
         emitted: RSlice<'_, u32>,
     ) -> RResult<(), RString>;
+
+    /// Revision 2: the tap points whose hidden states this source reads, asked once after
+    /// `open`: `-1` the scaled embeddings (the input of layer 0), `i` in `0..num_layers` the
+    /// residual stream leaving decoder layer `i` (after its layer scalar), `num_layers` the
+    /// final-norm hidden state (the LM head's input). Empty: none.
+    fn tap_layers(&self) -> RVec<i32> {
+        RVec::new()
+    }
+
+    /// Revision 2: hidden states of positions the target has verified, at [`tap_layers`]'s
+    /// points. Called with the whole prompt before `prefill`, and before every `commit` with
+    /// the round's verified positions: its first token and the accepted drafts (rejected
+    /// positions never arrive). Rounds decoded plainly arrive too, so the rows a source
+    /// receives cover every position once, in order.
+    ///
+    /// [`tap_layers`]: DraftSource::tap_layers
+    fn receive_taps(&mut self, taps: TapRows) -> RResult<(), RString> {
+        drop(taps);
+        ROk(())
+    }
 }
 
 /// An owned per-request source.
@@ -135,6 +228,18 @@ pub trait DraftProvider: Send + Sync {
     /// Starts a request against a target.
     #[sabi(last_prefix_field)]
     fn open(&self, target: TargetInfo, sampling: SamplingInfo) -> RResult<DraftSourceBox, RString>;
+
+    /// Revision 2: starts a request with the target's port at hand, so the drafter can check
+    /// the pairing against the target's description (and refuse it) before allocating.
+    fn open_for(
+        &self,
+        info: TargetInfo,
+        target: TargetPortRef<'_>,
+        sampling: SamplingInfo,
+    ) -> RResult<DraftSourceBox, RString> {
+        let _ = target;
+        self.open(info, sampling)
+    }
 }
 
 /// An owned provider.
@@ -144,7 +249,6 @@ pub type DraftProviderBox = DraftProvider_TO<'static, RBox<()>>;
 #[repr(C)]
 #[derive(StableAbi)]
 #[sabi(kind(Prefix(prefix_ref = PluginModuleRef)))]
-#[sabi(missing_field(panic))]
 pub struct PluginModule {
     /// [`crate::ABI_MAJOR`] of the SDK the plugin was built with.
     pub abi_major: u32,
@@ -157,11 +261,20 @@ pub struct PluginModule {
     /// with the run's overrides).
     #[sabi(last_prefix_field)]
     pub new_provider: extern "C" fn(config_json: RStr<'_>) -> RResult<DraftProviderBox, RString>,
+    /// Revision 2 ([`INTERFACE_REVISION`] of the SDK the library was built with); `None` from
+    /// a revision-1 library.
+    pub interface_revision: u32,
+    /// Revision 2: `new_provider`, also told the folder holding the plugin's manifest, against
+    /// which the drafter resolves relative paths of its configuration (a checkpoint).
+    pub new_provider_in: extern "C" fn(
+        config_json: RStr<'_>,
+        plugin_dir: RStr<'_>,
+    ) -> RResult<DraftProviderBox, RString>,
 }
 
 impl RootModule for PluginModuleRef {
     declare_root_module_statics! {PluginModuleRef}
     const BASE_NAME: &'static str = "mlx_spec_drafter";
     const NAME: &'static str = "mlx_spec_drafter";
-    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    const VERSION_STRINGS: VersionStrings = VersionStrings::new(INTERFACE_VERSION);
 }

@@ -373,6 +373,7 @@ pub fn generate_speculative(
     if let Some(s) = source.as_mut() {
         let target = HostTarget {
             model,
+            cache: Some(&cache),
             position: cache.offset() as u64,
         };
         if let Err(e) = ffi(s
@@ -437,6 +438,7 @@ pub fn generate_speculative(
         if n > 0 && source.is_some() && gate.should_draft() {
             let target = HostTarget {
                 model,
+                cache: Some(&cache),
                 position: cache.offset() as u64,
             };
             let began = Instant::now();

@@ -5,7 +5,7 @@ use abi_stable::prefix_type::PrefixTypeTrait;
 use abi_stable::std_types::{RErr, RResult, RStr, RString};
 use abi_stable::{export_root_module, sabi_extern_fn};
 use mlx_spec_plugin_api::abi::{DraftProviderBox, PluginModule, PluginModuleRef};
-use mlx_spec_plugin_api::{ABI_MAJOR, MLX_HEADERS};
+use mlx_spec_plugin_api::{ABI_MAJOR, INTERFACE_REVISION, MLX_HEADERS};
 
 #[no_mangle]
 pub extern "C" fn mach_approximate_time() -> u64 {
@@ -21,12 +21,21 @@ fn root() -> PluginModuleRef {
         name: RStr::from_str("bad-abi"),
         version: RStr::from_str("0.1.0"),
         new_provider,
+        interface_revision: INTERFACE_REVISION,
+        new_provider_in,
     }
     .leak_into_prefix()
 }
 
 #[sabi_extern_fn]
 fn new_provider(_config: RStr<'_>) -> RResult<DraftProviderBox, RString> {
+    RErr(RString::from(
+        "never reached: the host refuses this library",
+    ))
+}
+
+#[sabi_extern_fn]
+fn new_provider_in(_config: RStr<'_>, _dir: RStr<'_>) -> RResult<DraftProviderBox, RString> {
     RErr(RString::from(
         "never reached: the host refuses this library",
     ))

@@ -21,12 +21,21 @@ fn root() -> PluginModuleRef {
         name: RStr::from_str("bad-mlx"),
         version: RStr::from_str("0.1.0"),
         new_provider,
+        interface_revision: mlx_spec_plugin_api::INTERFACE_REVISION,
+        new_provider_in,
     }
     .leak_into_prefix()
 }
 
 #[sabi_extern_fn]
 fn new_provider(_config: RStr<'_>) -> RResult<DraftProviderBox, RString> {
+    RErr(RString::from(
+        "never reached: the host refuses this library",
+    ))
+}
+
+#[sabi_extern_fn]
+fn new_provider_in(_config: RStr<'_>, _dir: RStr<'_>) -> RResult<DraftProviderBox, RString> {
     RErr(RString::from(
         "never reached: the host refuses this library",
     ))
