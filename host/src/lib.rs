@@ -15,6 +15,7 @@ pub mod load;
 pub mod model;
 pub mod plugins;
 pub mod sampler;
+pub mod scaffold;
 pub mod speculative;
 pub mod tokenizer;
 pub mod weights;

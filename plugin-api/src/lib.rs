@@ -58,34 +58,28 @@ macro_rules! declare_drafter_plugin {
                 name: ::abi_stable::std_types::RStr::from_str($name),
                 version: ::abi_stable::std_types::RStr::from_str(env!("CARGO_PKG_VERSION")),
                 new_provider: __mlx_spec_new_provider,
-                interface_revision: $crate::INTERFACE_REVISION,
-                new_provider_in: __mlx_spec_new_provider_in,
             }
             .leak_into_prefix()
         }
 
+        /// The interface revision whose types the root module has (`abi::REVISION_SYMBOL`).
+        #[no_mangle]
+        #[allow(non_upper_case_globals)]
+        pub static mlx_spec_interface_revision: u32 = $crate::INTERFACE_REVISION;
+
         #[::abi_stable::sabi_extern_fn]
-        fn __mlx_spec_new_provider_in(
+        fn __mlx_spec_new_provider(
             config: ::abi_stable::std_types::RStr<'_>,
             plugin_dir: ::abi_stable::std_types::RStr<'_>,
         ) -> ::abi_stable::std_types::RResult<
             $crate::abi::DraftProviderBox,
             ::abi_stable::std_types::RString,
         > {
-            $crate::sdk::new_provider_in::<$drafter>(
+            let dir = plugin_dir.as_str();
+            $crate::sdk::new_provider::<$drafter>(
                 config.as_str(),
-                Some(::std::path::Path::new(plugin_dir.as_str())),
+                (!dir.is_empty()).then(|| ::std::path::Path::new(dir)),
             )
-        }
-
-        #[::abi_stable::sabi_extern_fn]
-        fn __mlx_spec_new_provider(
-            config: ::abi_stable::std_types::RStr<'_>,
-        ) -> ::abi_stable::std_types::RResult<
-            $crate::abi::DraftProviderBox,
-            ::abi_stable::std_types::RString,
-        > {
-            $crate::sdk::new_provider::<$drafter>(config.as_str())
         }
     };
 }

@@ -125,9 +125,9 @@ impl Proposal {
 
 /// Per-request drafter state.
 pub trait DrafterSession: Send + 'static {
-    /// Kept for compatibility: the host prefills the whole prompt for every source
-    /// ([`PrefillMode`]), so the first `draft` call's history already ends with the first
-    /// generated token.
+    /// Not read by hosts of interface revision 2, which prefill the whole prompt for every
+    /// source ([`PrefillMode`]): the first `draft` call's history already ends with the first
+    /// generated token. Kept so that drafters written for revision 1 still compile.
     fn prefill_mode(&self) -> PrefillMode {
         PrefillMode::Full
     }
@@ -246,17 +246,7 @@ impl<D: Drafter> abi::DraftProvider for ProviderAdapter<D> {
         catch_unwind(AssertUnwindSafe(|| self.0.weights_bytes())).unwrap_or(0)
     }
 
-    fn open(&self, target: TargetInfo, sampling: SamplingInfo) -> RResult<DraftSourceBox, RString> {
-        guarded(|| {
-            let session = self.0.open(&target, &sampling)?;
-            Ok(DraftSource_TO::from_value(
-                SessionAdapter(session),
-                TD_Opaque,
-            ))
-        })
-    }
-
-    fn open_for(
+    fn open(
         &self,
         info: TargetInfo,
         target: TargetPortRef<'_>,
@@ -275,10 +265,6 @@ impl<D: Drafter> abi::DraftProvider for ProviderAdapter<D> {
 }
 
 impl<S: DrafterSession> abi::DraftSource for SessionAdapter<S> {
-    fn prefill_mode(&self) -> PrefillMode {
-        catch_unwind(AssertUnwindSafe(|| self.0.prefill_mode())).unwrap_or(PrefillMode::Full)
-    }
-
     fn prefill(
         &mut self,
         prompt: RSlice<'_, u32>,
@@ -341,15 +327,9 @@ impl<S: DrafterSession> abi::DraftSource for SessionAdapter<S> {
     }
 }
 
-/// Builds a provider from JSON configuration; what `declare_drafter_plugin!` exports for
-/// hosts of interface revision 1, which do not pass the plugin's folder.
-pub fn new_provider<D: Drafter>(config_json: &str) -> RResult<DraftProviderBox, RString> {
-    new_provider_in::<D>(config_json, None)
-}
-
 /// Builds a provider from JSON configuration, relative paths resolved against `plugin_dir`
-/// (the working directory when the host did not say).
-pub fn new_provider_in<D: Drafter>(
+/// (the working directory when not given); what `declare_drafter_plugin!` exports.
+pub fn new_provider<D: Drafter>(
     config_json: &str,
     plugin_dir: Option<&Path>,
 ) -> RResult<DraftProviderBox, RString> {

@@ -19,23 +19,25 @@
 
 pub mod gate;
 pub mod replay;
+pub mod source;
 pub mod target_port;
 
 use std::time::Instant;
 
-use abi_stable::sabi_trait::TD_Opaque;
-use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RString};
 use anyhow::{bail, Result};
-use mlx_rs::Dtype;
-use mlx_spec_plugin_api::abi::{DraftProviderBox, DraftSourceBox, SamplingInfo, TargetPort_TO};
+use mlx_rs::Array;
+use mlx_spec_plugin_api::abi::{DraftProviderBox, SamplingInfo};
 use serde::Serialize;
 
-use crate::generate::{pick_token, prefill, queue_step, GenerateRequest, GenerateStats};
+use crate::generate::{
+    pick_token, prefill_capturing, queue_step_capturing, GenerateRequest, GenerateStats,
+};
 use crate::model::gemma4::cache::DEFAULT_ROLLBACK_RESERVE;
-use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
+use crate::model::gemma4::{Capture, Gemma4Model, LogitsFor, ModelCache};
 use crate::sampler::{draw, draw_tokens, uniform, SamplingParams, Stream};
 use gate::DraftGate;
-use target_port::{target_info, HostTarget};
+use source::{ActiveSource, Proposal};
+use target_port::HostTarget;
 
 /// Speculation settings of one request.
 #[derive(Debug, Clone, Copy)]
@@ -82,84 +84,6 @@ pub struct SpecStats {
     /// and its drafts). One slow round among many shows a stall, not a slow window.
     pub slowest_round_seconds: f64,
     pub slowest_round_window: u64,
-}
-
-fn ffi<T>(r: RResult<T, RString>) -> Result<T, String> {
-    match r {
-        ROk(v) => Ok(v),
-        RErr(e) => Err(e.into_string()),
-    }
-}
-
-/// A drafted round's proposal, validated.
-struct Proposal {
-    tokens: Vec<u32>,
-    /// `[tokens.len(), vocab]` float32 draft distributions, as host vectors.
-    probs: Option<Vec<f32>>,
-}
-
-/// The live drafter of a request, dropped at its first fault.
-struct ActiveSource {
-    source: DraftSourceBox,
-}
-
-impl ActiveSource {
-    fn port<'a>(
-        target: &'a HostTarget<'a>,
-    ) -> TargetPort_TO<'a, abi_stable::sabi_types::RRef<'a, ()>> {
-        TargetPort_TO::from_ptr(target, TD_Opaque)
-    }
-
-    fn draft(
-        &mut self,
-        history: &[u32],
-        n: usize,
-        step_base: u64,
-        target: &HostTarget,
-        vocab: usize,
-    ) -> Result<Proposal, String> {
-        let d = ffi(self.source.draft(
-            RSlice::from_slice(history),
-            n as u32,
-            step_base,
-            Self::port(target),
-        ))?;
-        let tokens = d.tokens.into_vec();
-        if tokens.len() > n {
-            return Err(format!(
-                "the drafter returned {} tokens when asked for at most {n}",
-                tokens.len()
-            ));
-        }
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(format!(
-                "the drafter proposed token {bad}, outside the vocabulary (size {vocab})"
-            ));
-        }
-        let probs = match d.probs.into_option() {
-            None => None,
-            Some(t) => {
-                let q = t.into_array();
-                if q.shape() != [tokens.len() as i32, vocab as i32] {
-                    return Err(format!(
-                        "draft probabilities have shape {:?}, expected [{}, {vocab}]",
-                        q.shape(),
-                        tokens.len()
-                    ));
-                }
-                let q = q.as_dtype(Dtype::Float32).map_err(|e| e.to_string())?;
-                q.eval().map_err(|e| e.to_string())?;
-                let values = q.as_slice::<f32>().to_vec();
-                if values.iter().any(|v| !v.is_finite() || *v < 0.0) {
-                    return Err(
-                        "draft probabilities contain negative or non-finite values".to_owned()
-                    );
-                }
-                Some(values)
-            }
-        };
-        Ok(Proposal { tokens, probs })
-    }
 }
 
 /// Rejection-sampling step at one position: returns `(token, accepted)`.
@@ -297,7 +221,7 @@ pub fn most_drafts(requested: usize, window_limit: Option<usize>) -> Option<usiz
 
 /// Generates with speculative decoding. The drafter comes from `provider`; without one (or
 /// once it faults, or where drafting cannot pay: [`most_drafts`]) this is plain decoding
-/// through the same loop.
+/// through the same loop. A loop over [`SpecStepper`] to the end.
 pub fn generate_speculative(
     model: &Gemma4Model,
     req: &GenerateRequest,
@@ -305,157 +229,297 @@ pub fn generate_speculative(
     options: SpecOptions,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, GenerateStats, SpecStats)> {
-    if req.prompt_ids.is_empty() {
-        bail!("the prompt is empty: give at least one token");
-    }
-    req.sampling.validate()?;
-    let sampling: SamplingParams = req.sampling;
-    let vocab = model.config.vocab_size;
-    let mut stats = SpecStats::default();
-    let (k_max, provider) = match most_drafts(options.num_draft_tokens, model.verify_window_limit())
-    {
-        Some(k) => (k, provider),
-        None => {
-            let why = "this target's verify windows run a token at a time on this device (its weights have no window kernels, the kernel set lacks the single-token kernels they match, or no grid-wide barrier is safe here), so a drafted round costs as many steps as it could emit: decoding plainly";
-            tracing::info!("{why}");
-            stats.drafting_skipped = Some(why.to_owned());
-            (1, None)
+    let mut stepper = SpecStepper::new(model, req, provider, options)?;
+    while !stepper.is_done() {
+        for t in stepper.step()? {
+            on_token(t)?;
         }
-    };
-    let mut gate = DraftGate::new(options.auto_off).with_fitted_length(options.fitted_draft_length);
-    let mut cache =
-        ModelCache::with_reserve(&model.config, DEFAULT_ROLLBACK_RESERVE.max(k_max + 1));
+    }
+    Ok(stepper.finish())
+}
 
-    let sampling_info = SamplingInfo {
-        temperature: sampling.temperature,
-        top_k: sampling.top_k as u32,
-        top_p: sampling.top_p,
-        min_p: sampling.min_p,
-        seed: sampling.seed,
+/// What `mlx-spec draft` reports: the target's greedy token after the prompt (the anchor) and
+/// the drafter's first proposal after it.
+#[derive(Debug, Clone, Serialize)]
+pub struct FirstDrafts {
+    pub anchor: u32,
+    pub drafts: Vec<u32>,
+}
+
+/// Prefills `prompt` exactly as a greedy speculative request does (the drafter receives the
+/// prompt's taps and its prefill call), takes the target's greedy next token, then asks the
+/// drafter once for `n` drafts after it. A drafter fault is an error here, not a fallback.
+pub fn first_drafts(
+    model: &Gemma4Model,
+    provider: &DraftProviderBox,
+    prompt: &[u32],
+    n: usize,
+) -> Result<FirstDrafts> {
+    let req = GenerateRequest {
+        prompt_ids: prompt.to_vec(),
+        max_tokens: n + 1,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        ignore_eos: true,
     };
-    let mut source = None;
-    if let Some(p) = provider {
-        match ffi(p.open(target_info(model), sampling_info)) {
-            Ok(s) => source = Some(ActiveSource { source: s }),
-            Err(e) => {
-                tracing::warn!("drafter could not open this request, decoding plainly: {e}");
-                stats.drafter_error = Some(e);
+    let options = SpecOptions {
+        num_draft_tokens: n,
+        auto_off: false,
+        fitted_draft_length: false,
+    };
+    let mut stepper = SpecStepper::new(model, &req, Some(provider), options)?;
+    let opened = stepper.source.is_some();
+    let first = stepper.step()?;
+    if let Some(why) = &stepper.stats.drafting_skipped {
+        bail!("drafting is off for this target here: {why}");
+    }
+    let Some(s) = stepper.source.as_mut() else {
+        let why = stepper.stats.drafter_error.clone().unwrap_or_default();
+        bail!(
+            "the drafter failed {}: {why}",
+            if opened { "in prefill" } else { "to open" }
+        );
+    };
+    let anchor = *first
+        .first()
+        .expect("a request of n + 1 tokens emits its first");
+    let target = HostTarget {
+        model,
+        cache: Some(&stepper.cache),
+        position: stepper.cache.offset() as u64,
+    };
+    let proposal = s
+        .draft(&stepper.history, n, 1, &target, false)
+        .map_err(|e| anyhow::anyhow!("the drafter failed to draft: {e}"))?;
+    Ok(FirstDrafts {
+        anchor,
+        drafts: proposal.tokens,
+    })
+}
+
+/// One request's speculative generation as a value: its cache, sampler settings, drafter
+/// session, gate and counters. [`SpecStepper::step`] advances it one round (the prefill and
+/// first token, a drafted round, or a burst of plain rounds) and returns what that round
+/// emitted, so a caller can interleave several requests round by round; each request's
+/// tokens are those [`generate_speculative`] gives it alone.
+pub struct SpecStepper<'m> {
+    model: &'m Gemma4Model,
+    req: GenerateRequest,
+    vocab: usize,
+    k_max: usize,
+    stats: SpecStats,
+    gate: DraftGate,
+    cache: ModelCache,
+    source: Option<ActiveSource>,
+    tokens: Vec<u32>,
+    history: Vec<u32>,
+    stop_token: Option<u32>,
+    /// The last emitted token, not yet in the cache (valid once prefilled).
+    pending: u32,
+    /// Set by the first step (the prefill).
+    prefilled: bool,
+    prefill_seconds: f64,
+    decode_start: Instant,
+    /// Most plain rounds one step runs.
+    plain_burst_limit: usize,
+}
+
+impl<'m> SpecStepper<'m> {
+    /// Checks the request and opens the drafter's session (a drafter that cannot open is
+    /// recorded in the stats and the request decodes plainly); nothing runs on the model yet.
+    pub fn new(
+        model: &'m Gemma4Model,
+        req: &GenerateRequest,
+        provider: Option<&DraftProviderBox>,
+        options: SpecOptions,
+    ) -> Result<Self> {
+        if req.prompt_ids.is_empty() {
+            bail!("the prompt is empty: give at least one token");
+        }
+        req.sampling.validate()?;
+        let sampling: SamplingParams = req.sampling;
+        let mut stats = SpecStats::default();
+        let (k_max, provider) = match most_drafts(
+            options.num_draft_tokens,
+            model.verify_window_limit(),
+        ) {
+            Some(k) => (k, provider),
+            None => {
+                let why = "this target's verify windows run a token at a time on this device (its weights have no window kernels, the kernel set lacks the single-token kernels they match, or no grid-wide barrier is safe here), so a drafted round costs as many steps as it could emit: decoding plainly";
+                tracing::info!("{why}");
+                stats.drafting_skipped = Some(why.to_owned());
+                (1, None)
+            }
+        };
+        let gate = DraftGate::new(options.auto_off).with_fitted_length(options.fitted_draft_length);
+        let cache =
+            ModelCache::with_reserve(&model.config, DEFAULT_ROLLBACK_RESERVE.max(k_max + 1));
+
+        let sampling_info = SamplingInfo {
+            temperature: sampling.temperature,
+            top_k: sampling.top_k as u32,
+            top_p: sampling.top_p,
+            min_p: sampling.min_p,
+            seed: sampling.seed,
+        };
+        let mut source = None;
+        if let Some(p) = provider {
+            let target = HostTarget {
+                model,
+                cache: Some(&cache),
+                position: 0,
+            };
+            match ActiveSource::open(p, &target, sampling_info) {
+                Ok(s) => source = Some(s),
+                Err(e) => {
+                    tracing::warn!("drafter could not open this request, decoding plainly: {e}");
+                    stats.drafter_error = Some(e);
+                }
             }
         }
-    }
-    let start = Instant::now();
-    let prompt = &req.prompt_ids;
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut history: Vec<u32> = prompt.clone();
-    let mut stop_token = None;
-
-    // Prefill: the whole prompt, as plain decoding prefills it, whatever prefill mode the
-    // drafter names. The first token is then plain decoding's own, and every later token is
-    // made by windows that compute what decode steps compute. Leaving the last prompt token to
-    // head the first window (a "tail split") made the cache of the prompt and the first token
-    // come out of other operations than plain decoding's (a prompt of one token less, then a
-    // window instead of the prompt's last row), and on random E4B weights on an H200 that was
-    // enough to change the greedy tokens.
-    let mut pending = {
-        let logits = prefill(model, &mut cache, prompt)?;
-        let first = pick_token(&logits, &sampling, 0)?;
-        if !req.ignore_eos && req.stop_ids.contains(&first) {
-            stop_token = Some(first);
-        } else if req.max_tokens > 0 {
-            tokens.push(first);
-            history.push(first);
-            on_token(first)?;
-        }
-        first
-    };
-    let prefill_seconds = start.elapsed().as_secs_f64();
-    let decode_start = Instant::now();
-    if let Some(s) = source.as_mut() {
-        let target = HostTarget {
+        Ok(SpecStepper {
             model,
-            cache: Some(&cache),
-            position: cache.offset() as u64,
-        };
-        if let Err(e) = ffi(s
-            .source
-            .prefill(RSlice::from_slice(prompt), ActiveSource::port(&target)))
-        {
-            tracing::warn!("drafter failed in prefill, decoding plainly: {e}");
-            stats.drafter_error = Some(e);
-            source = None;
-        }
+            req: req.clone(),
+            vocab: model.config.vocab_size,
+            k_max,
+            stats,
+            gate,
+            cache,
+            source,
+            tokens: Vec::new(),
+            history: req.prompt_ids.clone(),
+            stop_token: None,
+            pending: 0,
+            prefilled: false,
+            prefill_seconds: 0.0,
+            decode_start: Instant::now(),
+            plain_burst_limit: usize::MAX,
+        })
     }
 
-    while stop_token.is_none() && tokens.len() < req.max_tokens {
-        let remaining = req.max_tokens - tokens.len();
+    /// Caps the plain rounds one [`SpecStepper::step`] runs (unlimited by default), so a
+    /// request without a drafter still yields its turn; the tokens are the same.
+    pub fn limit_plain_burst(&mut self, rounds: usize) {
+        self.plain_burst_limit = rounds.max(2);
+    }
+
+    /// Whether generation has ended (a stop token or the budget).
+    pub fn is_done(&self) -> bool {
+        self.prefilled && (self.stop_token.is_some() || self.tokens.len() >= self.req.max_tokens)
+    }
+
+    /// The tokens emitted so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The speculation counters so far.
+    pub fn spec_stats(&self) -> &SpecStats {
+        &self.stats
+    }
+
+    /// Whether the request still has its drafter (it has not faulted).
+    pub fn drafting(&self) -> bool {
+        self.source.is_some()
+    }
+
+    /// Runs one round and returns the tokens it emitted (none once done).
+    pub fn step(&mut self) -> Result<Vec<u32>> {
+        if !self.prefilled {
+            return self.prefill();
+        }
+        if self.is_done() {
+            return Ok(Vec::new());
+        }
+        let model = self.model;
+        let sampling = self.req.sampling;
+        let req = &self.req;
+        let remaining = req.max_tokens - self.tokens.len();
         // Rounds known not to draft (no drafter, or a pause) run as plain greedy decoding
         // does, each step queued before the previous token is read: a round that synchronises
         // costs a plain step its overlap of host and device, which is most of a CPU step.
-        let plain_rounds = match &source {
+        let plain_rounds = match &self.source {
             None => remaining,
-            Some(_) => (gate.paused_remaining() as usize).min(remaining),
+            Some(_) => (self.gate.paused_remaining() as usize).min(remaining),
+        };
+        // A capped burst never leaves a single plain round behind, which would run as a
+        // window of one instead of a queued step.
+        let plain_rounds = match plain_rounds.checked_sub(self.plain_burst_limit) {
+            None | Some(0) | Some(1) => plain_rounds,
+            Some(_) => self.plain_burst_limit,
         };
         if plain_rounds >= 2 {
-            gate.spend_pause(plain_rounds);
+            self.gate.spend_pause(plain_rounds);
             let stop_ids: &[u32] = if req.ignore_eos { &[] } else { &req.stop_ids };
             let began = Instant::now();
             let steps = PlainSteps {
                 rounds: plain_rounds,
                 stop_ids,
                 sampling: &sampling,
-                first_index: tokens.len() as u64,
+                first_index: self.tokens.len() as u64,
             };
-            let burst = plain_burst(model, &mut cache, pending, steps)?;
-            gate.observe_plain_time(began.elapsed().as_secs_f64(), burst.emitted.len());
-            stats.target_forwards += burst.forwards;
-            for &t in &burst.emitted {
-                on_token(t)?;
+            let first_position = self.cache.offset() as u64;
+            let taps = self.source.as_ref().map_or(&[][..], ActiveSource::taps);
+            let burst = plain_burst(model, &mut self.cache, self.pending, steps, taps)?;
+            self.gate
+                .observe_plain_time(began.elapsed().as_secs_f64(), burst.emitted.len());
+            self.stats.target_forwards += burst.forwards;
+            self.stop_token = burst.stop_token;
+            self.tokens.extend_from_slice(&burst.emitted);
+            self.history.extend_from_slice(&burst.emitted);
+            if self.is_done() {
+                return Ok(burst.emitted);
             }
-            stop_token = burst.stop_token;
-            tokens.extend_from_slice(&burst.emitted);
-            history.extend_from_slice(&burst.emitted);
-            if stop_token.is_some() || tokens.len() >= req.max_tokens {
-                break;
-            }
-            pending = *burst
+            self.pending = *burst
                 .emitted
                 .last()
                 .expect("a burst that does not stop emits");
-            // One plain round per token, as the drafter would have seen them.
-            for t in &burst.emitted {
-                commit_round(&mut source, &mut stats, 0, 0, std::slice::from_ref(t));
+            // One plain round per token, as the drafter would have seen them: the position
+            // each step processed, then the token it emitted.
+            for (i, t) in burst.emitted.iter().enumerate() {
+                let hidden = burst.taps.get(i).map_or(&[][..], Vec::as_slice);
+                commit_round(
+                    &mut self.source,
+                    &mut self.stats,
+                    RoundEnd {
+                        hidden,
+                        first_position: first_position + i as u64,
+                        drafted: 0,
+                        accepted: 0,
+                        emitted: std::slice::from_ref(t),
+                    },
+                );
             }
-            continue;
+            return Ok(burst.emitted);
         }
         // A round emits up to drafts + 1 tokens; never ask for more than the budget allows.
-        let n = gate.draft_len(k_max).min(remaining - 1);
-        let mut proposal = Proposal {
-            tokens: Vec::new(),
-            probs: None,
-        };
+        let n = self.gate.draft_len(self.k_max).min(remaining - 1);
+        let mut proposal = Proposal::none();
         // The round's time, drafting and verifying, tells the gate what drafting costs.
         let round_began = Instant::now();
-        if n > 0 && source.is_some() && gate.should_draft() {
+        if n > 0 && self.source.is_some() && self.gate.should_draft() {
             let target = HostTarget {
                 model,
-                cache: Some(&cache),
-                position: cache.offset() as u64,
+                cache: Some(&self.cache),
+                position: self.cache.offset() as u64,
             };
             let began = Instant::now();
-            let result =
-                source
-                    .as_mut()
-                    .unwrap()
-                    .draft(&history, n, tokens.len() as u64, &target, vocab);
-            stats.drafter_seconds += began.elapsed().as_secs_f64();
+            let result = self.source.as_mut().unwrap().draft(
+                &self.history,
+                n,
+                self.tokens.len() as u64,
+                &target,
+                !sampling.is_greedy(),
+            );
+            self.stats.drafter_seconds += began.elapsed().as_secs_f64();
             match result {
                 Ok(p) => proposal = p,
                 Err(e) => {
                     tracing::warn!(
                         "drafter failed, finishing this request with plain decoding: {e}"
                     );
-                    stats.drafter_error = Some(e);
-                    source = None;
+                    self.stats.drafter_error = Some(e);
+                    self.source = None;
                 }
             }
         }
@@ -463,14 +527,21 @@ pub fn generate_speculative(
         let d = drafts.len();
 
         let mut window = Vec::with_capacity(d + 1);
-        window.push(pending);
+        window.push(self.pending);
         window.extend_from_slice(drafts);
         // The round reads the picks at once: the window goes to the device a few layers at a
-        // time as they are built, so the device does not wait for the whole graph.
-        let logits = model
-            .forward_to_read(&window, &mut cache, LogitsFor::All, false)?
-            .logits;
-        stats.target_forwards += 1;
+        // time as they are built, so the device does not wait for the whole graph. The
+        // drafter's tap points come out of this same forward.
+        let first_position = self.cache.offset() as u64;
+        let taps = self.source.as_ref().map_or(&[][..], ActiveSource::taps);
+        let out = model.forward_to_read(
+            &window,
+            &mut self.cache,
+            LogitsFor::All,
+            Capture::Taps(taps),
+        )?;
+        let (logits, hidden) = (out.logits, out.hidden);
+        self.stats.target_forwards += 1;
 
         // The target's own token at every window position, drawn on the device as plain
         // decoding draws it, so the round reads a few ids, not rows of logits; rejection
@@ -480,7 +551,7 @@ pub fn generate_speculative(
             logits.eval()?;
             Vec::new()
         } else {
-            let picks = draw_tokens(&logits, &sampling, tokens.len() as u64)?;
+            let picks = draw_tokens(&logits, &sampling, self.tokens.len() as u64)?;
             picks.eval()?;
             picks.as_slice::<u32>().to_vec()
         };
@@ -493,27 +564,25 @@ pub fn generate_speculative(
             &Verified {
                 picks: &picks,
                 rows,
-                vocab,
+                vocab: self.vocab,
             },
             drafts,
             proposal.probs.as_deref(),
             &sampling,
             WalkLimits {
-                first_index: tokens.len() as u64,
-                budget: req.max_tokens - tokens.len(),
+                first_index: self.tokens.len() as u64,
+                budget: req.max_tokens - self.tokens.len(),
                 stop_ids: if req.ignore_eos { &[] } else { &req.stop_ids },
             },
         );
-        for &t in &walk.emitted {
-            on_token(t)?;
-        }
-        stop_token = walk.stop_token;
+        self.stop_token = walk.stop_token;
         let (emitted, accepted) = (walk.emitted, walk.accepted);
 
         // Only drafted rounds are timed here: an undrafted one waited for its token, and plain
         // rounds are timed in bursts, where they queue as plain decoding does, greedy or
         // sampled.
         if d > 0 {
+            let stats = &mut self.stats;
             stats.num_drafts += 1;
             stats.num_draft_tokens += d as u64;
             stats.num_accepted_tokens += accepted as u64;
@@ -533,60 +602,131 @@ pub fn generate_speculative(
                 stats.slowest_round_seconds = round_seconds;
                 stats.slowest_round_window = d as u64 + 1;
             }
-            gate.observe_round_time(round_seconds, d);
-            gate.observe(d, accepted);
+            self.gate.observe_round_time(round_seconds, d);
+            self.gate.observe(d, accepted);
         }
-        tokens.extend_from_slice(&emitted);
-        history.extend_from_slice(&emitted);
-        if stop_token.is_some() || tokens.len() >= req.max_tokens {
-            break;
+        self.tokens.extend_from_slice(&emitted);
+        self.history.extend_from_slice(&emitted);
+        if self.is_done() {
+            return Ok(emitted);
         }
 
         // Keep `pending` and the accepted drafts in the cache; the last emitted token is the
         // next pending one.
-        cache.trim(d - accepted)?;
-        pending = *emitted
+        self.cache.trim(d - accepted)?;
+        self.pending = *emitted
             .last()
             .expect("a round that does not stop emits a token");
-        commit_round(&mut source, &mut stats, d, accepted, &emitted);
+        // The verified positions: the round's first token and the accepted drafts.
+        commit_round(
+            &mut self.source,
+            &mut self.stats,
+            RoundEnd {
+                hidden: &hidden[..],
+                first_position,
+                drafted: d,
+                accepted,
+                emitted: &emitted,
+            },
+        );
+        Ok(emitted)
     }
 
-    stats.paused_rounds = gate.paused_rounds;
-    stats.mean_acceptance_length = if stats.num_drafts > 0 {
-        1.0 + stats.num_accepted_tokens as f64 / stats.num_drafts as f64
-    } else {
-        0.0
-    };
-    let decode_seconds = decode_start.elapsed().as_secs_f64();
-    let decoded = tokens.len().saturating_sub(1);
-    let generate_stats = GenerateStats::new(
-        prompt.len(),
-        tokens.len(),
-        prefill_seconds,
-        decode_seconds,
-        decoded,
-        stop_token,
-    );
-    Ok((tokens, generate_stats, stats))
+    /// The first round: the prompt's prefill, the first token, and the drafter's prefill.
+    fn prefill(&mut self) -> Result<Vec<u32>> {
+        let model = self.model;
+        let sampling = self.req.sampling;
+        let start = Instant::now();
+        let prompt = &self.req.prompt_ids;
+        let mut emitted = Vec::new();
+        // Prefill: the whole prompt, as plain decoding prefills it, whatever prefill mode the
+        // drafter names. The first token is then plain decoding's own, and every later token is
+        // made by windows that compute what decode steps compute. Leaving the last prompt token
+        // to head the first window (a "tail split") made the cache of the prompt and the first
+        // token come out of other operations than plain decoding's (a prompt of one token less,
+        // then a window instead of the prompt's last row), and on random E4B weights on an H200
+        // that was enough to change the greedy tokens.
+        let taps = self.source.as_ref().map_or(&[][..], ActiveSource::taps);
+        let (logits, hidden) = prefill_capturing(model, &mut self.cache, prompt, taps)?;
+        let first = pick_token(&logits, &sampling, 0)?;
+        if !self.req.ignore_eos && self.req.stop_ids.contains(&first) {
+            self.stop_token = Some(first);
+        } else if self.req.max_tokens > 0 {
+            self.tokens.push(first);
+            self.history.push(first);
+            emitted.push(first);
+        }
+        self.pending = first;
+        self.prefilled = true;
+        self.prefill_seconds = start.elapsed().as_secs_f64();
+        self.decode_start = Instant::now();
+        if let Some(s) = self.source.as_mut() {
+            let target = HostTarget {
+                model,
+                cache: Some(&self.cache),
+                position: self.cache.offset() as u64,
+            };
+            let began = Instant::now();
+            // The prompt's tapped states first, then the prefill call.
+            let result = s
+                .deliver(&hidden, 0..prompt.len(), 0)
+                .and_then(|()| s.prefill(prompt, &target));
+            self.stats.drafter_seconds += began.elapsed().as_secs_f64();
+            if let Err(e) = result {
+                tracing::warn!("drafter failed in prefill, decoding plainly: {e}");
+                self.stats.drafter_error = Some(e);
+                self.source = None;
+            }
+        }
+        Ok(emitted)
+    }
+
+    /// The tokens and the counters of the request, as [`generate_speculative`] returns them.
+    pub fn finish(mut self) -> (Vec<u32>, GenerateStats, SpecStats) {
+        let mut stats = std::mem::take(&mut self.stats);
+        stats.paused_rounds = self.gate.paused_rounds;
+        stats.mean_acceptance_length = if stats.num_drafts > 0 {
+            1.0 + stats.num_accepted_tokens as f64 / stats.num_drafts as f64
+        } else {
+            0.0
+        };
+        let decode_seconds = self.decode_start.elapsed().as_secs_f64();
+        let decoded = self.tokens.len().saturating_sub(1);
+        let generate_stats = GenerateStats::new(
+            self.req.prompt_ids.len(),
+            self.tokens.len(),
+            self.prefill_seconds,
+            decode_seconds,
+            decoded,
+            self.stop_token,
+        );
+        (std::mem::take(&mut self.tokens), generate_stats, stats)
+    }
 }
 
-/// Tells the drafter (if still active) how a round ended; a drafter that fails here is
-/// dropped for the rest of the request, which finishes with plain decoding.
-fn commit_round(
-    source: &mut Option<ActiveSource>,
-    stats: &mut SpecStats,
+/// How a round ended, as the drafter is told.
+struct RoundEnd<'a> {
+    /// The tapped states of the round's forward (`[T, hidden]` per tap point): rows
+    /// `0..=accepted` are the verified positions.
+    hidden: &'a [Array],
+    /// Position of the round's first token.
+    first_position: u64,
     drafted: usize,
     accepted: usize,
-    emitted: &[u32],
-) {
+    emitted: &'a [u32],
+}
+
+/// Tells the drafter (if still active) how a round ended: the verified positions' tapped
+/// states, then the commit. A drafter that fails here is dropped for the rest of the request,
+/// which finishes with plain decoding.
+fn commit_round(source: &mut Option<ActiveSource>, stats: &mut SpecStats, end: RoundEnd) {
     let Some(s) = source.as_mut() else {
         return;
     };
     let began = Instant::now();
-    let committed =
-        ffi(s
-            .source
-            .commit(drafted as u32, accepted as u32, RSlice::from_slice(emitted)));
+    let committed = s
+        .deliver(end.hidden, 0..end.accepted + 1, end.first_position)
+        .and_then(|()| s.commit(end.drafted, end.accepted, end.emitted));
     stats.drafter_seconds += began.elapsed().as_secs_f64();
     if let Err(e) = committed {
         tracing::warn!("drafter failed in commit, finishing this request with plain decoding: {e}");
@@ -598,6 +738,9 @@ fn commit_round(
 /// What a run of plain greedy rounds produced.
 struct PlainBurst {
     emitted: Vec<u32>,
+    /// For each emitted token, the tapped states (`[1, hidden]` per tap point) of the step
+    /// that made it, i.e. of the position it processed.
+    taps: Vec<Vec<Array>>,
     stop_token: Option<u32>,
     forwards: u64,
 }
@@ -622,6 +765,7 @@ fn plain_burst(
     cache: &mut ModelCache,
     pending: u32,
     steps: PlainSteps,
+    taps: &[i32],
 ) -> Result<PlainBurst> {
     let PlainSteps {
         rounds,
@@ -631,17 +775,21 @@ fn plain_burst(
     } = steps;
     let mut burst = PlainBurst {
         emitted: Vec::with_capacity(rounds),
+        taps: Vec::new(),
         stop_token: None,
         forwards: 1,
     };
-    let pending = mlx_rs::Array::from_slice(&[pending], &[1]);
-    let mut next = queue_step(model, cache, &pending, sampling, first_index)?;
+    let pending = Array::from_slice(&[pending], &[1]);
+    let (mut next, mut hidden) =
+        queue_step_capturing(model, cache, &pending, sampling, first_index, taps)?;
     for i in 0..rounds {
         // The successor's forward goes in before this token is read, except after the last.
         let queued = if i + 1 < rounds {
             burst.forwards += 1;
             let index = first_index + i as u64 + 1;
-            Some(queue_step(model, cache, &next, sampling, index)?)
+            Some(queue_step_capturing(
+                model, cache, &next, sampling, index, taps,
+            )?)
         } else {
             None
         };
@@ -655,8 +803,11 @@ fn plain_burst(
             break;
         }
         burst.emitted.push(token);
+        if !taps.is_empty() {
+            burst.taps.push(std::mem::take(&mut hidden));
+        }
         match queued {
-            Some(q) => next = q,
+            Some((q, h)) => (next, hidden) = (q, h),
             None => break,
         }
     }
