@@ -28,7 +28,7 @@ pub mod rope;
 pub mod session;
 pub mod settings;
 
-pub use model::{AssistantModel, Round, StepOutput};
+pub use model::{AssistantModel, Choice, Drafts, Round, StepOutput};
 pub use session::{AssistantDrafter, AssistantSession};
 
 mlx_spec_plugin_api::declare_drafter_plugin!("assistant", AssistantDrafter);

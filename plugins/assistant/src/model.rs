@@ -17,7 +17,8 @@
 use std::path::Path;
 
 use mlx_spec_plugin_api::mlx_rs::fast::rms_norm;
-use mlx_spec_plugin_api::mlx_rs::ops::concatenate;
+use mlx_spec_plugin_api::mlx_rs::ops::{concatenate, softmax_axis};
+use mlx_spec_plugin_api::mlx_rs::random;
 use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
 
 use crate::attention::{AttentionScale, DonorView};
@@ -167,31 +168,110 @@ impl AssistantModel {
         })
     }
 
-    /// A round of `steps` greedy drafts from `token` and `hidden`: each step's token (read
-    /// back once per step, since its embedding feeds the next) and projected hidden feed the
-    /// next step. `embed` gives the target's scaled embedding `[.., H_b]` of a token.
+    /// A round of `steps` drafts from the anchor `(token, hidden)`: each step's token (read back once
+    /// per step, since its embedding feeds the next) and projected hidden feed the next step.
+    /// `embed` gives the target's scaled embedding `[.., H_b]` of a token; `inspect` sees
+    /// every step's outputs (tests).
     pub fn chain(
         &self,
-        token: u32,
-        hidden: &Array,
+        (token, hidden): (u32, &Array),
         round: &Round,
         steps: usize,
+        choice: Choice,
         mut embed: impl FnMut(u32) -> Result<Array, String>,
         mut inspect: impl FnMut(&StepOutput),
-    ) -> Result<Vec<u32>, String> {
+    ) -> Result<Drafts, String> {
         let mut tokens = Vec::with_capacity(steps);
+        let mut rows = Vec::new();
         let (mut token, mut hidden) = (token, hidden.clone());
-        for _ in 0..steps {
+        for i in 0..steps {
             let out = self.step(&embed(token)?, &hidden, round)?;
-            token = self
-                .head
-                .token(&out.normed)?
+            let picked = match choice {
+                Choice::Greedy => self.head.token(&out.normed)?,
+                Choice::Sampled {
+                    temperature,
+                    seed,
+                    first_index,
+                } => {
+                    let (picked, q) =
+                        self.sample(&out.normed, temperature, seed, first_index + i as u64)?;
+                    rows.push(q);
+                    picked
+                }
+            };
+            token = picked
                 .try_item_cast::<u32>()
                 .map_err(|e| format!("reading the draft token: {e}"))?;
             inspect(&out);
             hidden = out.next_hidden;
             tokens.push(token);
         }
-        Ok(tokens)
+        let probs = if rows.is_empty() {
+            None
+        } else {
+            Some(concatenate(&rows, 0).map_err(mlx_err("stacking draft distributions"))?)
+        };
+        Ok(Drafts { tokens, probs })
     }
+
+    /// Draws a token from `softmax(logits / temperature)` with a key made from the request's
+    /// seed and the token's emitted index (never the library's implicit random state), and
+    /// returns it with that distribution (float32 `[1, vocab]`).
+    fn sample(
+        &self,
+        z: &Array,
+        temperature: f32,
+        seed: u64,
+        index: u64,
+    ) -> Result<(Array, Array), String> {
+        let e = mlx_err("sampling a draft");
+        let scaled = self
+            .head
+            .logits(z)?
+            .multiply(Array::from_f32(1.0 / temperature))
+            .and_then(|l| l.reshape(&[1, -1]))
+            .map_err(&e)?;
+        let q = softmax_axis(&scaled, -1, true).map_err(&e)?;
+        let key = random::key(draft_key(seed, index)).map_err(&e)?;
+        let token = random::categorical(&scaled, -1, None, &key)
+            .and_then(|t| t.as_dtype(Dtype::Uint32))
+            .map_err(&e)?;
+        Ok((token, q))
+    }
+}
+
+/// How each step's token is chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Choice {
+    /// The argmax (transformers' choice); proposals go without distributions.
+    Greedy,
+    /// Drawn from `softmax(logits / temperature)`; the distributions go with the proposal, for
+    /// the host's rejection sampling. `first_index`: the emitted index of the first draft.
+    Sampled {
+        temperature: f32,
+        seed: u64,
+        first_index: u64,
+    },
+}
+
+/// A round's drafts.
+pub struct Drafts {
+    pub tokens: Vec<u32>,
+    /// With [`Choice::Sampled`]: float32 `[tokens, vocab]`, row `i` the distribution token `i`
+    /// was drawn from.
+    pub probs: Option<Array>,
+}
+
+/// The random key of the draft at emitted index `index`: splitmix64 of the seed, a constant of
+/// this drafter's own (so the draws never coincide with the host's verification coin, which
+/// is keyed by the same seed and index) and the index.
+pub fn draft_key(seed: u64, index: u64) -> u64 {
+    let mix = |mut x: u64| {
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 31)
+    };
+    const SALT: u64 = 0x6173_7369_7374_616E; // "assistan"
+    mix(mix(seed ^ SALT) ^ index)
 }

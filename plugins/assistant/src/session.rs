@@ -14,8 +14,11 @@
 //!   before P, or `window`), rotates the query to P (or P − 1), and chains `n` greedy steps,
 //!   embedding each drafted token with `target.embed`. One host read per step (the token).
 //!
-//! Drafts come without probabilities: the host verifies them by token match, which keeps the
-//! output exact at any temperature.
+//! Drafts are greedy and come without probabilities: the host verifies them by token match,
+//! which keeps the output exact at any temperature. With `sample_drafts = true` and a
+//! temperature above 0, each draft is drawn from `softmax(logits / T)` (keyed by the request's
+//! seed and the draft's emitted index) and the distributions go with the proposal, for the
+//! host's rejection sampling.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -30,7 +33,7 @@ use mlx_spec_plugin_api::{
 use crate::attention::DonorView;
 use crate::config::{AssistantConfig, Kind, RopeKind};
 use crate::linear::mlx_err;
-use crate::model::{AssistantModel, Round};
+use crate::model::{AssistantModel, Choice, Round};
 use crate::rope::QueryAngles;
 use crate::settings::{QueryPosition, Settings, SlidingKeys};
 
@@ -80,7 +83,7 @@ impl Drafter for AssistantDrafter {
         &self,
         _info: &TargetInfo,
         target: &Target<'_>,
-        _sampling: &SamplingInfo,
+        sampling: &SamplingInfo,
     ) -> Result<AssistantSession, String> {
         let spec = target.spec()?;
         let model = self
@@ -96,6 +99,8 @@ impl Drafter for AssistantDrafter {
             donors,
             final_tap: spec.final_hidden_tap(),
             anchor: None,
+            sampling: (self.settings.sample_drafts && sampling.temperature > 0.0)
+                .then_some((sampling.temperature, sampling.seed)),
         })
     }
 }
@@ -239,6 +244,8 @@ pub struct AssistantSession {
     final_tap: i32,
     /// Absolute position and final-norm hidden state `[1, H_b]` of the last verified position.
     anchor: Option<(u64, Array)>,
+    /// `sample_drafts` at a temperature above 0: the temperature and the request's seed.
+    sampling: Option<(f32, u64)>,
 }
 
 impl AssistantSession {
@@ -317,7 +324,7 @@ impl DrafterSession for AssistantSession {
         &mut self,
         history: &[u32],
         n: usize,
-        _step_base: u64,
+        step_base: u64,
         target: &Target<'_>,
     ) -> Result<Proposal, String> {
         let Some(&anchor_token) = history.last() else {
@@ -378,20 +385,31 @@ impl DrafterSession for AssistantSession {
             }
         }
         let vocab = model.config.vocab_size as u32;
-        let tokens = model.chain(
-            anchor_token,
-            hidden,
+        let choice = match self.sampling {
+            None => Choice::Greedy,
+            Some((temperature, seed)) => Choice::Sampled {
+                temperature,
+                seed,
+                first_index: step_base,
+            },
+        };
+        let drafts = model.chain(
+            (anchor_token, hidden),
             &round,
             n,
+            choice,
             |token| target.embed(&[token]),
             |_| {},
         )?;
-        if let Some(bad) = tokens.iter().find(|&&t| t >= vocab) {
+        if let Some(bad) = drafts.tokens.iter().find(|&&t| t >= vocab) {
             return Err(format!(
                 "drafted token {bad} is outside the vocabulary of {vocab}"
             ));
         }
-        Ok(Proposal::tokens(tokens))
+        Ok(Proposal {
+            tokens: drafts.tokens,
+            probs: drafts.probs,
+        })
     }
 }
 

@@ -6,6 +6,7 @@
 //! | `position` | query position of a round: `anchor` (P, the anchor token's index, as transformers and mlx-vlm) or `previous` (P − 1, as vLLM) | `anchor` |
 //! | `sliding_keys` | sliding layers see the last `window+1` positions before P (transformers) or the last `window` (a W-entry ring, vLLM) | `window+1` |
 //! | `dtype` | compute dtype: `auto` (the checkpoint's), `float32`, `bfloat16`, `float16` | `auto` |
+//! | `sample_drafts` | at temperature > 0, draw drafts from `softmax(logits / T)` and hand the host those distributions (rejection sampling) instead of greedy drafts verified by token match | `false` |
 //!
 //! The implementations disagree on `position` and `sliding_keys` and Google's training code
 //! is not public; acceptance on real weights is the judge, hence the switches.
@@ -38,6 +39,7 @@ pub struct Settings {
     pub sliding_keys: SlidingKeys,
     /// `None`: the checkpoint's own float dtype.
     pub dtype: Option<Dtype>,
+    pub sample_drafts: bool,
 }
 
 #[derive(Deserialize)]
@@ -47,6 +49,7 @@ struct Raw {
     position: Option<String>,
     sliding_keys: Option<String>,
     dtype: Option<String>,
+    sample_drafts: Option<bool>,
 }
 
 impl Settings {
@@ -94,6 +97,7 @@ impl Settings {
             position,
             sliding_keys,
             dtype,
+            sample_drafts: raw.sample_drafts.unwrap_or(false),
         })
     }
 }

@@ -14,6 +14,7 @@ use mlx_spec_assistant::AssistantDrafter;
 use mlx_spec_plugin_api::abi::{
     DonorKv, DraftSourceBox, SamplingInfo, TapRows, TargetInfo, TargetPort, TargetPort_TO,
 };
+use mlx_spec_plugin_api::mlx_rs::Array;
 use mlx_spec_plugin_api::sdk::provider_in_process;
 use mlx_spec_plugin_api::target_spec::{
     AttentionSpec, DonorLayers, LayerKind, RopeSpec, TargetSpec,
@@ -156,25 +157,47 @@ fn open(
     target: &FakeTarget<'_>,
     extra: serde_json::Value,
 ) -> Result<DraftSourceBox, String> {
+    open_with(o, target, extra, GREEDY)
+}
+
+fn open_with(
+    o: &Oracle,
+    target: &FakeTarget<'_>,
+    extra: serde_json::Value,
+    sampling: SamplingInfo,
+) -> Result<DraftSourceBox, String> {
     let provider = provider_in_process(drafter(o, extra));
     match provider.open_for(
         info(&target.spec),
         TargetPort_TO::from_ptr(target, TD_Opaque),
-        GREEDY,
+        sampling,
     ) {
         ROk(s) => Ok(s),
         RErr(e) => Err(e.into_string()),
     }
 }
 
-/// Prompt taps, prefill, then one draft call; returns the drafts (or the error).
+/// Prompt taps, prefill, then one greedy draft call; returns the drafts (or the error).
 fn round_0(
     o: &Oracle,
     target: &FakeTarget<'_>,
     extra: serde_json::Value,
     taps: bool,
 ) -> Result<Vec<u32>, String> {
-    let mut source = open(o, target, extra)?;
+    let (tokens, probs) = round_0_with(o, target, extra, taps, GREEDY)?;
+    assert!(probs.is_none());
+    Ok(tokens)
+}
+
+/// [`round_0`] with the request's sampling settings; also returns the distributions.
+fn round_0_with(
+    o: &Oracle,
+    target: &FakeTarget<'_>,
+    extra: serde_json::Value,
+    taps: bool,
+    sampling: SamplingInfo,
+) -> Result<(Vec<u32>, Option<Array>), String> {
+    let mut source = open_with(o, target, extra, sampling)?;
     let port = || TargetPort_TO::from_ptr(target, TD_Opaque);
     assert_eq!(
         source.tap_layers().as_slice(),
@@ -200,10 +223,10 @@ fn round_0(
     let history: Vec<u32> = o.ints("r0.input_ids").iter().map(|&t| t as u32).collect();
     let k = o.meta["k"].as_u64().unwrap() as u32;
     match source.draft(RSlice::from_slice(&history), k, 1, port()) {
-        ROk(d) => {
-            assert!(d.probs.is_none());
-            Ok(d.tokens.into_vec())
-        }
+        ROk(d) => Ok((
+            d.tokens.into_vec(),
+            d.probs.into_option().map(Tensor::into_array),
+        )),
         RErr(e) => Err(e.into_string()),
     }
 }
@@ -299,5 +322,63 @@ fn a_target_the_checkpoint_was_not_made_for_is_refused() {
             .err()
             .expect("refused");
         assert!(e.contains(want), "{e}\n  should contain: {want}");
+    }
+}
+
+/// `sample_drafts` at a temperature above 0: drafts drawn from `softmax(logits / T)`, each
+/// with its distribution, reproducible from the seed; greedy without distributions otherwise.
+#[test]
+fn sampled_drafts_come_with_their_distributions() {
+    let on = || serde_json::json!({"sample_drafts": true});
+    for pair in PAIRS {
+        let o = Oracle::open(pair);
+        let target = FakeTarget {
+            oracle: &o,
+            spec: spec_of(&o),
+            position: o.position("r0"),
+        };
+        let greedy = round_0(&o, &target, serde_json::json!({}), true).unwrap();
+        let hot = SamplingInfo {
+            temperature: 1.5,
+            seed: 42,
+            ..GREEDY
+        };
+        let (tokens, probs) = round_0_with(&o, &target, on(), true, hot).unwrap();
+        let probs = probs.expect("distributions with sample_drafts at T > 0");
+        assert_eq!(probs.shape(), &[tokens.len() as i32, 256]);
+        let q = common::floats(&probs);
+        for (i, row) in q.chunks(256).enumerate() {
+            let sum: f32 = row.iter().sum();
+            assert!((sum - 1.0).abs() < 1e-4, "{pair} row {i} sums to {sum}");
+            assert!(row[tokens[i] as usize] > 0.0, "{pair}: token {i} has q = 0");
+        }
+        let again = round_0_with(&o, &target, on(), true, hot).unwrap().0;
+        assert_eq!(tokens, again, "{pair}: same seed, same drafts");
+        let other_seeds: Vec<Vec<u32>> = (1..6)
+            .map(|seed| {
+                round_0_with(&o, &target, on(), true, SamplingInfo { seed, ..hot })
+                    .unwrap()
+                    .0
+            })
+            .collect();
+        assert!(
+            other_seeds.iter().any(|t| *t != tokens),
+            "{pair}: drafts never change with the seed at T = 1.5"
+        );
+        // Nearly greedy temperature: the draws are the argmax.
+        let cold = SamplingInfo {
+            temperature: 1e-3,
+            ..hot
+        };
+        assert_eq!(
+            round_0_with(&o, &target, on(), true, cold).unwrap().0,
+            greedy
+        );
+        // Off, or at temperature 0: greedy and no distributions.
+        let (t, p) = round_0_with(&o, &target, serde_json::json!({}), true, hot).unwrap();
+        assert!(p.is_none() && t == greedy, "{pair}: sample_drafts off");
+        let (t, p) = round_0_with(&o, &target, on(), true, GREEDY).unwrap();
+        assert!(p.is_none() && t == greedy, "{pair}: temperature 0");
+        println!("[{pair}] sampled at T=1.5, seed 42: {tokens:?} (greedy {greedy:?})");
     }
 }

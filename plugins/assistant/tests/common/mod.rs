@@ -9,7 +9,7 @@ use mlx_spec_assistant::attention::DonorView;
 use mlx_spec_assistant::checkpoint::Checkpoint;
 use mlx_spec_assistant::config::Kind;
 use mlx_spec_assistant::rope::QueryAngles;
-use mlx_spec_assistant::{AssistantModel, Round, StepOutput};
+use mlx_spec_assistant::{AssistantModel, Choice, Round, StepOutput};
 use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
 
 /// The two recorded pairs: E2B/E4B-style with the centroid head, 31B-style (K=V) dense.
@@ -151,10 +151,10 @@ impl Oracle {
         let mut outputs = Vec::new();
         let tokens = model
             .chain(
-                token,
-                &hidden,
+                (token, &hidden),
                 inputs,
                 steps,
+                Choice::Greedy,
                 |t| Ok(self.embed(t)),
                 |out| {
                     outputs.push(StepOutput {
@@ -165,7 +165,8 @@ impl Oracle {
                     })
                 },
             )
-            .unwrap();
+            .unwrap()
+            .tokens;
         (tokens, outputs)
     }
 }
