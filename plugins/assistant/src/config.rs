@@ -404,6 +404,24 @@ mod tests {
         assert!(c.quantization.default.is_none());
     }
 
+    /// The 12B's class only renames; older converters write `quantization_config`.
+    #[test]
+    fn reads_the_unified_class_and_quantization_config() {
+        let mut v = base();
+        v["model_type"] = Value::from("gemma4_unified_assistant");
+        v["text_config"]["model_type"] = Value::from("gemma4_unified_text");
+        v["quantization_config"] = serde_json::json!({"group_size": 64, "bits": 4});
+        let c = AssistantConfig::parse(&v.to_string(), "config.json").unwrap();
+        assert_eq!(
+            c.quantization.default,
+            Some(QuantSpec {
+                group_size: 64,
+                bits: 4
+            })
+        );
+        assert_eq!(c.backbone_hidden_size, 64);
+    }
+
     #[test]
     fn refuses_what_this_forward_does_not_compute() {
         let cases: [(&str, Value, &str); 5] = [
