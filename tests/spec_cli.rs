@@ -1,8 +1,9 @@
 //! Speculative decoding through the `mlx-spec` binary with real plugin libraries: lossless
 //! greedy and seeded-sampling output for every drafter (ngram, a drafter that is always right,
 //! one that is always wrong), faults that switch the drafter off without losing the request,
-//! libraries the loader must refuse, the deploy config, and an out-of-tree plugin dropped into
-//! a plugins directory of an already-built host.
+//! libraries the loader must refuse, the deploy config, an out-of-tree plugin dropped into
+//! a plugins directory of an already-built host, and a plugin built against the previous
+//! interface revision.
 
 mod common;
 
@@ -704,26 +705,34 @@ fn deploy_config_runs_the_drafter_and_names_bad_keys() {
     );
 }
 
-#[test]
-fn an_out_of_tree_plugin_drops_into_an_already_built_host() {
-    let crate_dir = repo_root().join("tests/drop-in/echo-drafter");
+/// Builds a plugin crate that lives outside the workspace, as its author would, and returns
+/// its library. Such crates share one build folder, so the SDK's dependencies build once.
+fn build_out_of_tree(crate_path: &str, library_stem: &str) -> std::path::PathBuf {
+    build_crate_at(&repo_root().join(crate_path), library_stem)
+}
+
+/// [`build_out_of_tree`] for a crate anywhere.
+fn build_crate_at(crate_dir: &Path, library_stem: &str) -> std::path::PathBuf {
+    let crate_path = crate_dir.display().to_string();
+    let target = repo_root().join("target/out-of-tree");
     let status = Command::new(env!("CARGO"))
         .args(["build", "--release", "--quiet", "--manifest-path"])
         .arg(crate_dir.join("Cargo.toml"))
+        .env("CARGO_TARGET_DIR", &target)
         .current_dir(&crate_dir)
         .status()
         .expect("run cargo");
-    assert!(status.success(), "building the out-of-tree plugin failed");
+    assert!(status.success(), "building {crate_path} failed");
+    target.join("release").join(lib_name(library_stem))
+}
+
+#[test]
+fn an_out_of_tree_plugin_drops_into_an_already_built_host() {
+    let crate_dir = repo_root().join("tests/drop-in/echo-drafter");
+    let library = build_out_of_tree("tests/drop-in/echo-drafter", "echo_drafter");
     let plugins = tempfile::tempdir().unwrap();
     let manifest = std::fs::read_to_string(crate_dir.join("plugin.toml")).unwrap();
-    install(
-        plugins.path(),
-        "echo",
-        &crate_dir
-            .join("target/release")
-            .join(lib_name("echo_drafter")),
-        &manifest,
-    );
+    install(plugins.path(), "echo", &library, &manifest);
 
     for name in ["tiny-ple-kvshare", "tiny-moe-keqv"] {
         let ids = prompts(name)[1].clone();
@@ -749,5 +758,107 @@ fn an_out_of_tree_plugin_drops_into_an_already_built_host() {
             "{}",
             spec["stats"]
         );
+    }
+}
+
+/// A library built against the SDK of interface revision 1 (kept in tests/compat as it was)
+/// loads into today's host and drafts: the interface grew only by appending, and the host
+/// falls back to revision 1's entry points where the library lacks the new ones.
+#[test]
+fn a_plugin_built_against_the_previous_interface_still_loads_and_drafts() {
+    let crate_dir = repo_root().join("tests/compat/echo-r1");
+    let library = build_out_of_tree("tests/compat/echo-r1", "echo_r1");
+    let plugins = tempfile::tempdir().unwrap();
+    let manifest = std::fs::read_to_string(crate_dir.join("plugin.toml")).unwrap();
+    install(plugins.path(), "echo-r1", &library, &manifest);
+    let dir = plugins.path().to_str().unwrap();
+
+    let list = mlx_spec(&["plugins", "list", "--plugins-dir", dir]);
+    assert!(
+        list.status.success(),
+        "{}",
+        String::from_utf8_lossy(&list.stderr)
+    );
+    let listing = String::from_utf8_lossy(&list.stdout);
+    assert!(
+        listing.contains("echo-r1") && listing.contains("ok (interface revision 1)"),
+        "{listing}"
+    );
+
+    let name = "tiny-ple-kvshare";
+    let ids = prompts(name)[1].clone();
+    let plain = run(&fixture(name), &ids, 40, &[]);
+    let spec = run(
+        &fixture(name),
+        &ids,
+        40,
+        &["--drafter", "echo-r1", "--plugins-dir", dir],
+    );
+    assert_eq!(tokens_of(&spec), tokens_of(&plain));
+    assert!(
+        spec["stats"]["num_drafts"].as_u64().unwrap() > 0,
+        "the revision-1 drafter was never asked: {}",
+        spec["stats"]
+    );
+    assert!(
+        spec["stats"]["drafter_error"].is_null(),
+        "{}",
+        spec["stats"]
+    );
+}
+
+/// `plugins new` writes a crate that builds and loads as it comes, and whose drafter reads a
+/// hidden-state tap: it refuses to draft unless the taps it received cover every position
+/// before the anchor, so lossless output with drafts and no drafter error shows the host
+/// delivers every verified position (prompt, drafted rounds, plain rounds) exactly once.
+#[test]
+fn a_scaffolded_drafter_builds_loads_and_sees_every_verified_position() {
+    let work = tempfile::tempdir().unwrap();
+    let crate_dir = work.path().join("tapcheck");
+    let sdk = repo_root().join("plugin-api");
+    let made = mlx_spec(&[
+        "plugins",
+        "new",
+        "tapcheck",
+        "--dir",
+        crate_dir.to_str().unwrap(),
+        "--sdk",
+        sdk.to_str().unwrap(),
+    ]);
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let library = build_crate_at(&crate_dir, "tapcheck");
+    let plugins = tempfile::tempdir().unwrap();
+    let manifest = std::fs::read_to_string(crate_dir.join("plugin.toml")).unwrap();
+    install(plugins.path(), "tapcheck", &library, &manifest);
+    let check = mlx_spec(&[
+        "plugins",
+        "check",
+        plugins.path().join("tapcheck").to_str().unwrap(),
+    ]);
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let dir = plugins.path().to_str().unwrap();
+    for name in ["tiny-ple-kvshare", "tiny-moe-keqv"] {
+        for ids in prompts(name) {
+            let plain = run(&fixture(name), &ids, 40, &[]);
+            // Auto-off pauses the drafter (plain rounds) when its drafts keep missing.
+            let spec = run(
+                &fixture(name),
+                &ids,
+                40,
+                &["--drafter", "tapcheck", "--plugins-dir", dir],
+            );
+            assert_eq!(tokens_of(&spec), tokens_of(&plain), "{name}");
+            let stats = &spec["stats"];
+            assert!(stats["drafter_error"].is_null(), "{name}: {stats}");
+            assert!(stats["num_drafts"].as_u64().unwrap() > 0, "{name}: {stats}");
+        }
     }
 }

@@ -32,8 +32,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Plain and speculative greedy decoding of the same prompt, alternated, in one process.
 fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     let registry = Registry::scan(&args.spec.plugins_dirs)?;
-    let (manifest, module) = registry.get(drafter)?;
-    let provider = instantiate(manifest, module, &parse_overrides(&args.spec.drafter_set)?)?;
+    let plugin = registry.get(drafter)?;
+    let manifest = plugin.manifest;
+    let provider = instantiate(plugin, &parse_overrides(&args.spec.drafter_set)?)?;
     let k = args
         .spec
         .num_draft_tokens
@@ -47,6 +48,10 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
         .unwrap_or(10);
     let loaded = load_model(&args.model, &args.random)?;
     let model = &loaded.model;
+    plugins::check_needs(
+        manifest,
+        &mlx_spec::speculative::target_port::target_spec(model),
+    )?;
     let need_tokenizer = || {
         loaded
             .tokenizer

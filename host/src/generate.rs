@@ -3,12 +3,13 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
+use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::transforms::async_eval;
 use mlx_rs::Array;
 use serde::Serialize;
 
-use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
+use crate::model::gemma4::{Capture, ForwardOutput, Gemma4Model, LogitsFor, ModelCache};
 use crate::sampler::{draw_tokens, SamplingParams};
 
 /// Prompts longer than this are prefilled in chunks, bounding activation memory.
@@ -102,10 +103,18 @@ pub fn greedy_step(model: &Gemma4Model, cache: &mut ModelCache, token: &Array) -
 
 /// The logits of the forward of `token` (a `[1]` id on the device), not yet evaluated.
 fn step_logits(model: &Gemma4Model, cache: &mut ModelCache, token: &Array) -> Result<Array> {
+    Ok(step_forward(model, cache, token, Capture::Nothing)?.logits)
+}
+
+/// The forward of `token` (a `[1]` id on the device), keeping the states `capture` asks for.
+fn step_forward(
+    model: &Gemma4Model,
+    cache: &mut ModelCache,
+    token: &Array,
+    capture: Capture,
+) -> Result<ForwardOutput> {
     let ids = token.reshape(&[1, 1])?;
-    Ok(model
-        .forward_ids(&ids, cache, LogitsFor::Last, false)?
-        .logits)
+    model.forward_ids(&ids, cache, LogitsFor::Last, capture)
 }
 
 /// [`greedy_step`], then starts evaluating the successor without waiting for it.
@@ -137,6 +146,34 @@ pub fn queue_step(
     Ok(next)
 }
 
+/// [`queue_step`], also keeping the hidden states at the tap points `taps` (`[1, hidden]`
+/// each) of the step's forward, for a drafter that reads them; the token is the same.
+pub fn queue_step_capturing(
+    model: &Gemma4Model,
+    cache: &mut ModelCache,
+    token: &Array,
+    sampling: &SamplingParams,
+    index: u64,
+    taps: &[i32],
+) -> Result<(Array, Vec<Array>)> {
+    if taps.is_empty() {
+        return Ok((
+            queue_step(model, cache, token, sampling, index)?,
+            Vec::new(),
+        ));
+    }
+    let out = step_forward(model, cache, token, Capture::Taps(taps))?;
+    let next = if sampling.is_greedy() {
+        argmax_axis(&out.logits, -1, false)?
+    } else {
+        draw_tokens(&out.logits, sampling, index)?
+    };
+    let mut queued = vec![&next];
+    queued.extend(&out.hidden);
+    async_eval(queued)?;
+    Ok((next, out.hidden))
+}
+
 /// Picks the token at emitted index `index` from `[1, vocab]` logits: the argmax, or a draw on
 /// the device ([`draw_tokens`]), as every sampled step draws.
 pub fn pick_token(logits: &Array, sampling: &SamplingParams, index: u64) -> Result<u32> {
@@ -148,13 +185,41 @@ pub fn pick_token(logits: &Array, sampling: &SamplingParams, index: u64) -> Resu
 
 /// Runs `ids` through the model in chunks; returns the last position's logits.
 pub fn prefill(model: &Gemma4Model, cache: &mut ModelCache, ids: &[u32]) -> Result<Array> {
+    Ok(prefill_capturing(model, cache, ids, &[])?.0)
+}
+
+/// [`prefill`], also keeping the hidden states at the tap points `taps` for every prompt
+/// position (`[ids.len(), hidden]` each), for a drafter that reads them.
+pub fn prefill_capturing(
+    model: &Gemma4Model,
+    cache: &mut ModelCache,
+    ids: &[u32],
+    taps: &[i32],
+) -> Result<(Array, Vec<Array>)> {
     let mut last = None;
+    let mut parts: Vec<Vec<Array>> = vec![Vec::new(); taps.len()];
     for chunk in ids.chunks(PREFILL_CHUNK) {
-        let out = model.forward(chunk, cache, LogitsFor::Last, false)?;
-        out.logits.eval()?;
+        let out = model.forward(chunk, cache, LogitsFor::Last, Capture::Taps(taps))?;
+        let mut evaluated = vec![&out.logits];
+        evaluated.extend(&out.hidden);
+        mlx_rs::transforms::eval(evaluated)?;
+        for (part, h) in parts.iter_mut().zip(out.hidden) {
+            part.push(h);
+        }
         last = Some(out.logits);
     }
-    last.ok_or_else(|| anyhow::anyhow!("empty prompt"))
+    let logits = last.ok_or_else(|| anyhow::anyhow!("empty prompt"))?;
+    let hidden = parts
+        .iter()
+        .map(|p| {
+            Ok(if p.len() == 1 {
+                p[0].clone()
+            } else {
+                concatenate(p, 0)?
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((logits, hidden))
 }
 
 /// Generates up to `max_tokens` tokens, calling `on_token` with each as soon as it is known.

@@ -16,6 +16,7 @@ pub mod load;
 pub mod model;
 pub mod plugins;
 pub mod sampler;
+pub mod scaffold;
 pub mod server;
 pub mod speculative;
 pub mod tokenizer;

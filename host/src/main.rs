@@ -19,6 +19,7 @@ use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
 use mlx_spec::sampler::{DrawPlace, SamplingParams};
 use mlx_spec::server::engine::{DrafterSpec, EngineConfig};
 use mlx_spec::server::{Defaults, Limits, ServeOptions};
+use mlx_spec::speculative::target_port::target_spec;
 use mlx_spec::speculative::{generate_speculative, SpecOptions};
 use mlx_spec::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
@@ -53,9 +54,43 @@ enum Command {
     /// Developer measurements and checks of the fast path (bench/gpu/README.md).
     #[command(hide = true)]
     Lab(BenchArgs),
-    /// Inspect drafter plugins.
+    /// Show a drafter's first proposal after a prompt (for drafter authors and tests).
+    Draft(DraftArgs),
+    /// Inspect drafter plugins, or start a new one.
     #[command(subcommand)]
     Plugins(PluginsCommand),
+}
+
+/// `mlx-spec draft`: prefill, the target's greedy next token, one proposal of the drafter.
+#[derive(Args)]
+#[command(
+    mut_arg("random_weights", |a| a.hide(true)),
+    mut_arg("weights_seed", |a| a.hide(true)),
+    mut_arg("random_bits", |a| a.hide(true)),
+    mut_arg("random_group_size", |a| a.hide(true))
+)]
+struct DraftArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    random: RandomArgs,
+    #[command(flatten)]
+    input: PromptArgs,
+    /// The drafter plugin (by its manifest name).
+    #[arg(long)]
+    drafter: String,
+    /// Directory holding drafter plugin folders (repeatable).
+    #[arg(long = "plugins-dir", value_name = "DIR", default_values_os_t = vec![mlx_spec::default_plugins_dir()])]
+    plugins_dirs: Vec<PathBuf>,
+    /// Override a setting of the drafter's manifest [defaults] (TOML value; repeatable).
+    #[arg(long = "drafter-set", value_name = "KEY=VALUE")]
+    drafter_set: Vec<String>,
+    /// Drafts to ask for.
+    #[arg(long, default_value_t = 4)]
+    num_draft_tokens: usize,
+    /// Print one JSON object {"anchor", "drafts"}.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -69,6 +104,20 @@ enum PluginsCommand {
     },
     /// Check one plugin: a plugin.toml, or a folder holding one. Prints OK or why not.
     Check { path: PathBuf },
+    /// Write a new drafter crate (Cargo.toml, plugin.toml, a drafter that reads a tap, tests).
+    New {
+        /// The drafter's name (also the folder's, unless --dir).
+        name: String,
+        /// Manifest kind.
+        #[arg(long, default_value = "other", value_parser = clap::builder::PossibleValuesParser::new(mlx_spec_plugin_api::manifest::KNOWN_KINDS))]
+        kind: String,
+        /// Folder to create (default: ./NAME).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+        /// The plugin SDK to depend on (default: plugin-api of the checkout this binary was built in).
+        #[arg(long, value_name = "DIR")]
+        sdk: Option<PathBuf>,
+    },
 }
 
 #[derive(Args)]
@@ -570,10 +619,14 @@ fn prompt_ids(input: &PromptArgs, tok: Option<&Tokenizer>, model_path: &Path) ->
 fn run_job(job: Job) -> Result<()> {
     job.sampling.validate()?;
     // Plugins are checked before the (slow) model load, so a wrong name fails fast.
-    let provider = match &job.drafter {
-        Some(choice) => {
-            let registry = Registry::scan(&choice.plugins_dirs)?;
-            let (manifest, module) = registry.get(&choice.name)?;
+    let registry = match &job.drafter {
+        Some(choice) => Some(Registry::scan(&choice.plugins_dirs)?),
+        None => None,
+    };
+    let provider = match (&job.drafter, &registry) {
+        (Some(choice), Some(registry)) => {
+            let plugin = registry.get(&choice.name)?;
+            let manifest = plugin.manifest;
             let k = choice
                 .num_draft_tokens
                 .or_else(|| {
@@ -587,12 +640,15 @@ fn run_job(job: Job) -> Result<()> {
             if k == 0 || k > 64 {
                 bail!("--num-draft-tokens must be between 1 and 64, got {k}");
             }
-            Some((instantiate(manifest, module, &choice.overrides)?, k))
+            Some((instantiate(plugin, &choice.overrides)?, k, manifest))
         }
-        None => None,
+        _ => None,
     };
 
     let loaded = load_model(&job.model, &job.random)?;
+    if let Some((_, _, manifest)) = &provider {
+        plugins::check_needs(manifest, &target_spec(&loaded.model))?;
+    }
     let tok = loaded.tokenizer.as_ref();
     let request = GenerateRequest {
         prompt_ids: prompt_ids(job.input, tok, &job.model.model)?,
@@ -617,7 +673,7 @@ fn run_job(job: Job) -> Result<()> {
         Ok(())
     };
     let (tokens, stats, spec) = match &provider {
-        Some((provider, k)) => {
+        Some((provider, k, _)) => {
             let options = SpecOptions {
                 num_draft_tokens: *k,
                 auto_off: job.drafter.as_ref().is_some_and(|d| d.auto_off),
@@ -932,6 +988,37 @@ fn serve_options(args: ServeArgs) -> Result<ServeOptions> {
     })
 }
 
+fn run_draft(args: DraftArgs) -> Result<()> {
+    if args.num_draft_tokens == 0 || args.num_draft_tokens > 64 {
+        bail!(
+            "--num-draft-tokens must be between 1 and 64, got {}",
+            args.num_draft_tokens
+        );
+    }
+    let registry = Registry::scan(&args.plugins_dirs)?;
+    let plugin = registry.get(&args.drafter)?;
+    let provider = instantiate(plugin, &parse_overrides(&args.drafter_set)?)?;
+    let loaded = load_model(&args.model, &args.random)?;
+    plugins::check_needs(plugin.manifest, &target_spec(&loaded.model))?;
+    let ids = prompt_ids(&args.input, loaded.tokenizer.as_ref(), &args.model.model)?;
+    let result =
+        mlx_spec::speculative::first_drafts(&loaded.model, &provider, &ids, args.num_draft_tokens)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&result)?);
+        return Ok(());
+    }
+    let show = |ids: &[u32]| match &loaded.tokenizer {
+        Some(t) => t
+            .decode(ids)
+            .map(|text| format!("{ids:?} {text:?}"))
+            .unwrap_or_else(|_| format!("{ids:?}")),
+        None => format!("{ids:?}"),
+    };
+    println!("anchor: {}", show(&[result.anchor]));
+    println!("drafts: {}", show(&result.drafts));
+    Ok(())
+}
+
 fn run_plugins(cmd: PluginsCommand) -> Result<()> {
     match cmd {
         PluginsCommand::List { plugins_dirs } => {
@@ -945,11 +1032,34 @@ fn run_plugins(cmd: PluginsCommand) -> Result<()> {
                     None => ("?", "?"),
                 };
                 let status = match &p.status {
-                    Ok(_) => "ok".to_owned(),
+                    Ok(library) => format!("ok (interface revision {})", library.revision),
                     Err(e) => format!("unusable: {e}"),
                 };
                 println!("{:<16} {:<10} {:<12} {}", p.name(), version, kind, status);
             }
+            Ok(())
+        }
+        PluginsCommand::New {
+            name,
+            kind,
+            dir,
+            sdk,
+        } => {
+            let home = mlx_spec::home();
+            let mlx_sys = home.join(".mlx/mlx-sys");
+            let scaffold = mlx_spec::scaffold::Scaffold {
+                dir: dir.unwrap_or_else(|| PathBuf::from(&name)),
+                name,
+                kind,
+                sdk: sdk.unwrap_or_else(|| home.join("plugin-api")),
+                mlx_sys: mlx_sys.is_dir().then_some(mlx_sys),
+            };
+            scaffold.write()?;
+            println!(
+                "wrote {}: build it with `cargo build --release`, copy the library next to plugin.toml, then `mlx-spec plugins check {}`",
+                scaffold.dir.display(),
+                scaffold.dir.display()
+            );
             Ok(())
         }
         PluginsCommand::Check { path } => {
@@ -959,12 +1069,13 @@ fn run_plugins(cmd: PluginsCommand) -> Result<()> {
                 path.clone()
             };
             let manifest = read_manifest(&manifest_path).map_err(anyhow::Error::msg)?;
-            plugins::load(&manifest_path, &manifest).map_err(anyhow::Error::msg)?;
+            let library = plugins::load(&manifest_path, &manifest).map_err(anyhow::Error::msg)?;
             println!(
-                "OK {} {} ({})",
+                "OK {} {} ({}), interface revision {}",
                 manifest.plugin.name,
                 manifest.plugin.version,
-                manifest_path.display()
+                manifest_path.display(),
+                library.revision
             );
             Ok(())
         }
@@ -983,6 +1094,7 @@ fn main() -> ExitCode {
             lab: LabArgs::default(),
         }),
         Command::Lab(args) => bench::run_bench(args),
+        Command::Draft(args) => run_draft(args),
         Command::Plugins(cmd) => run_plugins(cmd),
     };
     match result {

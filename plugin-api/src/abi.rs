@@ -7,6 +7,21 @@
 //! [`TargetPortRef`] for each call: the capabilities of the target model the drafter may use.
 //! Every method returns errors as values; the SDK adapters catch panics before they reach
 //! this layer (a panic crossing it would end the process).
+//!
+//! # Revisions: a newer host keeps loading older plugins
+//!
+//! abi_stable compares the layout of every type reachable from the root module when a library
+//! loads, and accepts a library whose prefix types and trait objects have *more* fields or
+//! methods than the host knows, never fewer: its model is an older host loading newer
+//! libraries. A host whose traits had grown would refuse every library built before (the
+//! compatibility test in `tests/compat` showed it: "too many fields"). So each interface
+//! revision is a set of types of its own. The current one is defined here; earlier ones are
+//! kept frozen in submodules ([`r1`]) for the host, which loads a library through the types of
+//! the revision the library exports as [`REVISION_SYMBOL`] (absent: revision 1) and adapts it
+//! to the current interface. The version string abi_stable checks, [`INTERFACE_VERSION`], stays
+//! the same for every revision: abi_stable refuses any other `0.y` outright, and the layouts
+//! already tell revisions apart. A change of meaning that layouts cannot show raises
+//! [`crate::ABI_MAJOR`], and the host then refuses older plugins by name.
 
 #![allow(non_local_definitions)] // emitted by #[sabi_trait] on current Rust
 
@@ -14,9 +29,23 @@ use abi_stable::library::RootModule;
 use abi_stable::sabi_types::RRef;
 use abi_stable::sabi_types::VersionStrings;
 use abi_stable::std_types::{RBox, ROption, RResult, RSlice, RStr, RString, RVec};
-use abi_stable::{declare_root_module_statics, package_version_strings, sabi_trait, StableAbi};
+use abi_stable::{declare_root_module_statics, sabi_trait, StableAbi};
 
 use crate::tensor::{Tensor, TensorRef};
+
+pub mod r1;
+
+/// The version string abi_stable checks at load, the same for every revision (see the module
+/// documentation); it has nothing to do with the crates' versions.
+pub const INTERFACE_VERSION: &str = "0.1.0";
+
+/// The current interface revision: 1 = the first interface (ids, embeddings, logits from
+/// hidden states; [`r1`]); 2 = hidden-state taps, donor K/V, the target's description, a
+/// port-aware `open`, and the plugin's own folder for `new_provider`.
+pub const INTERFACE_REVISION: u32 = 2;
+
+/// Exported `u32` (revision 2 on): the revision whose types a library's root module has.
+pub const REVISION_SYMBOL: &[u8] = b"mlx_spec_interface_revision\0";
 
 /// How a source asked the host to prefill the target. Kept so that libraries built against
 /// earlier SDKs still load; the host now prefills the whole prompt for every source, as plain
@@ -81,20 +110,59 @@ pub trait TargetPort {
     fn embed(&self, ids: RSlice<'_, u32>) -> RResult<Tensor, RString>;
 
     /// Float32 logits `[rows, vocab]` from final-norm hidden states `[.., rows, hidden]`.
-    #[sabi(last_prefix_field)]
     fn logits_from_hidden(&self, hidden: TensorRef<'_>) -> RResult<Tensor, RString>;
+
+    /// The target's shape as JSON ([`crate::target_spec::TargetSpec`]): layer kinds, heads,
+    /// head sizes, sliding window, RoPE, dtype, donor layers, its config.json.
+    fn describe(&self) -> RResult<RString, RString>;
+
+    /// The keys and values the target's KV-owning layer `layer` holds for the positions it
+    /// has processed and kept (never a rejected draft), oldest first. Lent for this call only:
+    /// see [`DonorKv`].
+    #[sabi(last_prefix_field)]
+    fn donor_kv(&self, layer: u32) -> RResult<DonorKv, RString>;
 }
 
 /// A borrowed target port.
 pub type TargetPortRef<'a> = TargetPort_TO<'a, RRef<'a, ()>>;
 
+/// Keys and values of one KV-owning target layer.
+///
+/// `keys`/`values` are `[1, kv_heads, n, head_dim]` in the target's activation dtype: K after
+/// the layer's `k_norm` and RoPE at each entry's position, V after `v_norm` (for a layer with
+/// `attention_k_eq_v`, V is made from the K projection, before RoPE). Entry `i` holds absolute
+/// position `first_position + i`; the entries are contiguous and end at the last position the
+/// target processed. For a sliding layer they cover at least the window before the next
+/// position, often more: the drafter picks what it attends to by position.
+///
+/// The arrays are new handles, owned by the receiver, but their data may be the target's
+/// cache buffer itself, which the target's fused kernels write in place: read them during the
+/// call that received them, and copy (and evaluate) what must outlive it.
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct DonorKv {
+    pub keys: Tensor,
+    pub values: Tensor,
+    pub first_position: u64,
+}
+
+/// Hidden states of positions the target verified, at the tap points a source asked for (see
+/// [`DraftSource::tap_layers`]).
+///
+/// `layers[j]` is `[rows, hidden]` for the `j`-th tap point asked for; row `r` belongs to
+/// absolute position `first_position + r`. Ownership moves to the receiver; the arrays hold
+/// their own data (nothing writes them afterwards).
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct TapRows {
+    pub first_position: u64,
+    pub layers: RVec<Tensor>,
+}
+
 /// Per-request drafter state.
 #[sabi_trait]
 pub trait DraftSource: Send {
-    /// The prefill the source asked for (see [`PrefillMode`]: the host no longer reads it).
-    fn prefill_mode(&self) -> PrefillMode;
-
-    /// Called once with the prompt before the first round.
+    /// Called once with the prompt before the first round (after the prompt's taps).
     fn prefill(
         &mut self,
         prompt: RSlice<'_, u32>,
@@ -114,13 +182,28 @@ pub trait DraftSource: Send {
 
     /// After verification: `accepted` of the `drafted` tokens were kept and `emitted` were
     /// appended to the history (the accepted ones plus the target's own next token).
-    #[sabi(last_prefix_field)]
     fn commit(
         &mut self,
         drafted: u32,
         accepted: u32,
         emitted: RSlice<'_, u32>,
     ) -> RResult<(), RString>;
+
+    /// The tap points whose hidden states this source reads, asked once after `open`: `-1`
+    /// the scaled embeddings (the input of layer 0), `i` in `0..num_layers` the residual stream
+    /// leaving decoder layer `i` (after its layer scalar), `num_layers` the final-norm hidden
+    /// state (the LM head's input). Empty: none.
+    fn tap_layers(&self) -> RVec<i32>;
+
+    /// Hidden states of positions the target has verified, at [`tap_layers`]'s points. Called
+    /// with the whole prompt before `prefill`, and before every `commit` with the round's
+    /// verified positions: its first token and the accepted drafts (rejected positions never
+    /// arrive). Rounds decoded plainly arrive too, so the rows a source receives cover every
+    /// position once, in order.
+    ///
+    /// [`tap_layers`]: DraftSource::tap_layers
+    #[sabi(last_prefix_field)]
+    fn receive_taps(&mut self, taps: TapRows) -> RResult<(), RString>;
 }
 
 /// An owned per-request source.
@@ -132,9 +215,15 @@ pub trait DraftProvider: Send + Sync {
     /// Resident bytes of the drafter's own weights (0 for weightless drafters).
     fn weights_bytes(&self) -> u64;
 
-    /// Starts a request against a target.
+    /// Starts a request against a target; the port lets the drafter check the pairing
+    /// against the target's description (and refuse it) before allocating.
     #[sabi(last_prefix_field)]
-    fn open(&self, target: TargetInfo, sampling: SamplingInfo) -> RResult<DraftSourceBox, RString>;
+    fn open(
+        &self,
+        info: TargetInfo,
+        target: TargetPortRef<'_>,
+        sampling: SamplingInfo,
+    ) -> RResult<DraftSourceBox, RString>;
 }
 
 /// An owned provider.
@@ -154,14 +243,18 @@ pub struct PluginModule {
     pub name: RStr<'static>,
     pub version: RStr<'static>,
     /// Builds the drafter from its configuration (a JSON object: manifest defaults merged
-    /// with the run's overrides).
+    /// with the run's overrides); relative paths in it resolve against `plugin_dir`, the
+    /// folder holding the plugin's manifest.
     #[sabi(last_prefix_field)]
-    pub new_provider: extern "C" fn(config_json: RStr<'_>) -> RResult<DraftProviderBox, RString>,
+    pub new_provider: extern "C" fn(
+        config_json: RStr<'_>,
+        plugin_dir: RStr<'_>,
+    ) -> RResult<DraftProviderBox, RString>,
 }
 
 impl RootModule for PluginModuleRef {
     declare_root_module_statics! {PluginModuleRef}
     const BASE_NAME: &'static str = "mlx_spec_drafter";
     const NAME: &'static str = "mlx_spec_drafter";
-    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    const VERSION_STRINGS: VersionStrings = VersionStrings::new(INTERFACE_VERSION);
 }

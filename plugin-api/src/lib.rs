@@ -9,17 +9,20 @@
 //! * [`abi`]: the stable-ABI types and the root module (what the host loads and checks).
 //! * [`sdk`]: plain-Rust traits and the panic-catching adapters.
 //! * [`manifest`]: the `plugin.toml` schema, shared with the host.
+//! * [`target_spec`]: the target's description a drafter checks its pairing against.
 
 pub mod abi;
 pub mod manifest;
 pub mod sdk;
+pub mod target_spec;
 pub mod tensor;
 
-pub use abi::{PrefillMode, SamplingInfo, TargetInfo};
+pub use abi::{PrefillMode, SamplingInfo, TargetInfo, INTERFACE_REVISION, INTERFACE_VERSION};
 pub use abi_stable;
 pub use mlx_rs;
-pub use sdk::{Drafter, DrafterSession, Proposal, Target};
+pub use sdk::{DonorKv, Drafter, DrafterSession, Proposal, Taps, Target};
 pub use serde_json;
+pub use target_spec::{LayerKind, TargetSpec};
 
 /// Major version of the plugin ABI: changes of meaning that layout checks cannot see (the
 /// ownership rules, what an argument means) bump it. Host and plugin must agree exactly.
@@ -59,14 +62,24 @@ macro_rules! declare_drafter_plugin {
             .leak_into_prefix()
         }
 
+        /// The interface revision whose types the root module has (`abi::REVISION_SYMBOL`).
+        #[no_mangle]
+        #[allow(non_upper_case_globals)]
+        pub static mlx_spec_interface_revision: u32 = $crate::INTERFACE_REVISION;
+
         #[::abi_stable::sabi_extern_fn]
         fn __mlx_spec_new_provider(
             config: ::abi_stable::std_types::RStr<'_>,
+            plugin_dir: ::abi_stable::std_types::RStr<'_>,
         ) -> ::abi_stable::std_types::RResult<
             $crate::abi::DraftProviderBox,
             ::abi_stable::std_types::RString,
         > {
-            $crate::sdk::new_provider::<$drafter>(config.as_str())
+            let dir = plugin_dir.as_str();
+            $crate::sdk::new_provider::<$drafter>(
+                config.as_str(),
+                (!dir.is_empty()).then(|| ::std::path::Path::new(dir)),
+            )
         }
     };
 }

@@ -10,7 +10,7 @@
 //! # sha256 = "…"                       # optional pin of the library file
 //!
 //! [needs]
-//! capabilities = []                    # of: embeddings, lm_head (more arrive with new drafters)
+//! capabilities = []                    # of: embeddings, lm_head, hidden_taps, donor_kv, target_spec
 //! target_families = ["gemma4"]
 //!
 //! [defaults]                           # the drafter's configuration; a run may override keys
@@ -21,8 +21,15 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-/// Target capabilities a host offers drafters today.
-pub const KNOWN_CAPABILITIES: [&str; 2] = ["embeddings", "lm_head"];
+/// Target capabilities a host offers drafters today: scaled embeddings, logits from hidden
+/// states, hidden-state taps, donor K/V, and the target's description.
+pub const KNOWN_CAPABILITIES: [&str; 5] = [
+    "embeddings",
+    "lm_head",
+    "hidden_taps",
+    "donor_kv",
+    "target_spec",
+];
 
 /// Drafter kinds.
 pub const KNOWN_KINDS: [&str; 7] = [

@@ -4,6 +4,7 @@
 //! every panic, so a plugin author never writes FFI code or `catch_unwind`.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
 
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{RErr, ROk, ROption, RResult, RSlice, RString, RVec};
@@ -11,17 +12,33 @@ use mlx_rs::Array;
 
 use crate::abi::{
     self, DraftProviderBox, DraftProvider_TO, DraftSourceBox, DraftSource_TO, PrefillMode,
-    SamplingInfo, TargetInfo, TargetPortRef,
+    SamplingInfo, TapRows, TargetInfo, TargetPortRef,
 };
+use crate::target_spec::TargetSpec;
 use crate::tensor::{Tensor, TensorRef};
 
 /// A loaded drafter: built once from its configuration, opens one session per request.
+///
+/// Implement one of `from_config` / `from_config_in` (the latter when the configuration names
+/// files, such as a checkpoint, relative to the plugin's folder) and one of `open` /
+/// `open_for` (the latter to check the pairing against the target's description).
 pub trait Drafter: Send + Sync + Sized + 'static {
     type Session: DrafterSession;
 
     /// Builds the drafter from its configuration (manifest `[defaults]` merged with the run's
     /// overrides). Reject unknown or ill-typed keys with a message naming them.
-    fn from_config(config: &serde_json::Value) -> Result<Self, String>;
+    fn from_config(config: &serde_json::Value) -> Result<Self, String> {
+        let _ = config;
+        Err("this drafter implements neither from_config nor from_config_in".to_owned())
+    }
+
+    /// [`Drafter::from_config`], also given the folder holding the plugin's `plugin.toml`:
+    /// resolve relative paths of the configuration against it, never against the working
+    /// directory.
+    fn from_config_in(config: &serde_json::Value, plugin_dir: &Path) -> Result<Self, String> {
+        let _ = plugin_dir;
+        Self::from_config(config)
+    }
 
     /// Resident bytes of the drafter's weights.
     fn weights_bytes(&self) -> u64 {
@@ -29,7 +46,64 @@ pub trait Drafter: Send + Sync + Sized + 'static {
     }
 
     /// Starts a request. Refuse targets the drafter cannot serve (wrong family, vocabulary…).
-    fn open(&self, target: &TargetInfo, sampling: &SamplingInfo) -> Result<Self::Session, String>;
+    fn open(&self, target: &TargetInfo, sampling: &SamplingInfo) -> Result<Self::Session, String> {
+        let _ = (target, sampling);
+        Err("this drafter implements neither open nor open_for".to_owned())
+    }
+
+    /// [`Drafter::open`] with the target at hand: read [`Target::spec`] to check the pairing
+    /// (hidden size, vocabulary, layer kinds…) and refuse it with a clear message.
+    fn open_for(
+        &self,
+        info: &TargetInfo,
+        target: &Target<'_>,
+        sampling: &SamplingInfo,
+    ) -> Result<Self::Session, String> {
+        let _ = target;
+        self.open(info, sampling)
+    }
+}
+
+/// Hidden states of verified positions (see [`DrafterSession::receive_taps`]).
+pub struct Taps {
+    /// Absolute position of row 0.
+    pub first_position: u64,
+    /// One `[rows, hidden]` array per tap point, in the order of
+    /// [`DrafterSession::tap_layers`].
+    pub layers: Vec<Array>,
+}
+
+impl Taps {
+    /// Number of positions (rows) delivered.
+    pub fn rows(&self) -> usize {
+        self.layers.first().map_or(0, |a| a.shape()[0] as usize)
+    }
+}
+
+/// A target layer's keys and values (see [`crate::abi::DonorKv`] for their exact content).
+/// Valid during the call that lent them: copy what must outlive it.
+pub struct DonorKv {
+    /// `[1, kv_heads, n, head_dim]`.
+    pub keys: Array,
+    pub values: Array,
+    /// Absolute position of entry 0; entries are contiguous.
+    pub first_position: u64,
+}
+
+impl DonorKv {
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.keys.shape()[2] as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Absolute position one past the last entry.
+    pub fn end_position(&self) -> u64 {
+        self.first_position + self.len() as u64
+    }
 }
 
 /// One proposal.
@@ -51,9 +125,9 @@ impl Proposal {
 
 /// Per-request drafter state.
 pub trait DrafterSession: Send + 'static {
-    /// Kept for compatibility: the host prefills the whole prompt for every source
-    /// ([`PrefillMode`]), so the first `draft` call's history already ends with the first
-    /// generated token.
+    /// Not read by hosts of interface revision 2, which prefill the whole prompt for every
+    /// source ([`PrefillMode`]): the first `draft` call's history already ends with the first
+    /// generated token. Kept so that drafters written for revision 1 still compile.
     fn prefill_mode(&self) -> PrefillMode {
         PrefillMode::Full
     }
@@ -79,6 +153,21 @@ pub trait DrafterSession: Send + 'static {
     ) -> Result<(), String> {
         Ok(())
     }
+
+    /// The tap points this session reads (asked once, after `open`): `-1` the scaled
+    /// embeddings, `i` the residual stream leaving layer `i`, `num_layers` the final-norm
+    /// hidden state ([`TargetSpec::final_hidden_tap`]).
+    fn tap_layers(&self) -> Vec<i32> {
+        Vec::new()
+    }
+
+    /// Hidden states at [`DrafterSession::tap_layers`] of positions the target verified: the
+    /// prompt (before `prefill`), then each round's verified positions (before `commit`):
+    /// its first token and the accepted drafts. Every position arrives once, in order; the
+    /// arrays are yours to keep.
+    fn receive_taps(&mut self, _taps: Taps) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The target's capabilities during one call.
@@ -101,6 +190,24 @@ impl Target<'_> {
     pub fn logits_from_hidden(&self, hidden: &Array) -> Result<Array, String> {
         into_result(self.port.logits_from_hidden(TensorRef::from_array(hidden)))
             .map(Tensor::into_array)
+    }
+
+    /// The target's description: layer kinds, heads, RoPE, donor layers, dtype, config.
+    pub fn spec(&self) -> Result<TargetSpec, String> {
+        let json = into_result(self.port.describe())?;
+        serde_json::from_str(json.as_str())
+            .map_err(|e| format!("the host's target description does not parse: {e}"))
+    }
+
+    /// Keys and values of the KV-owning layer `layer` for every position the target has
+    /// processed and kept, oldest first. Valid during this call only.
+    pub fn donor_kv(&self, layer: usize) -> Result<DonorKv, String> {
+        let kv = into_result(self.port.donor_kv(layer as u32))?;
+        Ok(DonorKv {
+            keys: kv.keys.into_array(),
+            values: kv.values.into_array(),
+            first_position: kv.first_position,
+        })
     }
 }
 
@@ -139,9 +246,16 @@ impl<D: Drafter> abi::DraftProvider for ProviderAdapter<D> {
         catch_unwind(AssertUnwindSafe(|| self.0.weights_bytes())).unwrap_or(0)
     }
 
-    fn open(&self, target: TargetInfo, sampling: SamplingInfo) -> RResult<DraftSourceBox, RString> {
+    fn open(
+        &self,
+        info: TargetInfo,
+        target: TargetPortRef<'_>,
+        sampling: SamplingInfo,
+    ) -> RResult<DraftSourceBox, RString> {
         guarded(|| {
-            let session = self.0.open(&target, &sampling)?;
+            let session = self
+                .0
+                .open_for(&info, &Target { port: target }, &sampling)?;
             Ok(DraftSource_TO::from_value(
                 SessionAdapter(session),
                 TD_Opaque,
@@ -151,10 +265,6 @@ impl<D: Drafter> abi::DraftProvider for ProviderAdapter<D> {
 }
 
 impl<S: DrafterSession> abi::DraftSource for SessionAdapter<S> {
-    fn prefill_mode(&self) -> PrefillMode {
-        catch_unwind(AssertUnwindSafe(|| self.0.prefill_mode())).unwrap_or(PrefillMode::Full)
-    }
-
     fn prefill(
         &mut self,
         prompt: RSlice<'_, u32>,
@@ -198,10 +308,31 @@ impl<S: DrafterSession> abi::DraftSource for SessionAdapter<S> {
                 .commit(drafted as usize, accepted as usize, emitted.as_slice())
         })
     }
+
+    fn tap_layers(&self) -> RVec<i32> {
+        // A panic here leaves the session without taps; its next call will tell.
+        catch_unwind(AssertUnwindSafe(|| self.0.tap_layers()))
+            .map(RVec::from)
+            .unwrap_or_default()
+    }
+
+    fn receive_taps(&mut self, taps: TapRows) -> RResult<(), RString> {
+        guarded(|| {
+            let taps = Taps {
+                first_position: taps.first_position,
+                layers: taps.layers.into_iter().map(Tensor::into_array).collect(),
+            };
+            self.0.receive_taps(taps)
+        })
+    }
 }
 
-/// Builds a provider from JSON configuration; what `declare_drafter_plugin!` exports.
-pub fn new_provider<D: Drafter>(config_json: &str) -> RResult<DraftProviderBox, RString> {
+/// Builds a provider from JSON configuration, relative paths resolved against `plugin_dir`
+/// (the working directory when not given); what `declare_drafter_plugin!` exports.
+pub fn new_provider<D: Drafter>(
+    config_json: &str,
+    plugin_dir: Option<&Path>,
+) -> RResult<DraftProviderBox, RString> {
     guarded(|| {
         // Install mlx-rs's error handler into this library's own mlx-c copy before anything
         // else: until the first checked op, mlx-c's default handler would exit the process.
@@ -210,7 +341,10 @@ pub fn new_provider<D: Drafter>(config_json: &str) -> RResult<DraftProviderBox, 
             .map_err(|e| format!("MLX is not usable in the plugin: {e}"))?;
         let config: serde_json::Value = serde_json::from_str(config_json)
             .map_err(|e| format!("plugin configuration is not valid JSON: {e}"))?;
-        let drafter = D::from_config(&config)?;
+        let drafter = match plugin_dir {
+            Some(dir) => D::from_config_in(&config, dir)?,
+            None => D::from_config(&config)?,
+        };
         Ok(DraftProvider_TO::from_value(
             ProviderAdapter(drafter),
             TD_Opaque,

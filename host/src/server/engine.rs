@@ -17,16 +17,17 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use abi_stable::std_types::{RErr, ROk};
 use anyhow::{anyhow, bail, Context, Result};
-use mlx_spec_plugin_api::abi::{DraftProviderBox, SamplingInfo};
+use mlx_spec_plugin_api::abi::DraftProviderBox;
+use mlx_spec_plugin_api::manifest::Manifest;
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::generate::{GenerateRequest, StopReason};
 use crate::load::LoadOptions;
-use crate::plugins::{instantiate, Registry, HOST_KEY_NUM_DRAFT_TOKENS};
-use crate::speculative::target_port::target_info;
+use crate::plugins::{check_needs, instantiate, Registry, HOST_KEY_NUM_DRAFT_TOKENS};
+use crate::sampler::SamplingParams;
+use crate::speculative::target_port::target_spec;
 use crate::speculative::{SpecOptions, SpecStats, SpecStepper};
 use crate::tokenizer::Tokenizer;
 
@@ -267,21 +268,26 @@ impl Engine {
 /// A loaded drafter.
 struct Loaded {
     info: DrafterInfo,
+    origin: String,
+    manifest: Manifest,
     provider: DraftProviderBox,
     auto_off: bool,
     fitted_draft_length: bool,
 }
 
-fn load_drafters(config: &EngineConfig) -> Result<Vec<Loaded>> {
+/// Loads and builds every configured drafter. The registry is returned too: it holds the
+/// plugins' libraries, kept for as long as the drafters run.
+fn load_drafters(config: &EngineConfig) -> Result<(Option<Registry>, Vec<Loaded>)> {
     if config.drafters.is_empty() {
-        return Ok(Vec::new());
+        return Ok((None, Vec::new()));
     }
     let registry = Registry::scan(&config.plugins_dirs)?;
     let mut out = Vec::new();
     for spec in &config.drafters {
-        let (manifest, module) = registry
+        let plugin = registry
             .get(&spec.plugin)
             .with_context(|| format!("{}: drafter {:?}", spec.origin, spec.name))?;
+        let manifest = plugin.manifest.clone();
         let k = spec
             .num_draft_tokens
             .or_else(|| {
@@ -299,7 +305,7 @@ fn load_drafters(config: &EngineConfig) -> Result<Vec<Loaded>> {
                 spec.name
             );
         }
-        let provider = instantiate(manifest, module, &spec.overrides)
+        let provider = instantiate(plugin, &spec.overrides)
             .with_context(|| format!("{}: drafter {:?}", spec.origin, spec.name))?;
         out.push(Loaded {
             info: DrafterInfo {
@@ -308,12 +314,14 @@ fn load_drafters(config: &EngineConfig) -> Result<Vec<Loaded>> {
                 version: manifest.plugin.version.clone(),
                 num_draft_tokens: k,
             },
+            origin: spec.origin.clone(),
+            manifest,
             provider,
             auto_off: spec.auto_off,
             fitted_draft_length: spec.fitted_draft_length,
         });
     }
-    Ok(out)
+    Ok((Some(registry), out))
 }
 
 /// One request being generated.
@@ -333,7 +341,7 @@ fn run(
     metrics: Arc<Metrics>,
 ) {
     let setup = (|| -> Result<_> {
-        let drafters = load_drafters(&config)?;
+        let (registry, drafters) = load_drafters(&config)?;
         let mut loaded = crate::load::load(&config.load)?;
         let tokenizer = loaded.tokenizer.take().ok_or_else(|| {
             anyhow!(
@@ -341,28 +349,36 @@ fn run(
                 config.load.path.display()
             )
         })?;
-        // Every drafter opens a session on this target once, so one that refuses it stops
-        // the start rather than every request.
+        // Every drafter is checked against this target and opens a session on it once, so
+        // one that cannot serve it stops the start rather than every request.
         for d in &drafters {
-            let greedy = SamplingInfo {
-                temperature: 0.0,
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.0,
-                seed: 0,
+            check_needs(&d.manifest, &target_spec(&loaded.model))
+                .with_context(|| format!("{}: drafter {:?}", d.origin, d.info.name))?;
+            let probe = GenerateRequest {
+                prompt_ids: vec![loaded.model.config.bos_token_id.unwrap_or(0)],
+                max_tokens: 1,
+                sampling: SamplingParams::default(),
+                stop_ids: Vec::new(),
+                ignore_eos: true,
             };
-            match d.provider.open(target_info(&loaded.model), greedy) {
-                ROk(session) => drop(session),
-                RErr(e) => bail!(
-                    "drafter {:?} (plugin {:?}) cannot draft for this model: {e}",
+            let options = SpecOptions {
+                num_draft_tokens: d.info.num_draft_tokens,
+                auto_off: false,
+                fitted_draft_length: false,
+            };
+            let stepper = SpecStepper::new(&loaded.model, &probe, Some(&d.provider), options)?;
+            if let Some(e) = &stepper.spec_stats().drafter_error {
+                bail!(
+                    "{}: drafter {:?} (plugin {:?}) cannot draft for this model: {e}",
+                    d.origin,
                     d.info.name,
                     d.info.plugin
-                ),
+                );
             }
         }
-        Ok((drafters, loaded, tokenizer))
+        Ok((registry, drafters, loaded, tokenizer))
     })();
-    let (drafters, loaded, tokenizer) = match setup {
+    let (_registry, drafters, loaded, tokenizer) = match setup {
         Ok(v) => v,
         Err(e) => {
             let _ = ready.send(Err(e));

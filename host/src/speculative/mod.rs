@@ -19,23 +19,25 @@
 
 pub mod gate;
 pub mod replay;
+pub mod source;
 pub mod target_port;
 
 use std::time::Instant;
 
-use abi_stable::sabi_trait::TD_Opaque;
-use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RString};
 use anyhow::{bail, Result};
-use mlx_rs::Dtype;
-use mlx_spec_plugin_api::abi::{DraftProviderBox, DraftSourceBox, SamplingInfo, TargetPort_TO};
+use mlx_rs::Array;
+use mlx_spec_plugin_api::abi::{DraftProviderBox, SamplingInfo};
 use serde::Serialize;
 
-use crate::generate::{pick_token, prefill, queue_step, GenerateRequest, GenerateStats};
+use crate::generate::{
+    pick_token, prefill_capturing, queue_step_capturing, GenerateRequest, GenerateStats,
+};
 use crate::model::gemma4::cache::DEFAULT_ROLLBACK_RESERVE;
-use crate::model::gemma4::{Gemma4Model, LogitsFor, ModelCache};
+use crate::model::gemma4::{Capture, Gemma4Model, LogitsFor, ModelCache};
 use crate::sampler::{draw, draw_tokens, uniform, SamplingParams, Stream};
 use gate::DraftGate;
-use target_port::{target_info, HostTarget};
+use source::{ActiveSource, Proposal};
+use target_port::HostTarget;
 
 /// Speculation settings of one request.
 #[derive(Debug, Clone, Copy)]
@@ -82,84 +84,6 @@ pub struct SpecStats {
     /// and its drafts). One slow round among many shows a stall, not a slow window.
     pub slowest_round_seconds: f64,
     pub slowest_round_window: u64,
-}
-
-fn ffi<T>(r: RResult<T, RString>) -> Result<T, String> {
-    match r {
-        ROk(v) => Ok(v),
-        RErr(e) => Err(e.into_string()),
-    }
-}
-
-/// A drafted round's proposal, validated.
-struct Proposal {
-    tokens: Vec<u32>,
-    /// `[tokens.len(), vocab]` float32 draft distributions, as host vectors.
-    probs: Option<Vec<f32>>,
-}
-
-/// The live drafter of a request, dropped at its first fault.
-struct ActiveSource {
-    source: DraftSourceBox,
-}
-
-impl ActiveSource {
-    fn port<'a>(
-        target: &'a HostTarget<'a>,
-    ) -> TargetPort_TO<'a, abi_stable::sabi_types::RRef<'a, ()>> {
-        TargetPort_TO::from_ptr(target, TD_Opaque)
-    }
-
-    fn draft(
-        &mut self,
-        history: &[u32],
-        n: usize,
-        step_base: u64,
-        target: &HostTarget,
-        vocab: usize,
-    ) -> Result<Proposal, String> {
-        let d = ffi(self.source.draft(
-            RSlice::from_slice(history),
-            n as u32,
-            step_base,
-            Self::port(target),
-        ))?;
-        let tokens = d.tokens.into_vec();
-        if tokens.len() > n {
-            return Err(format!(
-                "the drafter returned {} tokens when asked for at most {n}",
-                tokens.len()
-            ));
-        }
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(format!(
-                "the drafter proposed token {bad}, outside the vocabulary (size {vocab})"
-            ));
-        }
-        let probs = match d.probs.into_option() {
-            None => None,
-            Some(t) => {
-                let q = t.into_array();
-                if q.shape() != [tokens.len() as i32, vocab as i32] {
-                    return Err(format!(
-                        "draft probabilities have shape {:?}, expected [{}, {vocab}]",
-                        q.shape(),
-                        tokens.len()
-                    ));
-                }
-                let q = q.as_dtype(Dtype::Float32).map_err(|e| e.to_string())?;
-                q.eval().map_err(|e| e.to_string())?;
-                let values = q.as_slice::<f32>().to_vec();
-                if values.iter().any(|v| !v.is_finite() || *v < 0.0) {
-                    return Err(
-                        "draft probabilities contain negative or non-finite values".to_owned()
-                    );
-                }
-                Some(values)
-            }
-        };
-        Ok(Proposal { tokens, probs })
-    }
 }
 
 /// Rejection-sampling step at one position: returns `(token, accepted)`.
@@ -314,6 +238,65 @@ pub fn generate_speculative(
     Ok(stepper.finish())
 }
 
+/// What `mlx-spec draft` reports: the target's greedy token after the prompt (the anchor) and
+/// the drafter's first proposal after it.
+#[derive(Debug, Clone, Serialize)]
+pub struct FirstDrafts {
+    pub anchor: u32,
+    pub drafts: Vec<u32>,
+}
+
+/// Prefills `prompt` exactly as a greedy speculative request does (the drafter receives the
+/// prompt's taps and its prefill call), takes the target's greedy next token, then asks the
+/// drafter once for `n` drafts after it. A drafter fault is an error here, not a fallback.
+pub fn first_drafts(
+    model: &Gemma4Model,
+    provider: &DraftProviderBox,
+    prompt: &[u32],
+    n: usize,
+) -> Result<FirstDrafts> {
+    let req = GenerateRequest {
+        prompt_ids: prompt.to_vec(),
+        max_tokens: n + 1,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        ignore_eos: true,
+    };
+    let options = SpecOptions {
+        num_draft_tokens: n,
+        auto_off: false,
+        fitted_draft_length: false,
+    };
+    let mut stepper = SpecStepper::new(model, &req, Some(provider), options)?;
+    let opened = stepper.source.is_some();
+    let first = stepper.step()?;
+    if let Some(why) = &stepper.stats.drafting_skipped {
+        bail!("drafting is off for this target here: {why}");
+    }
+    let Some(s) = stepper.source.as_mut() else {
+        let why = stepper.stats.drafter_error.clone().unwrap_or_default();
+        bail!(
+            "the drafter failed {}: {why}",
+            if opened { "in prefill" } else { "to open" }
+        );
+    };
+    let anchor = *first
+        .first()
+        .expect("a request of n + 1 tokens emits its first");
+    let target = HostTarget {
+        model,
+        cache: Some(&stepper.cache),
+        position: stepper.cache.offset() as u64,
+    };
+    let proposal = s
+        .draft(&stepper.history, n, 1, &target, false)
+        .map_err(|e| anyhow::anyhow!("the drafter failed to draft: {e}"))?;
+    Ok(FirstDrafts {
+        anchor,
+        drafts: proposal.tokens,
+    })
+}
+
 /// One request's speculative generation as a value: its cache, sampler settings, drafter
 /// session, gate and counters. [`SpecStepper::step`] advances it one round (the prefill and
 /// first token, a drafted round, or a burst of plain rounds) and returns what that round
@@ -381,8 +364,13 @@ impl<'m> SpecStepper<'m> {
         };
         let mut source = None;
         if let Some(p) = provider {
-            match ffi(p.open(target_info(model), sampling_info)) {
-                Ok(s) => source = Some(ActiveSource { source: s }),
+            let target = HostTarget {
+                model,
+                cache: Some(&cache),
+                position: 0,
+            };
+            match ActiveSource::open(p, &target, sampling_info) {
+                Ok(s) => source = Some(s),
                 Err(e) => {
                     tracing::warn!("drafter could not open this request, decoding plainly: {e}");
                     stats.drafter_error = Some(e);
@@ -470,7 +458,9 @@ impl<'m> SpecStepper<'m> {
                 sampling: &sampling,
                 first_index: self.tokens.len() as u64,
             };
-            let burst = plain_burst(model, &mut self.cache, self.pending, steps)?;
+            let first_position = self.cache.offset() as u64;
+            let taps = self.source.as_ref().map_or(&[][..], ActiveSource::taps);
+            let burst = plain_burst(model, &mut self.cache, self.pending, steps, taps)?;
             self.gate
                 .observe_plain_time(began.elapsed().as_secs_f64(), burst.emitted.len());
             self.stats.target_forwards += burst.forwards;
@@ -484,29 +474,33 @@ impl<'m> SpecStepper<'m> {
                 .emitted
                 .last()
                 .expect("a burst that does not stop emits");
-            // One plain round per token, as the drafter would have seen them.
-            for t in &burst.emitted {
+            // One plain round per token, as the drafter would have seen them: the position
+            // each step processed, then the token it emitted.
+            for (i, t) in burst.emitted.iter().enumerate() {
+                let hidden = burst.taps.get(i).map_or(&[][..], Vec::as_slice);
                 commit_round(
                     &mut self.source,
                     &mut self.stats,
-                    0,
-                    0,
-                    std::slice::from_ref(t),
+                    RoundEnd {
+                        hidden,
+                        first_position: first_position + i as u64,
+                        drafted: 0,
+                        accepted: 0,
+                        emitted: std::slice::from_ref(t),
+                    },
                 );
             }
             return Ok(burst.emitted);
         }
         // A round emits up to drafts + 1 tokens; never ask for more than the budget allows.
         let n = self.gate.draft_len(self.k_max).min(remaining - 1);
-        let mut proposal = Proposal {
-            tokens: Vec::new(),
-            probs: None,
-        };
+        let mut proposal = Proposal::none();
         // The round's time, drafting and verifying, tells the gate what drafting costs.
         let round_began = Instant::now();
         if n > 0 && self.source.is_some() && self.gate.should_draft() {
             let target = HostTarget {
                 model,
+                cache: Some(&self.cache),
                 position: self.cache.offset() as u64,
             };
             let began = Instant::now();
@@ -515,7 +509,7 @@ impl<'m> SpecStepper<'m> {
                 n,
                 self.tokens.len() as u64,
                 &target,
-                self.vocab,
+                !sampling.is_greedy(),
             );
             self.stats.drafter_seconds += began.elapsed().as_secs_f64();
             match result {
@@ -536,10 +530,17 @@ impl<'m> SpecStepper<'m> {
         window.push(self.pending);
         window.extend_from_slice(drafts);
         // The round reads the picks at once: the window goes to the device a few layers at a
-        // time as they are built, so the device does not wait for the whole graph.
-        let logits = model
-            .forward_to_read(&window, &mut self.cache, LogitsFor::All, false)?
-            .logits;
+        // time as they are built, so the device does not wait for the whole graph. The
+        // drafter's tap points come out of this same forward.
+        let first_position = self.cache.offset() as u64;
+        let taps = self.source.as_ref().map_or(&[][..], ActiveSource::taps);
+        let out = model.forward_to_read(
+            &window,
+            &mut self.cache,
+            LogitsFor::All,
+            Capture::Taps(taps),
+        )?;
+        let (logits, hidden) = (out.logits, out.hidden);
         self.stats.target_forwards += 1;
 
         // The target's own token at every window position, drawn on the device as plain
@@ -616,7 +617,18 @@ impl<'m> SpecStepper<'m> {
         self.pending = *emitted
             .last()
             .expect("a round that does not stop emits a token");
-        commit_round(&mut self.source, &mut self.stats, d, accepted, &emitted);
+        // The verified positions: the round's first token and the accepted drafts.
+        commit_round(
+            &mut self.source,
+            &mut self.stats,
+            RoundEnd {
+                hidden: &hidden[..],
+                first_position,
+                drafted: d,
+                accepted,
+                emitted: &emitted,
+            },
+        );
         Ok(emitted)
     }
 
@@ -634,7 +646,8 @@ impl<'m> SpecStepper<'m> {
         // token come out of other operations than plain decoding's (a prompt of one token less,
         // then a window instead of the prompt's last row), and on random E4B weights on an H200
         // that was enough to change the greedy tokens.
-        let logits = prefill(model, &mut self.cache, prompt)?;
+        let taps = self.source.as_ref().map_or(&[][..], ActiveSource::taps);
+        let (logits, hidden) = prefill_capturing(model, &mut self.cache, prompt, taps)?;
         let first = pick_token(&logits, &sampling, 0)?;
         if !self.req.ignore_eos && self.req.stop_ids.contains(&first) {
             self.stop_token = Some(first);
@@ -650,12 +663,16 @@ impl<'m> SpecStepper<'m> {
         if let Some(s) = self.source.as_mut() {
             let target = HostTarget {
                 model,
+                cache: Some(&self.cache),
                 position: self.cache.offset() as u64,
             };
-            if let Err(e) = ffi(s
-                .source
-                .prefill(RSlice::from_slice(prompt), ActiveSource::port(&target)))
-            {
+            let began = Instant::now();
+            // The prompt's tapped states first, then the prefill call.
+            let result = s
+                .deliver(&hidden, 0..prompt.len(), 0)
+                .and_then(|()| s.prefill(prompt, &target));
+            self.stats.drafter_seconds += began.elapsed().as_secs_f64();
+            if let Err(e) = result {
                 tracing::warn!("drafter failed in prefill, decoding plainly: {e}");
                 self.stats.drafter_error = Some(e);
                 self.source = None;
@@ -687,23 +704,29 @@ impl<'m> SpecStepper<'m> {
     }
 }
 
-/// Tells the drafter (if still active) how a round ended; a drafter that fails here is
-/// dropped for the rest of the request, which finishes with plain decoding.
-fn commit_round(
-    source: &mut Option<ActiveSource>,
-    stats: &mut SpecStats,
+/// How a round ended, as the drafter is told.
+struct RoundEnd<'a> {
+    /// The tapped states of the round's forward (`[T, hidden]` per tap point): rows
+    /// `0..=accepted` are the verified positions.
+    hidden: &'a [Array],
+    /// Position of the round's first token.
+    first_position: u64,
     drafted: usize,
     accepted: usize,
-    emitted: &[u32],
-) {
+    emitted: &'a [u32],
+}
+
+/// Tells the drafter (if still active) how a round ended: the verified positions' tapped
+/// states, then the commit. A drafter that fails here is dropped for the rest of the request,
+/// which finishes with plain decoding.
+fn commit_round(source: &mut Option<ActiveSource>, stats: &mut SpecStats, end: RoundEnd) {
     let Some(s) = source.as_mut() else {
         return;
     };
     let began = Instant::now();
-    let committed =
-        ffi(s
-            .source
-            .commit(drafted as u32, accepted as u32, RSlice::from_slice(emitted)));
+    let committed = s
+        .deliver(end.hidden, 0..end.accepted + 1, end.first_position)
+        .and_then(|()| s.commit(end.drafted, end.accepted, end.emitted));
     stats.drafter_seconds += began.elapsed().as_secs_f64();
     if let Err(e) = committed {
         tracing::warn!("drafter failed in commit, finishing this request with plain decoding: {e}");
@@ -715,6 +738,9 @@ fn commit_round(
 /// What a run of plain greedy rounds produced.
 struct PlainBurst {
     emitted: Vec<u32>,
+    /// For each emitted token, the tapped states (`[1, hidden]` per tap point) of the step
+    /// that made it, i.e. of the position it processed.
+    taps: Vec<Vec<Array>>,
     stop_token: Option<u32>,
     forwards: u64,
 }
@@ -739,6 +765,7 @@ fn plain_burst(
     cache: &mut ModelCache,
     pending: u32,
     steps: PlainSteps,
+    taps: &[i32],
 ) -> Result<PlainBurst> {
     let PlainSteps {
         rounds,
@@ -748,17 +775,21 @@ fn plain_burst(
     } = steps;
     let mut burst = PlainBurst {
         emitted: Vec::with_capacity(rounds),
+        taps: Vec::new(),
         stop_token: None,
         forwards: 1,
     };
-    let pending = mlx_rs::Array::from_slice(&[pending], &[1]);
-    let mut next = queue_step(model, cache, &pending, sampling, first_index)?;
+    let pending = Array::from_slice(&[pending], &[1]);
+    let (mut next, mut hidden) =
+        queue_step_capturing(model, cache, &pending, sampling, first_index, taps)?;
     for i in 0..rounds {
         // The successor's forward goes in before this token is read, except after the last.
         let queued = if i + 1 < rounds {
             burst.forwards += 1;
             let index = first_index + i as u64 + 1;
-            Some(queue_step(model, cache, &next, sampling, index)?)
+            Some(queue_step_capturing(
+                model, cache, &next, sampling, index, taps,
+            )?)
         } else {
             None
         };
@@ -772,8 +803,11 @@ fn plain_burst(
             break;
         }
         burst.emitted.push(token);
+        if !taps.is_empty() {
+            burst.taps.push(std::mem::take(&mut hidden));
+        }
         match queued {
-            Some(q) => next = q,
+            Some((q, h)) => (next, hidden) = (q, h),
             None => break,
         }
     }

@@ -193,6 +193,21 @@ impl LayerKv {
         self.start + self.len
     }
 
+    /// The keys and values this layer keeps, oldest first (`[1, kv_heads, n, head_dim]`), and
+    /// the absolute position of the first: the slots `head..head + len`, never the slots of
+    /// forgotten or rolled-back positions. `None` before anything was stored. The arrays are
+    /// slices of the live buffers, which the fused kernels write in place: read them before the
+    /// next forward.
+    pub fn kept(&self) -> Option<(Array, Array, usize)> {
+        let (keys, values) = (self.keys.as_ref()?, self.values.as_ref()?);
+        let (from, to) = (self.head as i32, (self.head + self.len) as i32);
+        Some((
+            keys.index((.., .., from..to, ..)),
+            values.index((.., .., from..to, ..)),
+            self.start,
+        ))
+    }
+
     /// Appends `[1, kv_heads, t, head_dim]` keys/values for positions `end_position()..` and
     /// returns what the new queries attend over: for windows up to [`MAX_MASKED_WINDOW`]
     /// tokens the whole buffers and a slot mask, for longer ones the visible keys.
@@ -422,6 +437,11 @@ impl ModelCache {
     /// Number of tokens processed so far (the position of the next token).
     pub fn offset(&self) -> usize {
         self.offset
+    }
+
+    /// Layer `i`'s K/V state (`None` for a layer that shares another's).
+    pub fn layer(&self, i: usize) -> Option<&LayerKv> {
+        self.layers.get(i).and_then(Option::as_ref)
     }
 
     pub(crate) fn layer_mut(&mut self, i: usize) -> Option<&mut LayerKv> {

@@ -84,6 +84,9 @@ pub struct Gemma4Config {
     pub quantization: QuantConfig,
     /// Dtype the checkpoint declares (`dtype` / `torch_dtype`), if any.
     pub declared_dtype: Option<String>,
+    /// The config as read, for drafters that check their pairing against fields not listed
+    /// here.
+    pub raw: Value,
 }
 
 /// Mixture-of-experts block sizes (26B-A4B style).
@@ -441,6 +444,7 @@ impl Gemma4Config {
                 .or_else(|| get(outer, "torch_dtype"))
                 .and_then(Value::as_str)
                 .map(str::to_owned),
+            raw: outer.clone(),
         })
     }
 

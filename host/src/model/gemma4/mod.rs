@@ -55,9 +55,56 @@ pub enum LogitsFor {
 pub struct ForwardOutput {
     /// `[positions, vocab]` float32 logits after the soft-cap.
     pub logits: Array,
-    /// With `capture_hidden`: the scaled embedding, the output of each layer, and the final
-    /// norm output (`num_layers + 1` entries of `[T, hidden]`, as transformers reports them).
+    /// The hidden states [`Capture`] asked for, each `[T, hidden]`.
     pub hidden: Vec<Array>,
+}
+
+/// Which hidden states a forward keeps beside its logits. They come out of the forward
+/// itself (never a second one), so a drafter reading them sees exactly what the target
+/// computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capture<'a> {
+    /// None.
+    Nothing,
+    /// As transformers reports `hidden_states`: the scaled embedding, the output of every
+    /// layer but the last, and the final norm's output (`num_layers + 1` entries).
+    All,
+    /// Tap points, in the order given: `-1` the scaled embedding (layer 0's input), `i` the
+    /// output of layer `i`, `num_layers` the final norm's output.
+    Taps(&'a [i32]),
+}
+
+impl From<bool> for Capture<'_> {
+    /// `true`: [`Capture::All`]; `false`: [`Capture::Nothing`].
+    fn from(all: bool) -> Self {
+        if all {
+            Capture::All
+        } else {
+            Capture::Nothing
+        }
+    }
+}
+
+impl Capture<'_> {
+    /// The tap points this capture keeps, in output order, for a model of `layers` layers.
+    fn points(&self, layers: usize) -> Vec<i32> {
+        match self {
+            Capture::Nothing => Vec::new(),
+            Capture::All => (-1..layers as i32 - 1)
+                .chain(std::iter::once(layers as i32))
+                .collect(),
+            Capture::Taps(points) => points.to_vec(),
+        }
+    }
+}
+
+/// The captured states in the order their tap points were asked for (a point asked twice
+/// appears twice).
+fn in_order(points: &[i32], taken: Vec<(i32, Array)>) -> Vec<Array> {
+    points
+        .iter()
+        .filter_map(|p| taken.iter().find(|(q, _)| q == p).map(|(_, a)| a.clone()))
+        .collect()
 }
 
 /// Compute dtype selection.
@@ -299,29 +346,29 @@ impl Gemma4Model {
     }
 
     /// Runs `ids` (positions `cache.offset()..`) through the model, extending `cache`.
-    pub fn forward(
+    pub fn forward<'a>(
         &self,
         ids: &[u32],
         cache: &mut ModelCache,
         logits_for: LogitsFor,
-        capture_hidden: bool,
+        capture: impl Into<Capture<'a>>,
     ) -> Result<ForwardOutput> {
-        self.forward_slice(ids, cache, logits_for, capture_hidden, 0)
+        self.forward_slice(ids, cache, logits_for, capture.into(), 0)
     }
 
     /// [`Gemma4Model::forward`] for a caller that reads the result at once, as a verify round
     /// does: on a GPU the hidden state goes to the device every few layers as the host builds
     /// them ([`handoff`]), so the device starts on the first layers while the host builds the
     /// rest. The same values as [`Gemma4Model::forward`].
-    pub fn forward_to_read(
+    pub fn forward_to_read<'a>(
         &self,
         ids: &[u32],
         cache: &mut ModelCache,
         logits_for: LogitsFor,
-        capture_hidden: bool,
+        capture: impl Into<Capture<'a>>,
     ) -> Result<ForwardOutput> {
         let group = self.settings.handoff_layers;
-        self.forward_slice(ids, cache, logits_for, capture_hidden, group)
+        self.forward_slice(ids, cache, logits_for, capture.into(), group)
     }
 
     /// [`Gemma4Model::forward_grouped`] on host token ids, checked against the vocabulary.
@@ -330,25 +377,25 @@ impl Gemma4Model {
         ids: &[u32],
         cache: &mut ModelCache,
         logits_for: LogitsFor,
-        capture_hidden: bool,
+        capture: Capture,
         group: usize,
     ) -> Result<ForwardOutput> {
         self.check_ids(ids)?;
         let ids = Array::from_slice(ids, &[1, ids.len() as i32]);
-        self.forward_grouped(&ids, cache, logits_for, capture_hidden, group)
+        self.forward_grouped(&ids, cache, logits_for, capture, group)
     }
 
     /// [`Gemma4Model::forward`] on token ids already in an array (`[1, T]`, integer), which
     /// may still be unevaluated: decode feeds the argmax of one step into the next without
     /// waiting for it. The ids are not checked against the vocabulary here.
-    pub fn forward_ids(
+    pub fn forward_ids<'a>(
         &self,
         ids: &Array,
         cache: &mut ModelCache,
         logits_for: LogitsFor,
-        capture_hidden: bool,
+        capture: impl Into<Capture<'a>>,
     ) -> Result<ForwardOutput> {
-        self.forward_grouped(ids, cache, logits_for, capture_hidden, 0)
+        self.forward_grouped(ids, cache, logits_for, capture.into(), 0)
     }
 
     /// [`Gemma4Model::forward_ids`], the output of every `group` layers handed to the device
@@ -358,10 +405,10 @@ impl Gemma4Model {
         ids: &Array,
         cache: &mut ModelCache,
         logits_for: LogitsFor,
-        capture_hidden: bool,
+        capture: Capture,
         group: usize,
     ) -> Result<ForwardOutput> {
-        let out = self.build_forward(ids, cache, logits_for, capture_hidden, group)?;
+        let out = self.build_forward(ids, cache, logits_for, capture, group)?;
         self.before_evaluation();
         Ok(out)
     }
@@ -372,7 +419,7 @@ impl Gemma4Model {
         ids: &Array,
         cache: &mut ModelCache,
         logits_for: LogitsFor,
-        capture_hidden: bool,
+        capture: Capture,
         group: usize,
     ) -> Result<ForwardOutput> {
         if ids.ndim() != 2 || ids.shape()[0] != 1 || ids.shape()[1] == 0 {
@@ -393,14 +440,7 @@ impl Gemma4Model {
             && t as usize > largest_window
             && t as usize <= MAX_MASKED_WINDOW
         {
-            return self.forward_in_windows(
-                ids,
-                cache,
-                logits_for,
-                capture_hidden,
-                largest_window,
-                group,
-            );
+            return self.forward_in_windows(ids, cache, logits_for, capture, largest_window, group);
         }
         let offset = cache.offset();
         // Activations are `[T, hidden]` matrices throughout: MLX wraps a product of a 3-D
@@ -415,9 +455,14 @@ impl Gemma4Model {
             Some(p) => Some(p.inputs(&ids, &x, window)?),
             None => None,
         };
-        let mut hidden = Vec::new();
-        if capture_hidden {
-            hidden.push(x.clone());
+        let layers = self.layers.len();
+        let points = capture.points(layers);
+        self.check_tap_points(&points)?;
+        let wanted = |point: i32| points.contains(&point);
+        // Tap point -> its hidden state, filled as the forward passes each point.
+        let mut taken: Vec<(i32, Array)> = Vec::with_capacity(points.len());
+        if wanted(-1) {
+            taken.push((-1, x.clone()));
         }
 
         let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
@@ -445,8 +490,8 @@ impl Gemma4Model {
             };
             views[i] = view;
             x = out;
-            if capture_hidden && i + 1 < self.layers.len() {
-                hidden.push(x.clone());
+            if wanted(i as i32) {
+                taken.push((i as i32, x.clone()));
             }
             if handoff::hands_off_after(i, self.layers.len(), group) {
                 self.before_evaluation();
@@ -462,25 +507,25 @@ impl Gemma4Model {
             Some(fast) => fast.logits(self, &x, window)?,
             None => None,
         };
+        let final_point = layers as i32;
         if let Some(logits) = fast_logits {
-            if capture_hidden {
-                hidden.push(rms_norm(
-                    &x,
-                    Some(&self.final_norm),
-                    self.config.rms_norm_eps,
-                )?);
+            if wanted(final_point) {
+                let normed = rms_norm(&x, Some(&self.final_norm), self.config.rms_norm_eps)?;
+                taken.push((final_point, normed));
             }
             let logits = match logits_for {
                 LogitsFor::Last if t > 1 => logits.index(((t - 1).., ..)),
                 _ => logits,
             };
+            let hidden = in_order(&points, taken);
             return Ok(ForwardOutput { logits, hidden });
         }
 
         let x = rms_norm(&x, Some(&self.final_norm), self.config.rms_norm_eps)?;
-        if capture_hidden {
-            hidden.push(x.clone());
+        if wanted(final_point) {
+            taken.push((final_point, x.clone()));
         }
+        let hidden = in_order(&points, taken);
         let x = match logits_for {
             LogitsFor::All => x,
             LogitsFor::Last if t == 1 => x,
@@ -522,15 +567,16 @@ impl Gemma4Model {
     /// and count their blocks in the call site's counters, neither of which MLX tracks. It may
     /// then run them at once, and on an H200 a 4-bit E4B verify window a token at a time did
     /// (an illegal memory access).
-    pub fn forward_in_windows(
+    pub fn forward_in_windows<'a>(
         &self,
         ids: &Array,
         cache: &mut ModelCache,
         logits_for: LogitsFor,
-        capture_hidden: bool,
+        capture: impl Into<Capture<'a>>,
         largest: usize,
         group: usize,
     ) -> Result<ForwardOutput> {
+        let capture = capture.into();
         let t = ids.shape()[1] as usize;
         let mut logits = Vec::new();
         let mut hidden: Vec<Vec<Array>> = Vec::new();
@@ -543,7 +589,7 @@ impl Gemma4Model {
             } else {
                 logits_for
             };
-            let out = self.forward_grouped(&part, cache, wanted, capture_hidden, group)?;
+            let out = self.forward_grouped(&part, cache, wanted, capture, group)?;
             if end < t {
                 let mut queued = vec![&out.logits];
                 queued.extend(&out.hidden);
@@ -572,6 +618,18 @@ impl Gemma4Model {
         self.check_ids(ids)?;
         let ids = Array::from_slice(ids, &[1, ids.len() as i32]);
         Ok(self.embed.lookup(&ids)?.multiply(&self.embed_scale)?)
+    }
+
+    /// Refuses tap points outside `-1..=num_layers`.
+    fn check_tap_points(&self, points: &[i32]) -> Result<()> {
+        let last = self.layers.len() as i32;
+        if let Some(bad) = points.iter().find(|&&p| p < -1 || p > last) {
+            bail!(
+                "tap point {bad} does not exist: this model's are -1 (embeddings), 0..{} (layer outputs) and {last} (final norm)",
+                last - 1
+            );
+        }
+        Ok(())
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<()> {

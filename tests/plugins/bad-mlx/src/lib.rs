@@ -1,10 +1,11 @@
 //! A plugin that claims its mlx-c was built against other MLX headers; the host must refuse it by name. Its root module is written by hand
-//! (not with the SDK macro) precisely so it can lie.
+//! (not with the SDK macro) precisely so it can lie; it has the revision-1 root module, as a
+//! library that exports no revision does.
 
 use abi_stable::prefix_type::PrefixTypeTrait;
 use abi_stable::std_types::{RErr, RResult, RStr, RString};
 use abi_stable::{export_root_module, sabi_extern_fn};
-use mlx_spec_plugin_api::abi::{DraftProviderBox, PluginModule, PluginModuleRef};
+use mlx_spec_plugin_api::abi::r1::{DraftProviderBox, PluginModule, PluginModuleRef};
 use mlx_spec_plugin_api::{ABI_MAJOR, MLX_HEADERS};
 
 #[no_mangle]

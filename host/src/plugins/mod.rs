@@ -11,12 +11,13 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use abi_stable::library::{lib_header_from_path, LibraryError};
+use abi_stable::library::{lib_header_from_path, LibraryError, RawLibrary};
 use abi_stable::std_types::RStr;
 use anyhow::{bail, Context, Result};
-use mlx_spec_plugin_api::abi::{DraftProviderBox, PluginModuleRef};
+use mlx_spec_plugin_api::abi::{r1, DraftProviderBox, PluginModuleRef, REVISION_SYMBOL};
 use mlx_spec_plugin_api::manifest::Manifest;
-use mlx_spec_plugin_api::{ABI_MAJOR, MLX_HEADERS};
+use mlx_spec_plugin_api::target_spec::TargetSpec;
+use mlx_spec_plugin_api::{ABI_MAJOR, INTERFACE_REVISION, MLX_HEADERS};
 use sha2::{Digest, Sha256};
 
 /// One plugin folder found on disk, loaded or not.
@@ -25,7 +26,7 @@ pub struct Discovered {
     /// The manifest, when it parsed.
     pub manifest: Option<Manifest>,
     /// The loaded library, or why it could not be used.
-    pub status: Result<PluginModuleRef, String>,
+    pub status: Result<Library, String>,
 }
 
 impl Discovered {
@@ -102,8 +103,44 @@ pub fn read_manifest(path: &Path) -> Result<Manifest, String> {
     Manifest::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+mod revision1;
+
+/// A loaded plugin library: its root module, of the interface revision it was built with.
+#[derive(Clone, Copy)]
+pub enum Module {
+    Current(PluginModuleRef),
+    Revision1(r1::PluginModuleRef),
+}
+
+/// A loaded plugin library.
+#[derive(Clone, Copy)]
+pub struct Library {
+    pub module: Module,
+    /// The interface revision it was built with.
+    pub revision: u32,
+}
+
+/// The interface revision a library exports (`REVISION_SYMBOL`; absent: 1). Opening the file
+/// again only finds its handle: the library is never unloaded.
+fn exported_revision(path: &Path) -> Result<u32, String> {
+    let library = RawLibrary::load_at(path).map_err(|e| e.to_string())?;
+    // SAFETY: the SDK's macro exports this symbol as a `u32` static.
+    let revision = unsafe { library.get::<u32>(REVISION_SYMBOL).map(|r| *r).unwrap_or(1) };
+    // Never unloaded, like every plugin library.
+    std::mem::forget(library);
+    Ok(revision)
+}
+
+/// The root module's fields every revision has.
+struct RootFacts<'a> {
+    abi_major: u32,
+    mlx_headers: &'a str,
+    name: &'a str,
+    version: &'a str,
+}
+
 /// Runs every check on the plugin described by `manifest_path` and loads its library.
-pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<PluginModuleRef, String> {
+pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<Library, String> {
     let where_ = manifest_path.display();
     let p = &manifest.plugin;
     if p.api != ABI_MAJOR {
@@ -135,32 +172,110 @@ pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<PluginModuleRef
             ));
         }
     }
-    let module = lib_header_from_path(&library)
-        .and_then(|h| h.init_root_module::<PluginModuleRef>())
+    let revision = exported_revision(&library)
+        .map_err(|e| format!("{}: cannot be opened: {e}", library.display()))?;
+    let header = lib_header_from_path(&library)
         .map_err(|e| format!("{}: {}", library.display(), condense(&e)))?;
-    if module.abi_major() != ABI_MAJOR {
+    let module = match revision {
+        1 => header
+            .init_root_module::<r1::PluginModuleRef>()
+            .map(Module::Revision1),
+        r if r == INTERFACE_REVISION => header
+            .init_root_module::<PluginModuleRef>()
+            .map(Module::Current),
+        r => {
+            return Err(format!(
+                "{}: the library was built for plugin interface revision {r}, which this host does not know (it knows 1..={INTERFACE_REVISION}); update mlx-spec",
+                library.display()
+            ))
+        }
+    }
+    .map_err(|e| format!("{}: {}", library.display(), condense(&e)))?;
+    let facts = match module {
+        Module::Current(m) => RootFacts {
+            abi_major: m.abi_major(),
+            mlx_headers: m.mlx_headers().as_str(),
+            name: m.name().as_str(),
+            version: m.version().as_str(),
+        },
+        Module::Revision1(m) => RootFacts {
+            abi_major: m.abi_major(),
+            mlx_headers: m.mlx_headers().as_str(),
+            name: m.name().as_str(),
+            version: m.version().as_str(),
+        },
+    };
+    if facts.abi_major != ABI_MAJOR {
         return Err(format!(
             "{}: the library was built for plugin ABI {} but this host speaks ABI {ABI_MAJOR}",
             library.display(),
-            module.abi_major()
+            facts.abi_major
         ));
     }
-    if module.mlx_headers().as_str() != MLX_HEADERS {
+    // "unknown" means a build found no MLX version header: two such builds would compare
+    // equal without saying anything about the MLX behind their handles.
+    if MLX_HEADERS == "unknown" {
+        return Err(format!(
+            "{}: this host was built without knowing its MLX version, so no plugin can be checked against it; rebuild the host with scripts/setup.sh",
+            library.display()
+        ));
+    }
+    if facts.mlx_headers == "unknown" {
+        return Err(format!(
+            "{}: the library does not know which MLX headers it was built against (its mlx-sys build found no mlx/version.h); rebuild it against the host's patched mlx-sys",
+            library.display()
+        ));
+    }
+    if facts.mlx_headers != MLX_HEADERS {
         return Err(format!(
             "{}: the library was built against MLX {} but this host uses MLX {MLX_HEADERS}; rebuild it against the same mlx-sys",
             library.display(),
-            module.mlx_headers()
+            facts.mlx_headers
         ));
     }
-    if module.name().as_str() != p.name {
+    if facts.name != p.name {
         return Err(format!(
             "{}: the library calls itself {:?} but {where_} says {:?}",
             library.display(),
-            module.name().as_str(),
+            facts.name,
             p.name
         ));
     }
-    Ok(module)
+    if facts.version != p.version {
+        return Err(format!(
+            "{}: the library is version {} but {where_} says {} (a manifest left beside another build of the library?)",
+            library.display(),
+            facts.version,
+            p.version
+        ));
+    }
+    Ok(Library { module, revision })
+}
+
+/// Refuses a plugin whose `[needs]` this target cannot meet: a target family it does not
+/// name, or a capability the target lacks (donor K/V needs a KV-owning layer of some kind).
+pub fn check_needs(manifest: &Manifest, target: &TargetSpec) -> Result<()> {
+    let name = &manifest.plugin.name;
+    let families = &manifest.needs.target_families;
+    if !families.is_empty() && !families.contains(&target.family) {
+        bail!(
+            "drafter {name:?} serves targets of family {} but this target is {:?}",
+            families.join(", "),
+            target.family
+        );
+    }
+    for capability in &manifest.needs.capabilities {
+        let offered = match capability.as_str() {
+            "donor_kv" => {
+                target.donor_layers.sliding.is_some() || target.donor_layers.full.is_some()
+            }
+            _ => true,
+        };
+        if !offered {
+            bail!("drafter {name:?} needs {capability:?}, which this target does not offer");
+        }
+    }
+    Ok(())
 }
 
 /// Marks every plugin whose manifest name another one also has as unusable, naming the other
@@ -222,14 +337,18 @@ impl Registry {
     }
 
     /// The usable plugin called `name`, or an error listing what there is.
-    pub fn get(&self, name: &str) -> Result<(&Manifest, PluginModuleRef)> {
+    pub fn get(&self, name: &str) -> Result<Plugin<'_>> {
         let found = self.plugins.iter().find(|d| d.name() == name);
         match found {
             Some(Discovered {
                 manifest: Some(m),
-                status: Ok(module),
-                ..
-            }) => Ok((m, *module)),
+                status: Ok(library),
+                manifest_path,
+            }) => Ok(Plugin {
+                manifest: m,
+                library: *library,
+                dir: manifest_path.parent().unwrap_or(Path::new(".")),
+            }),
             Some(Discovered {
                 status: Err(reason),
                 ..
@@ -252,12 +371,22 @@ impl Registry {
 /// `[defaults]` key read by the host (tokens asked per round), not passed to the drafter.
 pub const HOST_KEY_NUM_DRAFT_TOKENS: &str = "num_draft_tokens";
 
-/// Builds a drafter from a plugin with its manifest defaults overridden by `overrides`.
-pub fn instantiate(
-    manifest: &Manifest,
-    module: PluginModuleRef,
-    overrides: &toml::Table,
-) -> Result<DraftProviderBox> {
+/// A usable plugin: its manifest, its loaded library and the folder holding both.
+#[derive(Clone, Copy)]
+pub struct Plugin<'a> {
+    pub manifest: &'a Manifest,
+    pub library: Library,
+    pub dir: &'a Path,
+}
+
+/// Builds a drafter from a plugin with its manifest defaults overridden by `overrides`. The
+/// drafter resolves relative paths of its configuration against the plugin's folder.
+pub fn instantiate(plugin: Plugin<'_>, overrides: &toml::Table) -> Result<DraftProviderBox> {
+    let Plugin {
+        manifest,
+        library,
+        dir,
+    } = plugin;
     let mut config = manifest.defaults.clone();
     for (k, v) in overrides {
         config.insert(k.clone(), v.clone());
@@ -266,7 +395,20 @@ pub fn instantiate(
     config.remove(HOST_KEY_NUM_DRAFT_TOKENS);
     let json = serde_json::to_string(&config)
         .context("drafter configuration cannot be expressed as JSON")?;
-    match (module.new_provider())(RStr::from_str(&json)) {
+    let dir = dir
+        .canonicalize()
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .to_string_lossy()
+        .into_owned();
+    let built = match library.module {
+        Module::Current(m) => (m.new_provider())(RStr::from_str(&json), RStr::from_str(&dir)),
+        // Revision 1 takes no folder; its provider is adapted to the current interface.
+        Module::Revision1(m) => match (m.new_provider())(RStr::from_str(&json)) {
+            abi_stable::std_types::ROk(old) => abi_stable::std_types::ROk(revision1::adapt(old)),
+            abi_stable::std_types::RErr(e) => abi_stable::std_types::RErr(e),
+        },
+    };
+    match built {
         abi_stable::std_types::ROk(provider) => Ok(provider),
         abi_stable::std_types::RErr(e) => bail!(
             "drafter {:?} refused its configuration: {e}",
