@@ -636,7 +636,10 @@ fn plugins_list_shows_the_shipped_ngram() {
         .lines()
         .find(|l| l.starts_with("ngram"))
         .unwrap_or_else(|| panic!("{listing}"));
-    assert!(line.contains("0.1.0") && line.ends_with("ok"), "{line}");
+    assert!(
+        line.contains("0.1.0") && line.ends_with("ok (interface revision 2)"),
+        "{line}"
+    );
 }
 
 #[test]
@@ -719,7 +722,7 @@ fn build_crate_at(crate_dir: &Path, library_stem: &str) -> std::path::PathBuf {
         .args(["build", "--release", "--quiet", "--manifest-path"])
         .arg(crate_dir.join("Cargo.toml"))
         .env("CARGO_TARGET_DIR", &target)
-        .current_dir(&crate_dir)
+        .current_dir(crate_dir)
         .status()
         .expect("run cargo");
     assert!(status.success(), "building {crate_path} failed");

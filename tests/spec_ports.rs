@@ -23,10 +23,18 @@ use mlx_spec_plugin_api::{
 };
 
 fn host(a: &Array) -> Vec<f32> {
-    let a = a.as_dtype(Dtype::Float32).unwrap();
+    // A product makes a contiguous copy: lent K/V are slices of the cache's buffers.
+    let a = a
+        .as_dtype(Dtype::Float32)
+        .unwrap()
+        .multiply(Array::from_f32(1.0))
+        .unwrap();
     a.eval().unwrap();
     a.as_slice::<f32>().to_vec()
 }
+
+/// One donor view as lent: (layer, first position, entries, K, V), K and V on the host.
+type DonorView = (usize, u64, usize, Vec<f32>, Vec<f32>);
 
 /// What the recording drafter saw.
 #[derive(Default)]
@@ -35,7 +43,7 @@ struct Seen {
     rows: Vec<(u64, Vec<Vec<f32>>)>,
     /// At each draft call: the history, then per donor layer (layer, first position, entries,
     /// K, V).
-    donors: Vec<(Vec<u32>, Vec<(usize, u64, usize, Vec<f32>, Vec<f32>)>)>,
+    donors: Vec<(Vec<u32>, Vec<DonorView>)>,
     /// The tap points asked for, and the donor layers read.
     taps: Vec<i32>,
 }
@@ -194,11 +202,13 @@ fn taps_and_donor_views_are_what_the_target_computed_for_verified_positions() {
         let positions: Vec<u64> = seen.rows.iter().map(|r| r.0).collect();
         let expected: Vec<u64> = (0..positions.len() as u64).collect();
         assert_eq!(positions, expected, "{name}: positions delivered");
+        // At the last draft call, every position before its anchor had arrived (the final
+        // round's positions are never delivered: the request ends with it).
+        let last_anchor = seen.donors.last().map_or(0, |(h, _)| h.len() - 1);
         assert!(
-            positions.len() >= all.len() - 2,
-            "{name}: only {} of {} positions delivered",
+            positions.len() >= last_anchor,
+            "{name}: only {} positions delivered, the last draft's anchor is at {last_anchor}",
             positions.len(),
-            all.len()
         );
 
         // Each row equals one forward over the whole sequence at that position.
@@ -212,14 +222,21 @@ fn taps_and_donor_views_are_what_the_target_computed_for_verified_positions() {
             .unwrap();
         let reference: Vec<Vec<f32>> = reference.hidden.iter().map(host).collect();
         let width = model.config.hidden_size;
+        // Relative to the row's scale: the residual stream grows layer by layer, and windows
+        // sum in another order than one forward over the whole sequence (seen: 3e-5). A row of
+        // another position, or of a rejected draft, is off by its whole size.
         let mut worst = 0f32;
         for (p, row) in &seen.rows {
             for (j, got) in row.iter().enumerate() {
                 let want = &reference[j][*p as usize * width..(*p as usize + 1) * width];
-                worst = worst.max(max_diff(got, want));
+                let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
+                worst = worst.max(max_diff(got, want) / scale);
             }
         }
-        assert!(worst < 1e-4, "{name}: tapped rows differ by {worst}");
+        assert!(
+            worst < 1e-4,
+            "{name}: tapped rows differ by {worst} of their scale"
+        );
 
         // Each donor view: the history before the anchor, exactly, as a fresh cache holds it.
         assert!(seen.donors.len() > 5, "{name}: too few drafting rounds");

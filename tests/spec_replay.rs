@@ -12,9 +12,10 @@
 mod common;
 
 use common::{fixture, Golden};
-use mlx_rs::Dtype;
+use mlx_rs::{Array, Dtype};
 use mlx_spec::generate::{generate, GenerateRequest, StopReason};
-use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model};
+use mlx_spec::model::gemma4::layer::DecoderLayer;
+use mlx_spec::model::gemma4::{DtypeChoice, FastPath, Gemma4Model, KvView, LayerCall};
 use mlx_spec::sampler::SamplingParams;
 use mlx_spec::speculative::replay::{coin, ReplayDrafter};
 use mlx_spec::speculative::{generate_speculative, SpecOptions, SpecStats};
@@ -79,18 +80,36 @@ struct Expected {
 /// `min(k, remaining - 1)` tokens for the next indices, keeps the leading right ones, emits
 /// the target's token after them, and rolls back the rest.
 fn simulate(n: usize, k: usize, hit_rate: f64, deeper_than: usize) -> Expected {
+    simulate_in_parts(n, k, hit_rate, deeper_than, usize::MAX)
+}
+
+/// [`simulate`] where windows run in parts of at most `part` tokens, each part only when every
+/// draft before it was accepted: a round whose draft `m` is rejected runs `m / part + 1` parts,
+/// one that accepts all runs every part of its window.
+fn simulate_in_parts(
+    n: usize,
+    k: usize,
+    hit_rate: f64,
+    deeper_than: usize,
+    part: usize,
+) -> Expected {
     let mut e = Expected::default();
     let mut emitted = 1;
     while emitted < n {
         let drafts = k.min(n - emitted - 1);
-        e.target_forwards += 1;
         if drafts == 0 {
+            e.target_forwards += 1;
             emitted += 1;
             continue;
         }
         let accepted = (0..drafts)
             .take_while(|&j| coin(SEED, (emitted + j) as u64) < hit_rate)
             .count();
+        e.target_forwards += if accepted == drafts {
+            (drafts + 1).div_ceil(part) as u64
+        } else {
+            (accepted / part + 1) as u64
+        };
         e.num_drafts += 1;
         e.num_draft_tokens += drafts as u64;
         e.num_accepted_tokens += accepted as u64;
@@ -153,6 +172,58 @@ fn replayed_drafts_are_accepted_exactly_when_right() {
     assert!(
         mixed.num_accepted_tokens > 0 && mixed.num_accepted_tokens < mixed.num_draft_tokens,
         "{mixed:?}"
+    );
+}
+
+/// A stand-in for a GPU's fast path: MLX's own blocks for every layer, but windows longer
+/// than `limit` tokens declared inexact, so the loop verifies long proposals in parts.
+struct WindowsOf(usize);
+
+impl FastPath for WindowsOf {
+    fn layer(
+        &self,
+        layer: &DecoderLayer,
+        call: LayerCall<'_>,
+    ) -> anyhow::Result<(Array, Option<KvView>)> {
+        layer.forward(call.x, call.offset, call.cache, call.shared, call.per_layer)
+    }
+
+    fn logits(
+        &self,
+        _model: &Gemma4Model,
+        _x: &Array,
+        _window: bool,
+    ) -> anyhow::Result<Option<Array>> {
+        Ok(None)
+    }
+
+    fn verify_window_limit(&self, _model: &Gemma4Model) -> Option<usize> {
+        Some(self.0)
+    }
+}
+
+#[test]
+fn proposals_longer_than_a_window_are_verified_in_parts_that_stop_at_the_first_rejection() {
+    let mut model = load("tiny-ple-kvshare");
+    model.set_fast_path(Some(Box::new(WindowsOf(4))));
+    let golden = Golden::load("tiny-ple-kvshare");
+    let want = golden.ids("greedy_ids");
+    let req = request(golden.ids("prompt_ids"), want.len());
+    for hit_rate in [1.0, 0.0, 0.6, 0.9] {
+        let (tokens, _, _, stats) = speculate(&model, &req, &want, hit_rate, 10);
+        assert_eq!(tokens, want, "hit rate {hit_rate}: output differs");
+        let expected = simulate_in_parts(want.len(), 10, hit_rate, usize::MAX, 4);
+        let mut got = counters(&stats);
+        got.deep_rollbacks = 0;
+        assert_eq!(got, expected, "hit rate {hit_rate}: {stats:?}");
+    }
+    // All accepted: 11-token windows in three parts; none accepted: one part a round.
+    let all = simulate_in_parts(want.len(), 10, 1.0, 0, 4);
+    assert!(all.target_forwards > simulate(want.len(), 10, 1.0, 0).target_forwards);
+    let none = simulate_in_parts(want.len(), 10, 0.0, 0, 4);
+    assert_eq!(
+        none.target_forwards,
+        simulate(want.len(), 10, 0.0, 0).target_forwards
     );
 }
 

@@ -124,8 +124,14 @@ pub struct Library {
 /// again only finds its handle: the library is never unloaded.
 fn exported_revision(path: &Path) -> Result<u32, String> {
     let library = RawLibrary::load_at(path).map_err(|e| e.to_string())?;
-    // SAFETY: the SDK's macro exports this symbol as a `u32` static.
-    let revision = unsafe { library.get::<u32>(REVISION_SYMBOL).map(|r| *r).unwrap_or(1) };
+    // SAFETY: the SDK's macro exports this symbol as a `u32` static; the symbol's value is
+    // its address, read while the library stays loaded.
+    let revision = unsafe {
+        library
+            .get::<*const u32>(REVISION_SYMBOL)
+            .map(|address| **address)
+            .unwrap_or(1)
+    };
     // Never unloaded, like every plugin library.
     std::mem::forget(library);
     Ok(revision)
@@ -172,10 +178,12 @@ pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<Library, String
             ));
         }
     }
-    let revision = exported_revision(&library)
-        .map_err(|e| format!("{}: cannot be opened: {e}", library.display()))?;
     let header = lib_header_from_path(&library)
         .map_err(|e| format!("{}: {}", library.display(), condense(&e)))?;
+    let revision = exported_revision(&library).map_err(|e| {
+        let first = e.lines().next().unwrap_or_default().to_owned();
+        format!("{}: cannot be opened: {first}", library.display())
+    })?;
     let module = match revision {
         1 => header
             .init_root_module::<r1::PluginModuleRef>()

@@ -25,6 +25,7 @@ pub mod target_port;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
+use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 use mlx_spec_plugin_api::abi::{DraftProviderBox, SamplingInfo};
 use serde::Serialize;
@@ -205,17 +206,16 @@ pub fn accept_walk(
     walk
 }
 
-/// The most drafts a round asks for, `requested` at most: a round verifies its drafts and the
-/// pending token in one window, so where windows longer than `window_limit` would run in parts
-/// ([`Gemma4Model::verify_window_limit`]), a round keeps to one part; a later part only costs
-/// more when an earlier draft is rejected. `None` where windows run a token at a time: a round
-/// then costs a decode step per token it could emit, and drafting cannot pay.
+/// The most drafts a round asks for: `requested` (at least one), or `None` where windows run
+/// a token at a time (`window_limit` 1, [`Gemma4Model::verify_window_limit`]): a round would
+/// then cost a decode step per token it could emit, and drafting cannot pay. Windows longer
+/// than the limit are verified in parts that stop at the first rejection (see
+/// [`verify_in_parts`]), so a long proposal costs a later part only when every draft before it
+/// was accepted.
 pub fn most_drafts(requested: usize, window_limit: Option<usize>) -> Option<usize> {
-    let requested = requested.max(1);
     match window_limit {
-        None => Some(requested),
         Some(0 | 1) => None,
-        Some(limit) => Some(requested.min(limit - 1)),
+        _ => Some(requested.max(1)),
     }
 }
 
@@ -534,35 +534,44 @@ impl<'m> SpecStepper<'m> {
         // drafter's tap points come out of this same forward.
         let first_position = self.cache.offset() as u64;
         let taps = self.source.as_ref().map_or(&[][..], ActiveSource::taps);
-        let out = model.forward_to_read(
-            &window,
-            &mut self.cache,
-            LogitsFor::All,
-            Capture::Taps(taps),
-        )?;
-        let (logits, hidden) = (out.logits, out.hidden);
-        self.stats.target_forwards += 1;
-
         // The target's own token at every window position, drawn on the device as plain
         // decoding draws it, so the round reads a few ids, not rows of logits; rejection
         // sampling needs the rows themselves.
         let rejection = !sampling.is_greedy() && proposal.probs.is_some();
-        let picks: Vec<u32> = if rejection {
-            logits.eval()?;
-            Vec::new()
+        let verified = if rejection {
+            let out = model.forward_to_read(
+                &window,
+                &mut self.cache,
+                LogitsFor::All,
+                Capture::Taps(taps),
+            )?;
+            out.logits.eval()?;
+            VerifiedWindow {
+                picks: Vec::new(),
+                rows: Some(out.logits),
+                hidden: out.hidden,
+                processed: window.len(),
+                forwards: 1,
+            }
         } else {
-            let picks = draw_tokens(&logits, &sampling, self.tokens.len() as u64)?;
-            picks.eval()?;
-            picks.as_slice::<u32>().to_vec()
+            verify_in_parts(
+                model,
+                &mut self.cache,
+                &window,
+                &sampling,
+                self.tokens.len() as u64,
+                taps,
+            )?
         };
-        let rows: &[f32] = if rejection {
-            logits.as_slice::<f32>()
-        } else {
-            &[]
+        self.stats.target_forwards += verified.forwards;
+        let rows: &[f32] = match &verified.rows {
+            Some(logits) => logits.as_slice::<f32>(),
+            None => &[],
         };
+        let (picks, hidden) = (&verified.picks, &verified.hidden);
         let walk = accept_walk(
             &Verified {
-                picks: &picks,
+                picks,
                 rows,
                 vocab: self.vocab,
             },
@@ -613,7 +622,7 @@ impl<'m> SpecStepper<'m> {
 
         // Keep `pending` and the accepted drafts in the cache; the last emitted token is the
         // next pending one.
-        self.cache.trim(d - accepted)?;
+        self.cache.trim(verified.processed - (accepted + 1))?;
         self.pending = *emitted
             .last()
             .expect("a round that does not stop emits a token");
@@ -622,7 +631,7 @@ impl<'m> SpecStepper<'m> {
             &mut self.source,
             &mut self.stats,
             RoundEnd {
-                hidden: &hidden[..],
+                hidden,
                 first_position,
                 drafted: d,
                 accepted,
@@ -702,6 +711,76 @@ impl<'m> SpecStepper<'m> {
         );
         (std::mem::take(&mut self.tokens), generate_stats, stats)
     }
+}
+
+/// What the target computed over a verify window.
+struct VerifiedWindow {
+    /// The target's own token at each position it processed (token-match verification).
+    picks: Vec<u32>,
+    /// Rejection sampling: `[window, vocab]` float32 logits, evaluated.
+    rows: Option<Array>,
+    /// The drafter's tap points over the processed positions (`[processed, hidden]` each).
+    hidden: Vec<Array>,
+    /// Window positions processed (now in the cache).
+    processed: usize,
+    forwards: u64,
+}
+
+/// Verifies `window` (`[pending, drafts...]`) by token match. Where the fast path computes
+/// windows exactly only up to a length (a GPU's window kernels), a longer window runs in parts
+/// of that length, each read before the next is built, and stops at the first part that
+/// rejects a draft: a later part only runs when every draft before it was accepted, so it
+/// costs one window's forward for at least one more emitted token, never a wasted one. Where
+/// any length runs whole (the CPU), this is one forward.
+fn verify_in_parts(
+    model: &Gemma4Model,
+    cache: &mut ModelCache,
+    window: &[u32],
+    sampling: &SamplingParams,
+    first_index: u64,
+    taps: &[i32],
+) -> Result<VerifiedWindow> {
+    let part = match model.verify_window_limit() {
+        Some(limit) if limit >= 2 => limit,
+        _ => window.len(),
+    };
+    let drafts = &window[1..];
+    let mut verified = VerifiedWindow {
+        picks: Vec::with_capacity(window.len()),
+        rows: None,
+        hidden: Vec::new(),
+        processed: 0,
+        forwards: 0,
+    };
+    let mut hidden_parts: Vec<Vec<Array>> = vec![Vec::new(); taps.len()];
+    for start in (0..window.len()).step_by(part) {
+        let ids = &window[start..(start + part).min(window.len())];
+        let out = model.forward_to_read(ids, cache, LogitsFor::All, Capture::Taps(taps))?;
+        let picks = draw_tokens(&out.logits, sampling, first_index + start as u64)?;
+        picks.eval()?;
+        verified.picks.extend_from_slice(picks.as_slice::<u32>());
+        verified.processed += ids.len();
+        verified.forwards += 1;
+        for (parts, h) in hidden_parts.iter_mut().zip(out.hidden) {
+            parts.push(h);
+        }
+        // Pick `i` verifies draft `i`: stop once a draft the picks reach is rejected.
+        let reached = verified.picks.len().min(drafts.len());
+        if (0..reached).any(|i| verified.picks[i] != drafts[i]) {
+            break;
+        }
+    }
+    verified.hidden = hidden_parts
+        .into_iter()
+        .map(|parts| {
+            Ok(if parts.len() == 1 {
+                parts.into_iter().next().expect("one part")
+            } else {
+                concatenate(&parts, 0)?
+            })
+        })
+        .collect::<Result<_>>()?;
+    Ok(verified)
 }
 
 /// How a round ended, as the drafter is told.
@@ -819,11 +898,11 @@ mod tests {
     use super::most_drafts;
 
     #[test]
-    fn rounds_keep_to_one_window_of_the_kernels_and_skip_drafting_a_token_at_a_time() {
+    fn rounds_take_what_is_asked_and_skip_drafting_a_token_at_a_time() {
         // Windows of any length run whole (the CPU): as many drafts as asked.
         assert_eq!(most_drafts(10, None), Some(10));
-        // Window kernels that take 8 tokens: 7 drafts and the pending token.
-        assert_eq!(most_drafts(10, Some(8)), Some(7));
+        // Window kernels that take 8 tokens: longer windows are verified in parts.
+        assert_eq!(most_drafts(15, Some(8)), Some(15));
         assert_eq!(most_drafts(3, Some(8)), Some(3));
         // A token at a time: drafting cannot pay.
         assert_eq!(most_drafts(10, Some(1)), None);

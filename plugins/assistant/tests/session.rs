@@ -167,7 +167,7 @@ fn open_with(
     sampling: SamplingInfo,
 ) -> Result<DraftSourceBox, String> {
     let provider = provider_in_process(drafter(o, extra));
-    match provider.open_for(
+    match provider.open(
         info(&target.spec),
         TargetPort_TO::from_ptr(target, TD_Opaque),
         sampling,
