@@ -21,8 +21,11 @@ KEY = "test-key-123"
 PROMPT = "def read_config(path):"
 
 
-def start(binary, config):
-    env = dict(os.environ, MLX_SPEC_OPENAI_TEST_KEY=KEY)
+def start(binary, config, key=KEY):
+    """Starts `binary serve` with the ngram drafter on a free port: (process, address, log)."""
+    env = dict(os.environ)
+    if key:
+        env["MLX_SPEC_OPENAI_TEST_KEY"] = key
     env.pop("MLX_SPEC_MODEL", None)
     proc = subprocess.Popen(
         [binary, "serve", "--config", config, "--port", "0", "--drafter", "ngram"],
