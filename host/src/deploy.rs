@@ -289,6 +289,13 @@ impl DeployConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
+        Self::from_text(&text, path)
+    }
+
+    /// Parses and checks a deploy file's `text` as if read from `path` (errors name it;
+    /// relative paths are resolved against its folder).
+    pub fn from_text(text: &str, path: &Path) -> Result<Self> {
+        let text = text.to_owned();
         let mut cfg: DeployConfig = toml::from_str(&text).map_err(|e| {
             anyhow::anyhow!(
                 "{}: {}",
