@@ -1030,3 +1030,25 @@ fn a_bad_deploy_file_or_plugin_stops_the_start_naming_where() {
     );
     assert!(err.contains("refuses"), "{err}");
 }
+
+#[test]
+fn a_request_past_its_timeout_is_ended_with_an_error() {
+    let (_dir, config) = deployment("[server]\nrequest_timeout_s = 0.3\n");
+    let server = Server::start(&config, &[], &[]);
+    let body =
+        json!({"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": true, "speculation": "off"});
+    let r = server.post("/v1/completions", &body);
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert_eq!(r.error()["code"], "timeout");
+    // Streaming: an error event, then the end of the stream.
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let events = server.post("/v1/completions", &streaming).events();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(error["error"]["code"], "timeout", "{events:?}");
+    assert!(server.metric("mlx_spec:request_success_total{finished_reason=\"timeout\"}") >= 2.0);
+    // Short requests still finish.
+    let (ids, _, _) = server.complete(&json!({"prompt": PROMPT, "max_tokens": 4}));
+    assert_eq!(ids.len(), 4);
+}

@@ -534,6 +534,15 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_server_deployment_parses() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/serve.toml");
+        let cfg = DeployConfig::load(&path).unwrap();
+        assert_eq!(cfg.server.host, "127.0.0.1");
+        assert_eq!(cfg.drafter_names(), vec!["ngram", "ngram-short"]);
+        assert_eq!(cfg.drafters["ngram-short"].plugin.as_deref(), Some("ngram"));
+    }
+
+    #[test]
     fn bad_server_settings_name_their_line_and_key() {
         let cases = [
             (

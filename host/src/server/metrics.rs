@@ -56,6 +56,14 @@ impl Histogram {
     }
 }
 
+/// A label value as Prometheus' text format writes it.
+fn label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 const SECONDS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
@@ -219,7 +227,8 @@ impl Metrics {
             for ((route, status), n) in &m.http {
                 let _ = writeln!(
                     out,
-                    "{p}http_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
+                    "{p}http_requests_total{{route=\"{}\",status=\"{status}\"}} {n}",
+                    label(route)
                 );
             }
             head(
@@ -231,7 +240,8 @@ impl Metrics {
             for (reason, n) in &m.finished {
                 let _ = writeln!(
                     out,
-                    "{p}request_success_total{{finished_reason=\"{reason}\"}} {n}"
+                    "{p}request_success_total{{finished_reason=\"{}\"}} {n}",
+                    label(reason)
                 );
             }
             head(
@@ -288,7 +298,7 @@ impl Metrics {
             for (name, help, get) in counters {
                 head(&mut out, name, "counter", help);
                 for (drafter, t) in &m.spec {
-                    let _ = writeln!(out, "{p}{name}{{drafter=\"{drafter}\"}} {}", get(t));
+                    let _ = writeln!(out, "{p}{name}{{drafter=\"{}\"}} {}", label(drafter), get(t));
                 }
             }
             head(
@@ -301,7 +311,8 @@ impl Metrics {
                 for (pos, n) in t.accepted_per_pos.iter().enumerate() {
                     let _ = writeln!(
                         out,
-                        "{p}spec_decode_num_accepted_tokens_per_pos_total{{drafter=\"{drafter}\",position=\"{pos}\"}} {n}"
+                        "{p}spec_decode_num_accepted_tokens_per_pos_total{{drafter=\"{}\",position=\"{pos}\"}} {n}",
+                        label(drafter)
                     );
                 }
             }
@@ -346,6 +357,11 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
+        // Label values are escaped.
+        m.register_drafter("a\"b\\c");
+        assert!(m
+            .render()
+            .contains("spec_decode_num_drafts_total{drafter=\"a\\\"b\\\\c\"} 0"));
         // Every sample line belongs to a declared metric.
         for l in text.lines().filter(|l| !l.starts_with('#')) {
             let name = l.split(['{', ' ']).next().unwrap();
