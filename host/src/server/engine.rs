@@ -208,9 +208,10 @@ pub struct Engine {
 pub struct Submitter(SyncSender<Job>);
 
 impl Submitter {
-    /// Hands a job to the engine; `Err` gives it back when the engine has stopped.
-    pub fn submit(&self, job: Job) -> Result<(), Job> {
-        self.0.send(job).map_err(|e| e.0)
+    /// Hands a job to the engine; `false` when the engine has stopped (the job is dropped,
+    /// giving back its place).
+    pub fn submit(&self, job: Job) -> bool {
+        self.0.send(job).is_ok()
     }
 }
 

@@ -71,6 +71,9 @@ const TOKENS_PER_S: &[f64] = &[
     1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0,
 ];
 
+/// A per-drafter counter: its name, help text and value.
+type Counter = (&'static str, &'static str, fn(&SpecTotals) -> u64);
+
 #[derive(Debug, Clone, Default)]
 struct SpecTotals {
     num_drafts: u64,
@@ -273,7 +276,7 @@ impl Metrics {
                 &format!("{p}request_decode_tokens_per_second"),
                 "Tokens a second of each request after its first token.",
             );
-            let counters: [(&str, &str, fn(&SpecTotals) -> u64); 4] = [
+            let counters: [Counter; 4] = [
                 (
                     "spec_decode_num_drafts_total",
                     "Rounds in which the drafter proposed tokens.",

@@ -458,7 +458,7 @@ async fn generate(
     match admit(&state, body, chat) {
         Ok((req, run, received)) => {
             if req.stream {
-                stream_response(state, req, run, chat, received).into_response()
+                stream_response(state, run, chat, received).into_response()
             } else {
                 whole_response(state, run, chat, received).await
             }
@@ -613,7 +613,7 @@ fn admit(
         ticket,
     };
     state.next_id.fetch_add(1, Ordering::Relaxed);
-    if state.submitter.submit(job).is_err() {
+    if !state.submitter.submit(job) {
         return Err(ApiError::new(503, "server_error", "the engine has stopped"));
     }
     let run = Run {
@@ -739,7 +739,6 @@ async fn whole_response(
 
 fn stream_response(
     state: Arc<AppState>,
-    _req: GenRequest,
     mut run: Run,
     chat: bool,
     received: Instant,
