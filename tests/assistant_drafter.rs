@@ -2,7 +2,8 @@
 //! `tests/fixtures/assistant-oracle` (random targets and assistants made with transformers):
 //! `mlx-spec draft` reproduces transformers' first round (the anchor token and the four
 //! chained drafts, read from the oracle's own record), and speculating with it leaves greedy
-//! and seeded sampled output exactly as plain decoding makes it.
+//! and seeded sampled output exactly as plain decoding makes it; a relative checkpoint path
+//! resolves against the plugin's folder.
 
 mod common;
 
@@ -131,4 +132,152 @@ fn speculating_with_the_assistant_leaves_greedy_and_seeded_output_unchanged() {
             assert!(stats["num_drafts"].as_u64().unwrap() > 0, "{name}: {stats}");
         }
     }
+}
+
+/// A relative `checkpoint` in the manifest names a folder beside the manifest, wherever the
+/// host is run from: the host passes the plugin's folder to the drafter.
+#[test]
+fn a_relative_checkpoint_resolves_against_the_plugin_folder() {
+    let plugins = tempfile::tempdir().unwrap();
+    let folder = plugins.path().join("assistant");
+    std::fs::create_dir_all(folder.join("weights")).unwrap();
+    let source = pair("e").join("assistant");
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(
+            &path,
+            folder.join("weights").join(path.file_name().unwrap()),
+        )
+        .unwrap();
+    }
+    let manifest = std::fs::read_to_string(repo_root().join("plugins/assistant/plugin.toml"))
+        .unwrap()
+        .replace("checkpoint = \"checkpoint\"", "checkpoint = \"weights\"");
+    assert!(manifest.contains("\"weights\""), "{manifest}");
+    std::fs::write(folder.join("plugin.toml"), manifest).unwrap();
+    let library = std::path::PathBuf::from(env!("CARGO_BIN_EXE_mlx-spec"))
+        .parent()
+        .unwrap()
+        .join(if cfg!(target_os = "macos") {
+            "libmlx_spec_assistant.dylib"
+        } else {
+            "libmlx_spec_assistant.so"
+        });
+    std::fs::copy(&library, folder.join(library.file_name().unwrap())).unwrap();
+
+    let elsewhere = tempfile::tempdir().unwrap();
+    let o = oracle("e");
+    let target = pair("e").join("target");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mlx-spec"))
+        .args(["draft", "--model"])
+        .arg(&target)
+        .args(["--dtype", "f32", "--plugins-dir"])
+        .arg(plugins.path())
+        .args([
+            "--drafter",
+            "assistant",
+            "--prompt-ids",
+            &ids_arg(&prompt(&o)),
+        ])
+        .args(["--num-draft-tokens", "4", "--json"])
+        .current_dir(elsewhere.path())
+        .output()
+        .unwrap();
+    let got = json_of(&out);
+    assert_eq!(ids(&got["drafts"]), ids(&o["rounds"][0]["draft_tokens"]));
+}
+
+/// With `sample_drafts`, the assistant draws its drafts from its own distribution and hands
+/// the host those distributions, which verifies by rejection sampling: the output must still
+/// follow the target's distribution exactly. 6 000 seeded generations of three tokens at
+/// temperature 1 with top-k 3 (27 possible outputs, the second token from a draft accepted or
+/// rejected, the third a bonus token or a plain step), counted against the exact joint
+/// distribution computed from the target's logits.
+#[test]
+fn sampled_drafts_with_rejection_sampling_keep_the_target_distribution() {
+    use common::sampling::{chi_square_fit, reference_distribution};
+    use mlx_rs::Dtype;
+    use mlx_spec::generate::GenerateRequest;
+    use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor};
+    use mlx_spec::plugins::{instantiate, Registry};
+    use mlx_spec::sampler::SamplingParams;
+    use mlx_spec::speculative::{generate_speculative, SpecOptions};
+    use std::collections::HashMap;
+
+    const DRAWS: u64 = 6000;
+    let model =
+        Gemma4Model::load(&pair("e").join("target"), DtypeChoice::Fixed(Dtype::Float32), None)
+            .unwrap();
+    let registry = Registry::scan(&[repo_root().join("plugins")]).unwrap();
+    let mut overrides = toml::Table::new();
+    let checkpoint = pair("e").join("assistant").display().to_string();
+    overrides.insert("checkpoint".into(), toml::Value::String(checkpoint));
+    overrides.insert("sample_drafts".into(), toml::Value::Boolean(true));
+    let provider = instantiate(registry.get("assistant").unwrap(), &overrides).unwrap();
+    let prompt = prompt(&oracle("e"));
+    let sampling = |seed| SamplingParams {
+        temperature: 1.0,
+        top_k: 3,
+        seed,
+        ..Default::default()
+    };
+    let options = SpecOptions {
+        num_draft_tokens: 4,
+        auto_off: false,
+        fitted_draft_length: false,
+    };
+    let mut counts: HashMap<Vec<u32>, u64> = HashMap::new();
+    let (mut drafted, mut accepted) = (0u64, 0u64);
+    for seed in 0..DRAWS {
+        let req = GenerateRequest {
+            prompt_ids: prompt.clone(),
+            max_tokens: 3,
+            sampling: sampling(seed * 7919 + 5),
+            stop_ids: Vec::new(),
+            ignore_eos: true,
+        };
+        let (tokens, _, stats) =
+            generate_speculative(&model, &req, Some(&provider), options, |_| Ok(())).unwrap();
+        assert!(stats.drafter_error.is_none(), "{stats:?}");
+        drafted += stats.num_draft_tokens;
+        accepted += stats.num_accepted_tokens;
+        *counts.entry(tokens).or_default() += 1;
+    }
+    // A random assistant's q spreads over the vocabulary while top-k 3 keeps three tokens, so
+    // few drafts are accepted (57 of 6 000 when this was written): enough to reach the bonus
+    // token, and thousands of rejections reach the residual draw.
+    assert!(
+        accepted >= 20 && drafted - accepted >= 20,
+        "both branches must be reached: {accepted} of {drafted} drafts accepted"
+    );
+    // The exact joint distribution of the three tokens.
+    let next = |prefix: &[u32]| {
+        let logits = model
+            .forward(prefix, &mut model.new_cache(), LogitsFor::Last, false)
+            .unwrap()
+            .logits;
+        logits.eval().unwrap();
+        reference_distribution(logits.as_slice::<f32>(), &sampling(0))
+    };
+    let mut cells = Vec::new();
+    let mut covered = 0u64;
+    let mut context = prompt.clone();
+    for (t1, &a) in next(&context).iter().enumerate().filter(|e| *e.1 > 0.0) {
+        context.push(t1 as u32);
+        for (t2, &b) in next(&context).iter().enumerate().filter(|e| *e.1 > 0.0) {
+            context.push(t2 as u32);
+            for (t3, &c) in next(&context).iter().enumerate().filter(|e| *e.1 > 0.0) {
+                let seen = *counts
+                    .get(&vec![t1 as u32, t2 as u32, t3 as u32])
+                    .unwrap_or(&0);
+                covered += seen;
+                cells.push((a * b * c * DRAWS as f64, seen as f64));
+            }
+            context.pop();
+        }
+        context.pop();
+    }
+    assert_eq!(covered, DRAWS, "an output outside the target's support");
+    let (stat, crit) = chi_square_fit(&cells);
+    assert!(stat < crit, "chi2 {stat:.1} >= {crit:.1} over {} cells", cells.len());
 }

@@ -67,6 +67,7 @@ fn plugins_dir() -> tempfile::TempDir {
         "too_many",
         "refuse",
         "noisy",
+        "bad_port",
     ] {
         // Every folder holds the same library under its own name; tests pick one with
         // `--plugins-dir <folder>`.
@@ -292,6 +293,8 @@ fn faulty_drafters_are_switched_off_and_the_request_still_succeeds() {
         ("test-out-of-vocab", "outside the vocabulary"),
         ("test-too-many", "at most"),
         ("test-refuse", "refuses"),
+        // A port given bad arguments answers with an error (the drafter passes it on).
+        ("test-bad-port", "hidden states of width 3"),
     ] {
         let dir = plugins.path().join(folder);
         let out = run(
@@ -512,6 +515,19 @@ fn the_loader_refuses_misnamed_foreign_corrupt_and_duplicate_plugins() {
         out.status.success() && stdout.starts_with("OK ngram 0.1.0"),
         "{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    // The same library under a manifest that says another version: a manifest left beside
+    // another build of the library.
+    std::fs::write(
+        honest.join("plugin.toml"),
+        manifest("ngram", "mlx_spec_test_drafter", "")
+            .replace("version = \"0.1.0\"", "version = \"0.9.0\""),
+    )
+    .unwrap();
+    let err = expect_error(&["plugins", "check", honest.to_str().unwrap()]);
+    assert!(
+        err.contains("version 0.1.0") && err.contains("says 0.9.0"),
+        "{err}"
     );
     std::fs::remove_dir_all(&honest).unwrap();
 

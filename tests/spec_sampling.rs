@@ -19,6 +19,8 @@
 
 mod common;
 
+use common::sampling::{chi_square_fit, reference_distribution};
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -231,65 +233,6 @@ fn generate_two(
     ((emitted[0], emitted[1]), bonus)
 }
 
-/// The distribution a token is drawn from, written out from the definitions in float64 (the
-/// sampler's own `distribution` is what is under test): softmax of `logits / T`; top-k keeps
-/// the k most likely; top-p keeps the smallest most-likely-first set whose (renormalised)
-/// mass reaches p; min-p drops tokens below `min_p` times the most likely; then renormalise.
-/// Ties are ordered by the lower id. Returns one probability per vocabulary entry.
-fn reference_distribution(logits: &[f32], s: &SamplingParams) -> Vec<f64> {
-    let v = logits.len();
-    let t = s.temperature as f64;
-    let max = logits
-        .iter()
-        .map(|&l| l as f64)
-        .fold(f64::NEG_INFINITY, f64::max);
-    let exps: Vec<f64> = logits
-        .iter()
-        .map(|&l| ((l as f64 - max) / t).exp())
-        .collect();
-    let total: f64 = exps.iter().sum();
-    let mut probs: Vec<f64> = exps.iter().map(|e| e / total).collect();
-    let mut order: Vec<usize> = (0..v).collect();
-    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
-    let mut keep = vec![true; v];
-    if s.top_k > 0 {
-        for &i in order.iter().skip(s.top_k) {
-            keep[i] = false;
-        }
-    }
-    if s.top_p < 1.0 {
-        let kept_mass: f64 = (0..v).filter(|&i| keep[i]).map(|i| probs[i]).sum();
-        let mut mass = 0.0;
-        let mut reached = false;
-        for &i in &order {
-            if !keep[i] {
-                continue;
-            }
-            if reached {
-                keep[i] = false;
-                continue;
-            }
-            mass += probs[i] / kept_mass;
-            reached = mass >= s.top_p as f64;
-        }
-    }
-    if s.min_p > 0.0 {
-        let top = probs[order[0]];
-        for i in 0..v {
-            if probs[i] < s.min_p as f64 * top {
-                keep[i] = false;
-            }
-        }
-    }
-    for i in 0..v {
-        if !keep[i] {
-            probs[i] = 0.0;
-        }
-    }
-    let total: f64 = probs.iter().sum();
-    probs.iter().map(|p| p / total).collect()
-}
-
 #[test]
 fn the_reference_distribution_filters_as_specified() {
     // Probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 at T = 1.
@@ -369,28 +312,7 @@ fn chi_square(
         covered as u64, DRAWS,
         "a token outside the target's support was emitted"
     );
-    let (mut pooled_e, mut pooled_o, mut stat, mut bins) = (0.0, 0.0, 0.0, 0usize);
-    for (e, o) in cells {
-        if e < 5.0 {
-            pooled_e += e;
-            pooled_o += o;
-        } else {
-            stat += (o - e).powi(2) / e;
-            bins += 1;
-        }
-    }
-    if pooled_e > 0.0 {
-        stat += (pooled_o - pooled_e).powi(2) / pooled_e.max(1e-9);
-        bins += 1;
-    }
-    let k = (bins - 1) as f64;
-    // Wilson-Hilferty approximation of the 1 - 1e-4 quantile (z = 3.72). The seeds are fixed,
-    // so each case is deterministic; at this level a correct walk fails for about one seed
-    // set in ten thousand. (When this test was written, eight independent seed sets of the
-    // synthetic rejection case gave statistics averaging 53 for 51 degrees of freedom; the
-    // broken walk below scores about 10^6.)
-    let crit = k * (1.0 - 2.0 / (9.0 * k) + 3.72 * (2.0 / (9.0 * k)).sqrt()).powi(3);
-    (stat, crit)
+    chi_square_fit(&cells)
 }
 
 /// The sampling settings of the cases: (temperature, top-k, top-p, min-p).

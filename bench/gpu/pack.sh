@@ -17,8 +17,18 @@ cd "$ROOT"
 ./scripts/setup.sh --no-build
 MLX_SPEC_BLAS=none cargo build --release --quiet --workspace
 cp target/release/mlx-spec "$OUTDIR/bin/"
-cp target/release/libmlx_spec_ngram.so plugins/ngram/plugin.toml "$OUTDIR/bin/"
-strip "$OUTDIR/bin/mlx-spec" "$OUTDIR/bin/"*.so
+strip "$OUTDIR/bin/mlx-spec"
+# Every drafter plugin, each in its folder as in plugins/ (--plugins-dir "$G/bin/plugins").
+rm -rf "$OUTDIR/bin/plugins"
+source scripts/plugin-library.sh
+for manifest in plugins/*/plugin.toml; do
+    name="$(basename "$(dirname "$manifest")")"
+    library="$(plugin_library "$manifest")"
+    mkdir -p "$OUTDIR/bin/plugins/$name"
+    cp "$manifest" "$OUTDIR/bin/plugins/$name/"
+    cp "target/release/$library" "$OUTDIR/bin/plugins/$name/"
+    strip "$OUTDIR/bin/plugins/$name/$library"
+done
 # Restore the normal (OpenBLAS) build for this machine.
 cargo build --release --quiet --workspace
 

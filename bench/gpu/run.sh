@@ -65,6 +65,8 @@
 #   window-spec  ngram speculation (at most 7 drafts: windows the kernels take) vs plain
 #              greedy decoding of the default model, both prompt sets, outputs checked equal;
 #              WINDOW_SPEC_BASELINE=1 also runs it without the fused kernels
+#   assistant  the assistant drafter on the two oracle pairs: `draft` against transformers'
+#              first round, and greedy speculation against plain decoding
 #   replay     speculation with replayed drafts (`lab --replay-drafts`: the plain output's own
 #              tokens, each right with a set probability) vs plain greedy decoding, E4B bf16
 #              and 4-bit (REPLAY_MODELS), drafts of 3 and 7: what the verify loop gives at a
@@ -430,7 +432,7 @@ if want window-spec; then
     [[ "${WINDOW_SPEC_BASELINE:-0}" == 1 ]] && SETS+=(none)
     for set in free_text code_edit; do
         for fused in "${SETS[@]}"; do
-            line="$(timeout 240 "$BIN" lab --device gpu --drafter ngram --plugins-dir "$G/bin" --num-draft-tokens 7 \
+            line="$(timeout 240 "$BIN" lab --device gpu --drafter ngram --plugins-dir "$G/bin/plugins" --num-draft-tokens 7 \
                 --fused-kernels "$fused" --prompt-set "$ROOT/bench/prompts/$set.jsonl" --gen-tokens 128 --repeats 1 \
                 2>>"$RES/window.err" | tail -n 1)"
             how="window kernels"
@@ -601,9 +603,31 @@ if want graph-budget; then
     done
 fi
 
+if want assistant; then
+    # The assistant drafter on the GPU, on the two oracle pairs (tests/fixtures/assistant-oracle,
+    # f32): `draft` must give transformers' first round, and speculating with it must leave the
+    # greedy output of the GPU's plain decoding unchanged.
+    for pair in e dense; do
+        dir="$ROOT/tests/fixtures/assistant-oracle/$pair"
+        read -r prompt anchor drafts < <(python3 -c 'import json, sys
+o = json.load(open(sys.argv[1])); n = o["prompt_len"]; g = o["generate_output"]
+print(",".join(map(str, g[:n])), g[n], ",".join(map(str, o["rounds"][0]["draft_tokens"])))' "$dir/oracle.json")
+        common=(--device gpu --model "$dir/target" --dtype f32 --prompt-ids "$prompt")
+        drafter=(--plugins-dir "$G/bin/plugins" --drafter assistant --drafter-set "checkpoint=$dir/assistant")
+        got="$(timeout 120 "$BIN" draft "${common[@]}" "${drafter[@]}" --num-draft-tokens 4 --json 2>"$RES/assistant.err")"
+        want_json="{\"anchor\":$anchor,\"drafts\":[$drafts]}"
+        [[ "$got" == "$want_json" ]] && verdict="equal" || verdict="DIFFERENT: $got vs $want_json"
+        row "assistant draft on the GPU, oracle pair $pair | transformers' first round: $verdict"
+        plain="$(timeout 120 "$BIN" generate "${common[@]}" --max-tokens 48 --ignore-eos --json 2>>"$RES/assistant.err" | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')"
+        spec="$(timeout 120 "$BIN" generate "${common[@]}" "${drafter[@]}" --no-auto-off --max-tokens 48 --ignore-eos --json 2>>"$RES/assistant.err" | python3 -c 'import json,sys; d=json.load(sys.stdin); s=d["stats"]; print(d["tokens"], s["num_drafts"], s["drafter_error"])')"
+        [[ "$spec" == "$plain "* && "$spec" == *" None" ]] && verdict="equal (${spec#"$plain "})" || verdict="DIFFERENT: $spec vs $plain"
+        row "assistant speculation on the GPU, oracle pair $pair, 48 greedy tokens | vs plain: $verdict"
+    done
+fi
+
 if want spec; then
     for set in free_text code_edit; do
-        line="$(timeout 240 "$BIN" lab --device gpu --drafter ngram --plugins-dir "$G/bin" \
+        line="$(timeout 240 "$BIN" lab --device gpu --drafter ngram --plugins-dir "$G/bin/plugins" \
             --prompt-set "$ROOT/bench/prompts/$set.jsonl" --gen-tokens 128 --repeats 1 2>"$RES/spec.err" | tail -n 1)"
         row "ngram vs plain, default model, $set set | ${line:-failed: $(tail -n 1 "$RES/spec.err")}"
     done

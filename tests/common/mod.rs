@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: fixture paths and golden tensors.
 #![allow(dead_code)]
 
+pub mod sampling;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 

@@ -220,27 +220,8 @@ pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<Library, String
             facts.abi_major
         ));
     }
-    // "unknown" means a build found no MLX version header: two such builds would compare
-    // equal without saying anything about the MLX behind their handles.
-    if MLX_HEADERS == "unknown" {
-        return Err(format!(
-            "{}: this host was built without knowing its MLX version, so no plugin can be checked against it; rebuild the host with scripts/setup.sh",
-            library.display()
-        ));
-    }
-    if facts.mlx_headers == "unknown" {
-        return Err(format!(
-            "{}: the library does not know which MLX headers it was built against (its mlx-sys build found no mlx/version.h); rebuild it against the host's patched mlx-sys",
-            library.display()
-        ));
-    }
-    if facts.mlx_headers != MLX_HEADERS {
-        return Err(format!(
-            "{}: the library was built against MLX {} but this host uses MLX {MLX_HEADERS}; rebuild it against the same mlx-sys",
-            library.display(),
-            facts.mlx_headers
-        ));
-    }
+    check_mlx_headers(MLX_HEADERS, facts.mlx_headers)
+        .map_err(|e| format!("{}: {e}", library.display()))?;
     if facts.name != p.name {
         return Err(format!(
             "{}: the library calls itself {:?} but {where_} says {:?}",
@@ -258,6 +239,24 @@ pub fn load(manifest_path: &Path, manifest: &Manifest) -> Result<Library, String
         ));
     }
     Ok(Library { module, revision })
+}
+
+/// The MLX version a plugin's mlx-c copy was built against must be the host's. "unknown" (a
+/// build that found no MLX version header) on either side is refused: two such builds would
+/// compare equal without saying anything about the MLX behind their handles.
+fn check_mlx_headers(host: &str, plugin: &str) -> Result<(), String> {
+    if host == "unknown" {
+        return Err("this host was built without knowing its MLX version, so no plugin can be checked against it; rebuild the host with scripts/setup.sh".to_owned());
+    }
+    if plugin == "unknown" {
+        return Err("the library does not know which MLX headers it was built against (its mlx-sys build found no mlx/version.h); rebuild it against the host's patched mlx-sys".to_owned());
+    }
+    if plugin != host {
+        return Err(format!(
+            "the library was built against MLX {plugin} but this host uses MLX {host}; rebuild it against the same mlx-sys"
+        ));
+    }
+    Ok(())
 }
 
 /// Refuses a plugin whose `[needs]` this target cannot meet: a target family it does not
@@ -422,5 +421,81 @@ pub fn instantiate(plugin: Plugin<'_>, overrides: &toml::Table) -> Result<DraftP
             "drafter {:?} refused its configuration: {e}",
             manifest.plugin.name
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_spec_plugin_api::target_spec::{AttentionSpec, DonorLayers, RopeSpec};
+
+    #[test]
+    fn mlx_versions_must_be_known_and_equal() {
+        assert!(check_mlx_headers("0.32.2", "0.32.2").is_ok());
+        let err = check_mlx_headers("0.32.2", "0.32.4").unwrap_err();
+        assert!(err.contains("0.32.4") && err.contains("0.32.2"), "{err}");
+        // Equal, but saying nothing: refused.
+        assert!(check_mlx_headers("unknown", "unknown")
+            .unwrap_err()
+            .contains("this host"));
+        assert!(check_mlx_headers("0.32.2", "unknown")
+            .unwrap_err()
+            .contains("does not know"));
+    }
+
+    fn spec(donors: DonorLayers) -> TargetSpec {
+        let attention = AttentionSpec {
+            head_dim: 16,
+            num_kv_heads: 1,
+            k_eq_v: false,
+            rope: RopeSpec::Default { theta: 1e4 },
+        };
+        TargetSpec {
+            family: "gemma4".into(),
+            fingerprint: 0,
+            vocab_size: 256,
+            hidden_size: 64,
+            num_layers: 2,
+            num_attention_heads: 2,
+            layer_types: Vec::new(),
+            kv_source: vec![0, 1],
+            sliding: attention.clone(),
+            full: attention,
+            sliding_window: 4,
+            donor_layers: donors,
+            rms_norm_eps: 1e-6,
+            final_logit_softcapping: None,
+            embed_scale: 8.0,
+            dtype: "float32".into(),
+            per_layer_input_size: 0,
+            config: serde_json::Value::Null,
+        }
+    }
+
+    #[test]
+    fn needs_are_checked_against_the_target() {
+        let manifest = |needs: &str| {
+            Manifest::parse(&format!(
+                "[plugin]\nname = \"x\"\nversion = \"0.1.0\"\nkind = \"other\"\napi = 1\nlibrary = \"libx.so\"\n[needs]\n{needs}\n"
+            ))
+            .unwrap()
+        };
+        let with_donors = spec(DonorLayers {
+            sliding: Some(0),
+            full: Some(1),
+        });
+        let without = spec(DonorLayers {
+            sliding: None,
+            full: None,
+        });
+        let kv = manifest("capabilities = [\"donor_kv\", \"hidden_taps\"]");
+        assert!(check_needs(&kv, &with_donors).is_ok());
+        let err = check_needs(&kv, &without).unwrap_err().to_string();
+        assert!(err.contains("donor_kv"), "{err}");
+        let other = manifest("target_families = [\"glm4_moe\"]");
+        let err = check_needs(&other, &with_donors).unwrap_err().to_string();
+        assert!(err.contains("glm4_moe") && err.contains("gemma4"), "{err}");
+        // No families named: any target.
+        assert!(check_needs(&manifest(""), &without).is_ok());
     }
 }

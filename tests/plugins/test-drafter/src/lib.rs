@@ -12,7 +12,8 @@
 //! * `shift`: proposes the last token plus one, `n` times (nearly always wrong: exercises
 //!   auto-off);
 //! * `noisy`: samples drafts from its own distribution `q` and returns `q` (rejection
-//!   sampling path): q mixes a uniform floor with a peak on `(last token * 7 + 3) % vocab`.
+//!   sampling path): q mixes a uniform floor with a peak on `(last token * 7 + 3) % vocab`;
+//! * `bad_port`: calls the target's ports with bad arguments and passes their error on.
 
 use mlx_spec_plugin_api::mlx_rs::Array;
 use mlx_spec_plugin_api::{
@@ -75,7 +76,7 @@ impl DrafterSession for TestSession {
         history: &[u32],
         n: usize,
         step_base: u64,
-        _target: &Target<'_>,
+        target: &Target<'_>,
     ) -> Result<Proposal, String> {
         let c = &self.config;
         let from_script = |shift: u32| -> Vec<u32> {
@@ -99,6 +100,18 @@ impl DrafterSession for TestSession {
             "panic" => panic!("test drafter panics on purpose at step {step_base}"),
             "out_of_vocab" => Ok(Proposal::tokens(vec![self.vocab + 5])),
             "too_many" => Ok(Proposal::tokens(vec![3; n + 3])),
+            "bad_port" => {
+                // Ports answer misuse with errors, never a crash: a layer that does not
+                // exist, then hidden states of the wrong width.
+                let missing = target.donor_kv(9999).err().unwrap_or_default();
+                if !missing.contains("does not exist") {
+                    return Err(format!("donor_kv(9999) should be refused, got {missing:?}"));
+                }
+                let narrow = Array::from_slice(&[0f32; 3], &[1, 3]);
+                target
+                    .logits_from_hidden(&narrow)
+                    .map(|_| Proposal::tokens(Vec::new()))
+            }
             "noisy" => {
                 let v = self.vocab as usize;
                 let mut last = *history.last().unwrap_or(&0);
