@@ -205,9 +205,12 @@ fn sampled_drafts_with_rejection_sampling_keep_the_target_distribution() {
     use std::collections::HashMap;
 
     const DRAWS: u64 = 6000;
-    let model =
-        Gemma4Model::load(&pair("e").join("target"), DtypeChoice::Fixed(Dtype::Float32), None)
-            .unwrap();
+    let model = Gemma4Model::load(
+        &pair("e").join("target"),
+        DtypeChoice::Fixed(Dtype::Float32),
+        None,
+    )
+    .unwrap();
     let registry = Registry::scan(&[repo_root().join("plugins")]).unwrap();
     let mut overrides = toml::Table::new();
     let checkpoint = pair("e").join("assistant").display().to_string();
@@ -279,5 +282,9 @@ fn sampled_drafts_with_rejection_sampling_keep_the_target_distribution() {
     }
     assert_eq!(covered, DRAWS, "an output outside the target's support");
     let (stat, crit) = chi_square_fit(&cells);
-    assert!(stat < crit, "chi2 {stat:.1} >= {crit:.1} over {} cells", cells.len());
+    assert!(
+        stat < crit,
+        "chi2 {stat:.1} >= {crit:.1} over {} cells",
+        cells.len()
+    );
 }
