@@ -13,19 +13,24 @@ Steps (all deterministic):
   4. Split by FILE: a file is held out when the first 8 bytes of sha256("<dist>/<path>") read as a
      big-endian integer, modulo 10000, are below 500 (about 5 % of files). Adding or removing a
      package therefore never moves any other file across the split.
-  5. Write data/train.txt, data/heldout.txt and data/manifest.json.
+  5. Write data/train.txt, data/heldout.txt (held-out files of the first 39 packages: the split
+     every model is compared on), data/unseen.txt (five whole packages never trained on) and
+     data/manifest.json.
 
-Document format of train.txt / heldout.txt (UTF-8):
-    every document is  "# file: <path inside the wheel>\n" + normalised source (ends with "\n"),
-    and is followed by a line holding only the ASCII record separator U+001E ("\x1e\n").
+Document format of train.txt / heldout.txt / unseen.txt (UTF-8):
+    a held-out or unseen document is  "# file: <path inside the wheel>\n" + normalised source
+    (ends with "\n"); a training document is in one of three forms (HEADER_PER_100 below):
+    that one, the bare source, or the source from a top-level def/class on. Every document is
+    followed by a line holding only the ASCII record separator U+001E ("\x1e\n").
     Files that contain U+001E themselves are dropped, so `text.split("\x1e\n")[:-1]` gives back
     the documents exactly. The path inside a wheel starts with the import package, e.g.
     "# file: requests/api.py". When tokenised (train_tokenizer.py), each document becomes
     BOS(2) + tokens + EOS(1); the separator itself is never tokenised.
 
-Usage:  python prepare_corpus.py [--data DIR] [--size large|base] [--offline]
+Usage:  python prepare_corpus.py [--data DIR] [--size xl|large|base] [--offline]
   --data     output folder (default: data/ next to this script)
-  --size     large (default, 39 packages, ~130 MB) or base (19 packages, ~26 MB)
+  --size     xl (default, 70 packages, ~227 MB), large (39 packages, ~130 MB) or base (19)
+             the five UNSEEN packages are always read, into unseen.txt
   --offline  do not call pip; use the wheels already in DATA/dl/
 """
 

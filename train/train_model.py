@@ -5,11 +5,11 @@ Needs torch, numpy, transformers==5.24.0 (+ safetensors); `tokenizers` only for 
 sample text in metrics.json. Reads the token files written by train_tokenizer.py (flat
 little-endian uint16, documents as BOS ... EOS).
 
-Model (E2B/E4B style, ~7.4 M parameters, ~29.6 MB in float32): 6 layers S S S F S F
-(S = sliding window 128, F = full), hidden 256, 4 query heads, 1 KV head, head_dim 64 on
-sliding layers and 128 on full layers, MLP 512, per-layer embeddings of width 32, the last
-2 layers share KV (layer 4 reuses sliding layer 2, layer 5 reuses full layer 3), vocab 8192,
-tied embeddings, logit soft-cap 30, RoPE θ=1e4 (sliding) / proportional 0.25 θ=1e6 (full).
+Model (E2B/E4B style, 25.45 M parameters): 8 layers S S S F S S S F (S = sliding window 128,
+F = full), hidden 512, 8 query heads, 2 KV heads, head_dim 64 on sliding layers and 128 on
+full layers, MLP 1024, per-layer embeddings of width 32, the last 2 layers share KV (layer 6
+reuses sliding layer 5, layer 7 reuses full layer 3), vocab 8192, tied embeddings, logit
+soft-cap 30, RoPE θ=1e4 (sliding) / proportional 0.25 θ=1e6 (full).
 
 Training: random windows of seq_len+1 tokens, AdamW (0.9, 0.95), weight decay on matrices,
 linear warmup then cosine decay to lr*min_lr_frac. The schedule runs on
@@ -24,7 +24,8 @@ Outputs in --out (default: out/run next to this script):
   train_log.csv   step,tokens,seconds,train_loss,lr       (every --log-every steps)
   eval_log.csv    step,tokens,seconds,heldout_loss,heldout_ppl
   metrics.json    params, steps, tokens, wall time, device, losses, perplexity, config
-  model/          float32 checkpoint: config.json (released key form), generation_config.json,
+  model/          checkpoint (bf16, or float32 with --save-dtype f32): config.json (released
+                  key form), generation_config.json,
                   model-0000X-of-0000N.safetensors shards (each <= 15 MB) + index json,
                   tokenizer.json, tokenizer_config.json, golden.safetensors, metrics.json
 
