@@ -3,7 +3,7 @@
 #
 #   PREFIX/bin/mlx-spec                       the binary
 #   PREFIX/lib/mlx-spec/                      the libmlx it was built against (Linux)
-#   PREFIX/share/mlx-spec/models/gemma4-code-7m   the default model
+#   PREFIX/share/mlx-spec/models/gemma4-code-25m   the default model
 #   PREFIX/share/mlx-spec/plugins/<name>/     each drafter plugin: plugin.toml + its library
 #
 # The binary finds its default model and plugins from its own location (PREFIX/share/mlx-spec),
@@ -55,8 +55,8 @@ if [[ "$(uname -s)" == Linux ]]; then
     cp -P "$libdir"/*.so* "$PREFIX/lib/mlx-spec/"
 fi
 
-rm -rf "$SHARE/models/gemma4-code-7m"
-cp -R "$ROOT/models/gemma4-code-7m" "$SHARE/models/"
+rm -rf "$SHARE/models/gemma4-code-25m"
+cp -R "$ROOT/models/gemma4-code-25m" "$SHARE/models/"
 
 # Each plugin folder as the host reads it: the manifest and, beside it, the library this
 # checkout built (else the copy already beside the manifest).

@@ -459,13 +459,13 @@ fn auto_dtype_follows_the_checkpoint() {
 }
 
 /// The default model, trained on real code: transformers' logits on a held-out file and its
-/// greedy continuation (tests/goldens/gemma4-code-7m.safetensors, written by the training
+/// greedy continuation (tests/goldens/gemma4-code-25m.safetensors, written by the training
 /// script from the saved checkpoint).
 #[test]
 fn trained_default_model_matches_transformers_on_held_out_code() {
     let model =
         Gemma4Model::load(&default_model(), DtypeChoice::Fixed(Dtype::Float32), None).unwrap();
-    let golden = Golden::from_file(&repo_root().join("tests/goldens/gemma4-code-7m.safetensors"));
+    let golden = Golden::from_file(&repo_root().join("tests/goldens/gemma4-code-25m.safetensors"));
     let ids = golden.ids("prompt_ids");
     assert!(
         ids.len() > model.config.sliding_window / 4,

@@ -23,7 +23,7 @@ fn the_installed_binary_runs_the_main_command_from_another_directory() {
         String::from_utf8_lossy(&install.stderr)
     );
     let share = prefix.path().join("share/mlx-spec");
-    assert!(share.join("models/gemma4-code-7m/config.json").is_file());
+    assert!(share.join("models/gemma4-code-25m/config.json").is_file());
     assert!(share.join("plugins/ngram/plugin.toml").is_file());
 
     let binary = prefix.path().join("bin/mlx-spec");
@@ -66,7 +66,7 @@ fn the_installed_binary_runs_the_main_command_from_another_directory() {
     assert_eq!(v["stats"]["drafter"], "ngram");
     assert!(!v["text"].as_str().unwrap().is_empty());
     // The model it loaded is the installed copy.
-    let installed_model = share.join("models/gemma4-code-7m");
+    let installed_model = share.join("models/gemma4-code-25m");
     assert!(
         stderr.contains(&installed_model.display().to_string()),
         "the default model was not read from {}: {stderr}",

@@ -373,7 +373,8 @@ fn completions_and_chat_answer_as_openai_does_and_match_the_command_line() {
         (200, json!("ok"))
     );
     let models = server.get("/v1/models").json();
-    assert_eq!(models["data"][0]["id"], "gemma4-code-7m");
+    let name = default_model().file_name().unwrap().to_str().unwrap().to_owned();
+    assert_eq!(models["data"][0]["id"], name.as_str());
     assert_eq!(models["data"][0]["speculation"]["default"], "ngram");
 
     // The server's tokens are the command line's, with and without the drafter.

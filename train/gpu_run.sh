@@ -5,9 +5,10 @@
 #
 # MINUTES (default 6) is the wall-clock budget of the training loop; final evaluation,
 # saving and the golden add about half a minute on top.
-# The payload is looked for, in order: $PAYLOAD; the folder of this script when it holds
-# wheels/ and data/ (running the copy inside the payload); train/out/gpu-payload/; else
-# train/out/gpu-payload.tar.xz (or .tar.gz) is unpacked there.
+# The payload is looked for, in order: $PARTS, a folder holding the parts written by
+# pack_for_gpu.sh (gpu-payload.tar.NN + PARTS.sha256; they are joined and unpacked into a
+# scratch folder); $PAYLOAD; the folder of this script when it holds wheels/ and data/
+# (running the copy inside the payload); train/out/gpu-payload/.
 # Python: $PYTHON, then python3, then /opt/torch/.venv/bin/python (the first one whose torch
 # sees CUDA). The carried wheels go into a fresh --target folder (nothing is installed into
 # that python); numpy only when that python has none.
@@ -24,29 +25,29 @@ MINUTES="${1:-6}"
 [ $# -gt 0 ] && shift
 
 # ---------------------------------------------------------------- payload
-if [ -n "${PAYLOAD:-}" ]; then
+if [ -n "${PARTS:-}" ]; then
+  (cd "$PARTS" && sha256sum --quiet -c PARTS.sha256) || { echo "payload parts in $PARTS: checksum mismatch or part missing" >&2; exit 1; }
+  UNPACK="$(mktemp -d "${TMPDIR:-/tmp}/gemma4-payload.XXXXXX")"
+  echo "== joining $(ls "$PARTS"/gpu-payload.tar.* | wc -l) parts from $PARTS"
+  cat "$PARTS"/gpu-payload.tar.* | tar -C "$UNPACK" -xf -
+  PAYLOAD="$UNPACK/gpu-payload"
+elif [ -n "${PAYLOAD:-}" ]; then
   :
 elif [ -d "$HERE/wheels" ] && [ -d "$HERE/data" ]; then
   PAYLOAD="$HERE"
 elif [ -d "$HERE/out/gpu-payload/wheels" ]; then
   PAYLOAD="$HERE/out/gpu-payload"
 else
-  tb=""
-  if [ -f "$HERE/out/gpu-payload.tar.xz" ]; then
-    tb="$HERE/out/gpu-payload.tar.xz"
-  elif [ -f "$HERE/out/gpu-payload.tar.gz" ]; then
-    tb="$HERE/out/gpu-payload.tar.gz"
-  else
-    echo "no payload: expected train/out/gpu-payload/ or train/out/gpu-payload.tar.xz (run pack_for_gpu.sh)" >&2
-    exit 1
-  fi
-  echo "== unpacking $tb"
-  tar -C "$HERE/out" -xf "$tb" 2>/dev/null || python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$tb" "$HERE/out"
-  PAYLOAD="$HERE/out/gpu-payload"
+  echo "no payload: set PARTS (or PAYLOAD), or run pack_for_gpu.sh to make train/out/gpu-payload/" >&2
+  exit 1
 fi
 if [ -f "$PAYLOAD/SHA256SUMS" ]; then
   (cd "$PAYLOAD" && sha256sum --quiet -c SHA256SUMS) || { echo "payload checksum mismatch" >&2; exit 1; }
 fi
+for f in "$PAYLOAD"/data/*.bin.xz; do
+  [ -e "$f" ] || continue
+  [ -f "${f%.xz}" ] || xz -d -k -T0 "$f"
+done
 
 # ---------------------------------------------------------------- python with torch
 PY=""
@@ -82,6 +83,9 @@ for w in sys.argv[2:]:
     zipfile.ZipFile(w).extractall(sys.argv[1])
 EOF
 fi
+if [ -f "$PAYLOAD/transformers-5.24.0-trimmed.tar.xz" ]; then
+  tar -C "$SITE" -xJf "$PAYLOAD/transformers-5.24.0-trimmed.tar.xz"
+fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import transformers, numpy; from transformers import Gemma4ForCausalLM; \
 print('== transformers', transformers.__version__, 'from', transformers.__file__.rsplit('/', 2)[0], '| numpy', numpy.__version__)"
@@ -94,11 +98,13 @@ else
 fi
 rm -rf "$RUN"
 mkdir -p "$RUN"
-"$PY" "$HERE/train_model.py" --device cuda --data "$PAYLOAD/data" --tokenizer "$PAYLOAD/data/tokenizer" \
+SCRIPTS="$HERE"
+[ -f "$PAYLOAD/train_model.py" ] && SCRIPTS="$PAYLOAD"
+"$PY" "$SCRIPTS/train_model.py" --device cuda --data "$PAYLOAD/data" --tokenizer "$PAYLOAD/data/tokenizer" \
   --out "$RUN" --max-minutes "$MINUTES" "$@" 2>&1 | tee "$RUN/train_stdout.log"
 
 # ---------------------------------------------------------------- check + summary
-"$PY" "$HERE/verify_checkpoint.py" "$RUN/model" 2>&1 | tee -a "$RUN/train_stdout.log"
+"$PY" "$SCRIPTS/verify_checkpoint.py" "$RUN/model" 2>&1 | tee -a "$RUN/train_stdout.log"
 "$PY" - "$RUN/metrics.json" <<'EOF'
 import json, sys
 m = json.load(open(sys.argv[1]))
@@ -129,7 +135,7 @@ if [ -n "${OUT:-}" ]; then
   cp "$RUN/metrics.json" "$RUN/train_stdout.log" "$EXP/"
   ls -la "$EXP"
   echo "== result: $EXP (unpack here with: bash train/unpack_gpu_result.sh <that folder>)"
-  rm -rf "$WORK"
+  rm -rf "$WORK" "${UNPACK:-}"
 else
   echo "== result: $RUN (model in $RUN/model)"
   rm -rf "$WORK"

@@ -13,19 +13,24 @@ Steps (all deterministic):
   4. Split by FILE: a file is held out when the first 8 bytes of sha256("<dist>/<path>") read as a
      big-endian integer, modulo 10000, are below 500 (about 5 % of files). Adding or removing a
      package therefore never moves any other file across the split.
-  5. Write data/train.txt, data/heldout.txt and data/manifest.json.
+  5. Write data/train.txt, data/heldout.txt (held-out files of the first 39 packages: the split
+     every model is compared on), data/unseen.txt (five whole packages never trained on) and
+     data/manifest.json.
 
-Document format of train.txt / heldout.txt (UTF-8):
-    every document is  "# file: <path inside the wheel>\n" + normalised source (ends with "\n"),
-    and is followed by a line holding only the ASCII record separator U+001E ("\x1e\n").
+Document format of train.txt / heldout.txt / unseen.txt (UTF-8):
+    a held-out or unseen document is  "# file: <path inside the wheel>\n" + normalised source
+    (ends with "\n"); a training document is in one of three forms (HEADER_PER_100 below):
+    that one, the bare source, or the source from a top-level def/class on. Every document is
+    followed by a line holding only the ASCII record separator U+001E ("\x1e\n").
     Files that contain U+001E themselves are dropped, so `text.split("\x1e\n")[:-1]` gives back
     the documents exactly. The path inside a wheel starts with the import package, e.g.
     "# file: requests/api.py". When tokenised (train_tokenizer.py), each document becomes
     BOS(2) + tokens + EOS(1); the separator itself is never tokenised.
 
-Usage:  python prepare_corpus.py [--data DIR] [--size large|base] [--offline]
+Usage:  python prepare_corpus.py [--data DIR] [--size xl|large|base] [--offline]
   --data     output folder (default: data/ next to this script)
-  --size     large (default, 39 packages, ~130 MB) or base (19 packages, ~26 MB)
+  --size     xl (default, 70 packages, ~227 MB), large (39 packages, ~130 MB) or base (19)
+             the five UNSEEN packages are always read, into unseen.txt
   --offline  do not call pip; use the wheels already in DATA/dl/
 """
 
@@ -94,11 +99,68 @@ EXTRA = [
     ("openpyxl", "3.1.3", "MIT", "25071b558db709de9e8782c3d3e058af3b23ffb2fc6f40c8f0c45a154eced2c3", "any"),
     ("Babel", "2.15.0", "BSD-3-Clause", "08706bdad8d0a3413266ab61bd6c34d0c28d6e1e7badf40a2cebe67644e2e1fb", "any"),
 ]
-SIZES = {"base": BASE, "large": BASE + EXTRA}
+# The "xl" set (default since the second model) adds 31 packages: ~2x the code of "large".
+# Packages are only ever appended, so no earlier file moves across the split, and the held-out
+# split of the first 39 packages (data/heldout.txt) stays the one every model is compared on.
+MORE = [
+    ("sympy", "1.12.1", "BSD-3-Clause", "9b2cbc7f1a640289430e13d2a56f02f867a1da0190f2f99d8968c2f74da0e515", "any"),
+    ("transformers", "4.41.2", "Apache-2.0", "05555d20e43f808de1ef211ab64803cdb513170cef70d29a888b589caebefc67", "any"),
+    ("statsmodels", "0.14.2", "BSD-3-Clause", "4864a1c4615c5ea5f2e3b078a75bdedc90dd9da210a37e0738e064b419eccee2", LINUX),
+    ("astropy", "6.1.0", "BSD-3-Clause", "7f30ab2ef63d52b7ae03b3d9cb21a01830fbe45152ad4c30efc72dcce12d40f5", LINUX),
+    ("scikit-image", "0.23.2", "BSD-3-Clause", "fce619a6d84fe40c1208fa579b646e93ce13ef0afc3652a23e9782b2c183291a", LINUX),
+    ("numba", "0.59.1", "BSD-2-Clause", "dd2842fac03be4e5324ebbbd4d2d0c8c0fc6e0df75c09477dd45b288a0777389", LINUX),
+    ("aiohttp", "3.9.5", "Apache-2.0", "f22eb3a6c1080d862befa0a89c380b4dafce29dc6cd56083f630073d102eb595", LINUX),
+    ("diffusers", "0.29.0", "Apache-2.0", "4c194d2379644a0f7ef9b4ff12c8cf5de4c6324e811265754f08e2f839b8cedb", "any"),
+    ("pydantic", "2.7.4", "MIT", "ee8538d41ccb9c0a9ad3e0e5f07bf15ed8015b481ced539a1759d8cc89ae90d0", "any"),
+    ("fastapi", "0.111.0", "MIT", "97ecbf994be0bcbdadedf88c3150252bed7b2087075ac99735403b1b76cc8fc0", "any"),
+    ("starlette", "0.37.2", "BSD-3-Clause", "6fe59f29268538e5d0d182f2791a479a0c64638e6935d1c6989e63fb2699c6ee", "any"),
+    ("alembic", "1.13.1", "MIT", "2edcc97bed0bd3272611ce3a98d98279e9c209e7186e43e75bbb1b2bdfdbcc43", "any"),
+    ("nltk", "3.8.1", "Apache-2.0", "fd5c9109f976fa86bcadba8f91e47f5e9293bd034474752e92a520f81c93dda5", "any"),
+    ("optuna", "3.6.1", "MIT", "b32e0490bd6552790b70ec94de77dd2855057c9e229cd9f4da48fe8a31c7f1cc", "any"),
+    ("pytorch_lightning", "2.3.0", "Apache-2.0", "b8eec361f4342ca628d0d8e6985511c9515435e4db62c5e982bb1c53a5a5140a", "any"),
+    ("datasets", "2.20.0", "Apache-2.0", "76ac02e3bdfff824492e20678f0b6b1b6d080515957fe834b00c2ba8d6b18e5e", "any"),
+    ("accelerate", "0.31.0", "Apache-2.0", "0fc608dc49584f64d04711a39711d73cb0ad4ef3d21cddee7ef2216e29471144", "any"),
+    ("Scrapy", "2.11.2", "BSD-3-Clause", "4be353d6abbb942a9f7e7614ca8b5f3d9037381176ac8d8859c8cac676e74fa0", "any"),
+    ("kombu", "5.3.7", "BSD-3-Clause", "5634c511926309c7f9789f1433e9ed402616b56836ef9878f01bd59267b4c7a9", "any"),
+    ("pymc", "5.15.1", "Apache-2.0", "36bcbc94d4365fbacbac049195cff1e8102dd1f2604d80102f4cd66e7d64d5b9", "any"),
+    ("sentry_sdk", "2.5.1", "MIT", "1f87acdce4a43a523ae5aa21a3fc37522d73ebd9ec04b1dbf01aa3d173852def", "any"),
+    ("textual", "0.70.0", "MIT", "774bf45782193760ca273b915fd685cada37d0836237d61dc57d5bcdbe2c7ddb", "any"),
+    ("poetry", "1.8.3", "MIT", "88191c69b08d06f9db671b793d68f40048e8904c0718404b63dcc2b5aec62d13", "any"),
+    ("flax", "0.8.4", "Apache-2.0", "785707e3a48f782a1bec17aa665697b7618c113a357d5f975791dcb090d818d8", "any"),
+    ("optax", "0.2.2", "Apache-2.0", "411c414a76aae259f4191a60b712663968741a5163ca92fc250b5d5c7d36fb57", "any"),
+    ("mitmproxy", "10.3.1", "MIT", "4c66d4bcb43024da0265d010f6e917c4b86d09f2310102e88f5f1cc72dade4a4", "any"),
+    ("Markdown", "3.6", "BSD-3-Clause", "48f276f4d8cfb8ce6527c8f79e2ee29708508bf4d40aa410fbc3b4ee832c850f", "any"),
+    ("pip", "24.0", "MIT", "ba0d021a166865d2265246961bec0152ff124de910c5cc39f1156ce3fa7c69dc", "any"),
+    ("jupyter_server", "2.14.1", "BSD-3-Clause", "16f7177c3a4ea8fe37784e2d31271981a812f0b2874af17339031dc3510cc2a5", "any"),
+    ("nbconvert", "7.16.4", "BSD-3-Clause", "05873c620fe520b6322bf8a5ad562692343fe3452abda5765c7a34b7d1aa3eb3", "any"),
+    ("traitlets", "5.14.3", "BSD-3-Clause", "b74e89e397b1ed28cc831db7aea759ba6640cb3de13090ca145426688ff1ac4f", "any"),
+]
+# Whole packages kept out of training: the second held-out set (data/unseen.txt), code from
+# projects the model has never seen a line of. Files duplicating a training file are dropped.
+UNSEEN = [
+    ("marshmallow", "3.21.3", "MIT", "86ce7fb914aa865001a4b2092c4c2872d13bc347f3d42673272cabfdbad386f1", "any"),
+    ("jsonschema", "4.22.0", "MIT", "ff4cfd6b1367a40e7bc6411caec72effadd3db0bbe5017de188f2d6108335802", "any"),
+    ("isort", "5.13.2", "MIT", "8ca5e72a8d85860d5a3fa69b8745237f2939afe12dbf656afbcb47fe72d947a6", "any"),
+    ("mkdocs", "1.6.0", "BSD-2-Clause", "1eb5cb7676b7d89323e62b56235010216319217d4af5ddc543a91beb8d125ea7", "any"),
+    ("trio", "0.25.1", "MIT OR Apache-2.0", "e42617ba091e7b2e50c899052e83a3c403101841de925187f61e7b7eaebdf3fb", "any"),
+]
+SIZES = {"base": BASE, "large": BASE + EXTRA, "xl": BASE + EXTRA + MORE}
+# Packages whose held-out files form data/heldout.txt: the first model's split, unchanged.
+# Held-out files of later packages are withheld from training and not evaluated.
+SPLIT_PACKAGES = {p[0] for p in BASE + EXTRA}
 
 MAX_FILE_BYTES = 200_000
 HELDOUT_PER_10000 = 500
 DOC_SEP = "\x1e\n"
+# Training documents (never held-out ones) come in three forms, chosen per file by a hash so
+# that short bare snippets are in distribution, not only whole files under a path header:
+#   r < HEADER_PER_100                  "# file: <path>\n" + source (the held-out form)
+#   r < HEADER_PER_100 + BARE_PER_100   source alone
+#   otherwise                           source from a top-level def/class (or its decorators)
+#                                       chosen by the hash, the lines above it dropped
+HEADER_PER_100 = 50
+BARE_PER_100 = 25
+TOP_LEVEL = re.compile(r"(@|def |async def |class )")
 
 # Path components that mark vendored third-party copies.
 VENDOR_DIRS = {"_vendor", "vendor", "vendored", "_vendored", "externals", "_externals", "third_party"}
@@ -196,6 +258,28 @@ def normalise(raw):
     return text, None
 
 
+def form_hash(key):
+    return int.from_bytes(hashlib.sha256(f"form:{key}".encode("utf-8")).digest()[:8], "big")
+
+
+def train_document(key, path, text):
+    """The training form of one file (see HEADER_PER_100) and its name for the stats."""
+    r = form_hash(key)
+    pick = r % 100
+    if pick < HEADER_PER_100:
+        return f"# file: {path}\n{text}", "header"
+    if pick < HEADER_PER_100 + BARE_PER_100:
+        return text, "bare"
+    lines = text.split("\n")
+    starts = [
+        i for i, line in enumerate(lines)
+        if i > 0 and TOP_LEVEL.match(line) and not lines[i - 1].startswith("@")
+    ]
+    if not starts:
+        return text, "bare"
+    return "\n".join(lines[starts[(r // 100) % len(starts)]:]), "from_def"
+
+
 def is_heldout(key):
     h = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
     return h % 10000 < HELDOUT_PER_10000
@@ -205,24 +289,28 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(HERE / "data"))
     ap.add_argument("--offline", action="store_true")
-    ap.add_argument("--size", choices=sorted(SIZES), default="large")
+    ap.add_argument("--size", choices=sorted(SIZES), default="xl")
     args = ap.parse_args()
     packages = SIZES[args.size]
     data = Path(args.data)
     data.mkdir(parents=True, exist_ok=True)
 
     print("== downloading pinned wheels")
-    wheels = download(data / "dl", args.offline, packages)
+    wheels = download(data / "dl", args.offline, packages + UNSEEN)
 
     print("== extracting .py files")
-    train_docs, held_docs = [], []
+    train_docs, held_docs, unseen_docs = [], [], []
     stats_all = []
+    forms = {}
     seen = {}
-    for name, version, lic, sha, _plat in packages:
+    unseen_names = {p[0] for p in UNSEEN}
+    for name, version, lic, sha, _plat in packages + UNSEEN:
         z = zipfile.ZipFile(wheels[name])
         stats = {"name": name, "version": version, "license": lic, "wheel": wheels[name].name,
                  "sha256": sha, "py_files_in_wheel": 0, "dropped": {},
-                 "train_files": 0, "heldout_files": 0, "train_bytes": 0, "heldout_bytes": 0}
+                 "set": "unseen" if name in unseen_names else "train",
+                 "train_files": 0, "heldout_files": 0, "train_bytes": 0, "heldout_bytes": 0,
+                 "withheld_files": 0}
         for info in sorted(z.infolist(), key=lambda i: i.filename):
             path = info.filename
             if not path.endswith(".py") or ".dist-info/" in path or ".data/" in path:
@@ -246,11 +334,21 @@ def main():
                 continue
             doc = f"# file: {path}\n{text}"
             nbytes = len(doc.encode("utf-8"))
-            if is_heldout(f"{name}/{path}"):
-                held_docs.append(doc)
+            if name in unseen_names:
+                unseen_docs.append(doc)
                 stats["heldout_files"] += 1
                 stats["heldout_bytes"] += nbytes
+            elif is_heldout(f"{name}/{path}"):
+                if name in SPLIT_PACKAGES:
+                    held_docs.append(doc)
+                    stats["heldout_files"] += 1
+                    stats["heldout_bytes"] += nbytes
+                else:
+                    stats["withheld_files"] += 1
             else:
+                doc, form = train_document(f"{name}/{path}", path, text)
+                nbytes = len(doc.encode("utf-8"))
+                forms[form] = forms.get(form, 0) + 1
                 train_docs.append(doc)
                 stats["train_files"] += 1
                 stats["train_bytes"] += nbytes
@@ -259,7 +357,8 @@ def main():
               f"{stats['train_bytes'] / 1e6:6.2f} MB | held-out {stats['heldout_files']:3d} files "
               f"{stats['heldout_bytes'] / 1e6:5.2f} MB | dropped {stats['dropped']}")
 
-    for fname, docs in (("train.txt", train_docs), ("heldout.txt", held_docs)):
+    for fname, docs in (("train.txt", train_docs), ("heldout.txt", held_docs),
+                        ("unseen.txt", unseen_docs)):
         with open(data / fname, "w", encoding="utf-8", newline="\n") as f:
             for doc in docs:
                 f.write(doc)
@@ -269,13 +368,19 @@ def main():
         "train_files": len(train_docs),
         "heldout_files": len(held_docs),
         "train_bytes": sum(p["train_bytes"] for p in stats_all),
-        "heldout_bytes": sum(p["heldout_bytes"] for p in stats_all),
+        "heldout_bytes": sum(p["heldout_bytes"] for p in stats_all if p["set"] == "train"),
+        "unseen_files": len(unseen_docs),
+        "unseen_bytes": sum(p["heldout_bytes"] for p in stats_all if p["set"] == "unseen"),
+        "train_forms": forms,
         "train_txt_sha256": sha256_file(data / "train.txt"),
         "heldout_txt_sha256": sha256_file(data / "heldout.txt"),
+        "unseen_txt_sha256": sha256_file(data / "unseen.txt"),
     }
     manifest = {
         "format": "documents '# file: <path>\\n<source>' each followed by '\\x1e\\n'",
         "split": f"held out iff int(sha256('<dist>/<path>')[:8 bytes]) % 10000 < {HELDOUT_PER_10000}",
+        "train_forms": f"per file by sha256('form:<dist>/<path>') % 100: < {HEADER_PER_100} header, "
+                       f"< {HEADER_PER_100 + BARE_PER_100} bare, else from a top-level def/class",
         "max_file_bytes": MAX_FILE_BYTES,
         "size": args.size,
         "packages": stats_all,
@@ -286,6 +391,8 @@ def main():
         f.write("\n")
     print(f"== wrote {data / 'train.txt'}: {totals['train_files']} files, {totals['train_bytes'] / 1e6:.2f} MB")
     print(f"== wrote {data / 'heldout.txt'}: {totals['heldout_files']} files, {totals['heldout_bytes'] / 1e6:.2f} MB")
+    print(f"== wrote {data / 'unseen.txt'}: {totals['unseen_files']} files, {totals['unseen_bytes'] / 1e6:.2f} MB")
+    print(f"== training document forms: {forms}")
 
 
 if __name__ == "__main__":

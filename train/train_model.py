@@ -5,11 +5,11 @@ Needs torch, numpy, transformers==5.24.0 (+ safetensors); `tokenizers` only for 
 sample text in metrics.json. Reads the token files written by train_tokenizer.py (flat
 little-endian uint16, documents as BOS ... EOS).
 
-Model (E2B/E4B style, ~7.4 M parameters, ~29.6 MB in float32): 6 layers S S S F S F
-(S = sliding window 128, F = full), hidden 256, 4 query heads, 1 KV head, head_dim 64 on
-sliding layers and 128 on full layers, MLP 512, per-layer embeddings of width 32, the last
-2 layers share KV (layer 4 reuses sliding layer 2, layer 5 reuses full layer 3), vocab 8192,
-tied embeddings, logit soft-cap 30, RoPE θ=1e4 (sliding) / proportional 0.25 θ=1e6 (full).
+Model (E2B/E4B style, 25.45 M parameters): 8 layers S S S F S S S F (S = sliding window 128,
+F = full), hidden 512, 8 query heads, 2 KV heads, head_dim 64 on sliding layers and 128 on
+full layers, MLP 1024, per-layer embeddings of width 32, the last 2 layers share KV (layer 6
+reuses sliding layer 5, layer 7 reuses full layer 3), vocab 8192, tied embeddings, logit
+soft-cap 30, RoPE θ=1e4 (sliding) / proportional 0.25 θ=1e6 (full).
 
 Training: random windows of seq_len+1 tokens, AdamW (0.9, 0.95), weight decay on matrices,
 linear warmup then cosine decay to lr*min_lr_frac. The schedule runs on
@@ -24,7 +24,8 @@ Outputs in --out (default: out/run next to this script):
   train_log.csv   step,tokens,seconds,train_loss,lr       (every --log-every steps)
   eval_log.csv    step,tokens,seconds,heldout_loss,heldout_ppl
   metrics.json    params, steps, tokens, wall time, device, losses, perplexity, config
-  model/          float32 checkpoint: config.json (released key form), generation_config.json,
+  model/          checkpoint (bf16, or float32 with --save-dtype f32): config.json (released
+                  key form), generation_config.json,
                   model-0000X-of-0000N.safetensors shards (each <= 15 MB) + index json,
                   tokenizer.json, tokenizer_config.json, golden.safetensors, metrics.json
 
@@ -58,17 +59,19 @@ MAX_SHARD = "15MB"
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+# The second default model (gemma4-code-25m). The first one (gemma4-code-7m) had hidden 256,
+# 4 heads / 1 KV head, MLP 512 and 6 layers S S S F S F: 7.4 M parameters.
 MODEL_KW = dict(
     vocab_size=8192,
     vocab_size_per_layer_input=8192,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=1,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
     head_dim=64,
     global_head_dim=128,
-    layer_types=[SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL],
+    layer_types=[SLIDING, SLIDING, SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL],
     sliding_window=128,
     num_kv_shared_layers=2,
     hidden_size_per_layer_input=32,
@@ -237,8 +240,19 @@ def save_checkpoint(model, args, out, tok_dir, held, metrics):
     if mdir.exists():
         shutil.rmtree(mdir)
     model = model.to("cpu").float().eval()
+    state = None
+    if args.save_dtype == "bf16":
+        # Round the parameters to bfloat16 in place (buffers such as RoPE frequencies stay
+        # float32): the model below (in-memory check, golden) then computes on exactly the
+        # values the checkpoint holds.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # tied: stored once, as embed_tokens
     model.config.use_cache = True
-    model.save_pretrained(mdir, max_shard_size=MAX_SHARD)
+    model.save_pretrained(mdir, max_shard_size=MAX_SHARD, state_dict=state)
     with open(mdir / "config.json") as f:
         cj = json.load(f)
     write_json(mdir / "config.json", released_config(cj))
@@ -295,13 +309,13 @@ def main():
     ap.add_argument("--max-steps", type=int, default=0, help="0 = no step limit")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=None, help="default 64 on cuda, 8 on cpu")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup-steps", type=int, default=200)
+    ap.add_argument("--warmup-steps", type=int, default=300)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-windows", type=int, default=None,
                     help="held-out windows for the periodic evals (0 = all); default 1024 on cuda, 8 on cpu")
     ap.add_argument("--final-eval-windows", type=int, default=None,
@@ -311,6 +325,9 @@ def main():
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--attn", default="sdpa", help="attention implementation for training")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--save-dtype", choices=["f32", "bf16"], default="bf16",
+                    help="dtype of the saved checkpoint (bf16: half the bytes to bring back from "
+                         "a GPU machine; train/quantize_checkpoint.py makes the shipped model)")
     args = ap.parse_args()
 
     import transformers
@@ -505,6 +522,12 @@ def main():
     heldout_fp32 = evaluate(model, final_windows, args.batch_size, device, fp32)
     log(f"   final held-out loss float32 ({len(final_windows)} windows): {heldout_fp32:.4f}  "
         f"ppl {math.exp(heldout_fp32):.2f}  ({time.time() - t:.1f}s)")
+    unseen_fp32 = None
+    if (data / "unseen.bin").is_file():
+        unseen_windows = eval_windows(load_bin(data / "unseen.bin"), args.seq_len, args.final_eval_windows)
+        unseen_fp32 = evaluate(model, unseen_windows, args.batch_size, device, fp32)
+        log(f"   final unseen-packages loss float32 ({len(unseen_windows)} windows): {unseen_fp32:.4f}  "
+            f"ppl {math.exp(unseen_fp32):.2f}")
     train_log.close()
     eval_log.close()
 
@@ -527,6 +550,8 @@ def main():
         "heldout_loss": heldout_fp32,
         "heldout_ppl": math.exp(heldout_fp32),
         "heldout_eval_tokens": int(final_windows.shape[0] * args.seq_len),
+        "unseen_loss": unseen_fp32,
+        "unseen_ppl": math.exp(unseen_fp32) if unseen_fp32 is not None else None,
         "last_step_periodic_eval_loss": last_eval_loss,
         "best_periodic_eval_loss": best["loss"],
         "best_step": best["step"],

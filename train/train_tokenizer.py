@@ -19,14 +19,21 @@ Corpus tokenisation (special-token strings inside source code are encoded as pla
   data/heldout_index.json lists every held-out document: path, start offset in heldout.bin
   (the position of its BOS) and length in tokens (BOS and EOS included).
 
-Usage:  python train_tokenizer.py [--data DIR] [--out DIR] [--vocab 8192]
-  --data  folder with train.txt / heldout.txt (default: data/ next to this script)
-  --out   tokenizer output folder (default: DATA/tokenizer)
+  data/unseen.bin and data/unseen_index.json do the same for unseen.txt (the packages kept
+  out of training), when prepare_corpus.py wrote one.
+
+Usage:  python train_tokenizer.py [--data DIR] [--out DIR] [--vocab 8192] [--reuse DIR]
+  --data   folder with train.txt / heldout.txt (default: data/ next to this script)
+  --out    tokenizer output folder (default: DATA/tokenizer)
+  --reuse  copy the tokenizer of this model folder (tokenizer.json + tokenizer_config.json)
+           instead of training one, so token ids and per-token perplexities stay comparable
+           with that model's (the second default model reuses the first one's tokenizer)
 """
 
 import argparse
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -144,6 +151,7 @@ def main():
     ap.add_argument("--data", default=str(HERE / "data"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--reuse", default=None)
     args = ap.parse_args()
     data = Path(args.data)
     out = Path(args.out) if args.out else data / "tokenizer"
@@ -154,7 +162,18 @@ def main():
     print(f"== {len(train_docs)} train docs, {len(held_docs)} held-out docs")
 
     t0 = time.time()
-    tok = build(train_docs, args.vocab)
+    if args.reuse:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(Path(args.reuse) / name, out / name)
+        print(f"== reusing the tokenizer of {args.reuse}")
+    else:
+        write_tokenizer(train_docs, args.vocab, out)
+        print(f"== trained BPE vocab {args.vocab} in {time.time() - t0:.1f}s -> {out}")
+    finish(data, out, train_docs, held_docs)
+
+
+def write_tokenizer(train_docs, vocab, out):
+    tok = build(train_docs, vocab)
     tok.save(str(out / "tokenizer.json"))
     with open(out / "tokenizer_config.json", "w") as f:
         json.dump(
@@ -173,8 +192,20 @@ def main():
             indent=2,
         )
         f.write("\n")
-    print(f"== trained BPE vocab {args.vocab} in {time.time() - t0:.1f}s -> {out}")
 
+
+def write_index(path, docs, id_lists):
+    index, pos = [], 0
+    for doc, ids in zip(docs, id_lists):
+        path_in_wheel = doc.split("\n", 1)[0][len("# file: "):]
+        index.append({"path": path_in_wheel, "start": pos, "n_tokens": len(ids) + 2})
+        pos += len(ids) + 2
+    with open(path, "w") as f:
+        json.dump(index, f, indent=1)
+        f.write("\n")
+
+
+def finish(data, out, train_docs, held_docs):
     # Reload from disk: everything below uses the saved file.
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     for i, s in SPECIAL_IDS.items():
@@ -196,14 +227,15 @@ def main():
 
     n_train = write_bin(data / "train.bin", train_ids)
     n_held = write_bin(data / "heldout.bin", held_ids)
-    index, pos = [], 0
-    for doc, ids in zip(held_docs, held_ids):
-        path = doc.split("\n", 1)[0][len("# file: "):]
-        index.append({"path": path, "start": pos, "n_tokens": len(ids) + 2})
-        pos += len(ids) + 2
-    with open(data / "heldout_index.json", "w") as f:
-        json.dump(index, f, indent=1)
-        f.write("\n")
+    write_index(data / "heldout_index.json", held_docs, held_ids)
+    n_unseen = 0
+    if (data / "unseen.txt").is_file():
+        unseen_docs = read_docs(data / "unseen.txt")
+        unseen_ids = encode_docs(tok, unseen_docs)
+        check_roundtrip(tok, unseen_docs, unseen_ids)
+        n_unseen = write_bin(data / "unseen.bin", unseen_ids)
+        write_index(data / "unseen_index.json", unseen_docs, unseen_ids)
+        print(f"== unseen.bin {n_unseen} tokens ({len(unseen_docs)} files, round trip exact)")
     held_chars = sum(len(d) for d in held_docs)
     held_toks = sum(len(x) for x in held_ids)
     train_chars = sum(len(d) for d in train_docs)
@@ -216,6 +248,7 @@ def main():
         "heldout_docs": len(held_docs),
         "train_tokens_bin": n_train,
         "heldout_tokens_bin": n_held,
+        "unseen_tokens_bin": n_unseen,
         "train_chars_per_token": train_chars / train_toks,
         "heldout_chars_per_token": held_chars / held_toks,
         "heldout_bytes_per_token": sum(len(d.encode()) for d in held_docs) / held_toks,

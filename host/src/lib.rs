@@ -14,6 +14,7 @@ pub mod generate;
 pub mod kernels;
 pub mod load;
 pub mod model;
+pub mod perplexity;
 pub mod plugins;
 pub mod sampler;
 pub mod scaffold;
@@ -23,8 +24,8 @@ pub mod tokenizer;
 pub mod weights;
 
 /// The default model's folder under [`home`]: a small Gemma 4 trained on Python code
-/// (`models/gemma4-code-7m/README.md`).
-pub const DEFAULT_MODEL_DIR: &str = "models/gemma4-code-7m";
+/// (`models/gemma4-code-25m/README.md`).
+pub const DEFAULT_MODEL_DIR: &str = "models/gemma4-code-25m";
 
 /// The variable that names mlx-spec's home folder, overriding where the binary looks.
 pub const HOME_VAR: &str = "MLX_SPEC_HOME";

@@ -59,6 +59,23 @@ enum Command {
     /// Inspect drafter plugins, or start a new one.
     #[command(subcommand)]
     Plugins(PluginsCommand),
+    /// Perplexity of text files: nats per token, BOS first, in chunks of the model's context.
+    Perplexity(PerplexityArgs),
+}
+
+#[derive(Args)]
+struct PerplexityArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Text files to score (UTF-8), each on its own from BOS.
+    #[arg(required = true, value_name = "FILE")]
+    files: Vec<PathBuf>,
+    /// Tokens predicted per chunk (default: the model's max_position_embeddings, else 8192).
+    #[arg(long, value_name = "N")]
+    context: Option<usize>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 /// `mlx-spec draft`: prefill, the target's greedy next token, one proposal of the drafter.
@@ -1082,6 +1099,110 @@ fn run_plugins(cmd: PluginsCommand) -> Result<()> {
     }
 }
 
+/// Context used by `perplexity`: `--context`, else the model's, else 8192.
+fn perplexity_context(args: &PerplexityArgs) -> Result<usize> {
+    if let Some(n) = args.context {
+        if n == 0 {
+            bail!("--context must be at least 1");
+        }
+        return Ok(n);
+    }
+    let (_, config_path, _) = mlx_spec::load::read_config(&args.model.model)?;
+    let text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("cannot read {}", config_path.display()))?;
+    let raw: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", config_path.display()))?;
+    Ok(mlx_spec::perplexity::served_context(&raw).unwrap_or(8192))
+}
+
+fn run_perplexity(args: PerplexityArgs) -> Result<()> {
+    use mlx_spec::perplexity::{text_nll, Nll};
+    let context = perplexity_context(&args)?;
+    // Read every file first: a missing one fails before the model loads.
+    let mut texts = Vec::with_capacity(args.files.len());
+    for path in &args.files {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {} as UTF-8 text", path.display()))?;
+        texts.push(text);
+    }
+    let loaded = load_model(&args.model, &RandomArgs::none())?;
+    let tokenizer = loaded.tokenizer.as_ref().with_context(|| {
+        format!(
+            "{} has no tokenizer.json: perplexity needs one to read text",
+            args.model.model.display()
+        )
+    })?;
+    let bar = (!args.json && std::io::stderr().is_terminal()).then(|| {
+        let bar = indicatif::ProgressBar::new(texts.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("scoring {bar:30} {pos}/{len} files {elapsed}")
+                .expect("static template"),
+        );
+        bar
+    });
+    let mut total = Nll {
+        nats: 0.0,
+        tokens: 0,
+    };
+    let mut rows = Vec::with_capacity(texts.len());
+    for (path, text) in args.files.iter().zip(&texts) {
+        let what = path.display().to_string();
+        let nll = text_nll(&loaded.model, tokenizer, text, context, &what)?;
+        total.add(nll);
+        rows.push((what, nll));
+        if let Some(bar) = &bar {
+            bar.inc(1);
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let files: Vec<_> = rows
+            .iter()
+            .map(|(path, nll)| {
+                json!({
+                    "path": path,
+                    "tokens": nll.tokens,
+                    "nats": nll.nats,
+                    "nats_per_token": nll.per_token(),
+                    "perplexity": nll.perplexity(),
+                })
+            })
+            .collect();
+        let report = json!({
+            "model": args.model.model.display().to_string(),
+            "context": context,
+            "files": files,
+            "tokens": total.tokens,
+            "nats": total.nats,
+            "nats_per_token": total.per_token(),
+            "perplexity": total.perplexity(),
+        });
+        writeln!(out, "{report}")?;
+    } else {
+        for (path, nll) in &rows {
+            writeln!(
+                out,
+                "{path}: {} tokens, {:.4} nats/token, perplexity {:.3}",
+                nll.tokens,
+                nll.per_token(),
+                nll.perplexity()
+            )?;
+        }
+        writeln!(
+            out,
+            "total: {} files, {} tokens, {:.4} nats/token, perplexity {:.3} (context {context})",
+            rows.len(),
+            total.tokens,
+            total.per_token(),
+            total.perplexity()
+        )?;
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
@@ -1096,6 +1217,7 @@ fn main() -> ExitCode {
         Command::Lab(args) => bench::run_bench(args),
         Command::Draft(args) => run_draft(args),
         Command::Plugins(cmd) => run_plugins(cmd),
+        Command::Perplexity(args) => run_perplexity(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -24,9 +24,9 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The default model shipped in the repo (trained on code; models/gemma4-code-7m/README.md).
+/// The default model shipped in the repo (trained on code; models/gemma4-code-25m/README.md).
 pub fn default_model() -> PathBuf {
-    repo_root().join("models/gemma4-code-7m")
+    repo_root().join("models/gemma4-code-25m")
 }
 
 pub fn fixture(name: &str) -> PathBuf {
