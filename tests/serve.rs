@@ -363,6 +363,10 @@ fn open_stream(addr: SocketAddr, body: &Value) -> TcpStream {
 
 const PROMPT: &str = "def read_config(path):";
 
+/// A prompt whose continuation repeats it, so the ngram drafter's drafts are accepted.
+const REPEATING: &str =
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):";
+
 #[test]
 fn completions_and_chat_answer_as_openai_does_and_match_the_command_line() {
     let (_dir, config) = deployment("[drafter]\nname = \"ngram\"\n");
@@ -373,7 +377,12 @@ fn completions_and_chat_answer_as_openai_does_and_match_the_command_line() {
         (200, json!("ok"))
     );
     let models = server.get("/v1/models").json();
-    let name = default_model().file_name().unwrap().to_str().unwrap().to_owned();
+    let name = default_model()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
     assert_eq!(models["data"][0]["id"], name.as_str());
     assert_eq!(models["data"][0]["speculation"]["default"], "ngram");
 
@@ -381,7 +390,7 @@ fn completions_and_chat_answer_as_openai_does_and_match_the_command_line() {
     let cli = json_of(&mlx_spec(&[
         "generate",
         "--prompt",
-        PROMPT,
+        REPEATING,
         "--max-tokens",
         "48",
         "--json",
@@ -392,7 +401,7 @@ fn completions_and_chat_answer_as_openai_does_and_match_the_command_line() {
         .iter()
         .map(|t| t.as_u64().unwrap() as u32)
         .collect();
-    let (ids, text, v) = server.complete(&json!({"prompt": PROMPT, "max_tokens": 48}));
+    let (ids, text, v) = server.complete(&json!({"prompt": REPEATING, "max_tokens": 48}));
     assert_eq!(ids, cli_tokens);
     assert_eq!(text, cli["text"].as_str().unwrap());
     let spec = &v["speculation"];
@@ -414,7 +423,7 @@ fn completions_and_chat_answer_as_openai_does_and_match_the_command_line() {
         .collect();
     assert!(kinds.contains(&"accepted"), "{kinds:?}");
     let (off_ids, _, off) =
-        server.complete(&json!({"prompt": PROMPT, "max_tokens": 48, "speculation": "off"}));
+        server.complete(&json!({"prompt": REPEATING, "max_tokens": 48, "speculation": "off"}));
     assert_eq!(off_ids, cli_tokens);
     assert_eq!(off["speculation"]["num_drafts"], 0);
 
@@ -422,7 +431,7 @@ fn completions_and_chat_answer_as_openai_does_and_match_the_command_line() {
     // speculation; the stream ends in [DONE].
     let r = server.post(
         "/v1/completions",
-        &json!({"prompt": PROMPT, "max_tokens": 48, "stream": true}),
+        &json!({"prompt": REPEATING, "max_tokens": 48, "stream": true}),
     );
     assert_eq!(r.status, 200);
     assert!(r
@@ -487,17 +496,17 @@ fn completions_and_chat_answer_as_openai_does_and_match_the_command_line() {
 
     // A stop string ends the text before it; stop ids end generation.
     let (_, full, _) =
-        server.complete(&json!({"prompt": PROMPT, "max_tokens": 48, "speculation": "off"}));
+        server.complete(&json!({"prompt": REPEATING, "max_tokens": 48, "speculation": "off"}));
     let mid = full.char_indices().nth(full.chars().count() / 2).unwrap().0;
     let stop: String = full[mid..].chars().take(5).collect();
     let cut = full.find(&stop).unwrap();
     let (_, stopped, v) =
-        server.complete(&json!({"prompt": PROMPT, "max_tokens": 48, "stop": [stop]}));
+        server.complete(&json!({"prompt": REPEATING, "max_tokens": 48, "stop": [stop]}));
     assert_eq!(stopped, full[..cut]);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     let first = cli_tokens.iter().position(|&t| t == cli_tokens[5]).unwrap();
     let (_, _, v) =
-        server.complete(&json!({"prompt": PROMPT, "max_tokens": 48, "stop": [cli_tokens[5]]}));
+        server.complete(&json!({"prompt": REPEATING, "max_tokens": 48, "stop": [cli_tokens[5]]}));
     assert_eq!(v["usage"]["completion_tokens"], first);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
 
@@ -567,7 +576,7 @@ fn sixteen_concurrent_clients_each_get_what_they_get_alone() {
             };
             let mut b = json!({
                 "prompt": prompts[i % prompts.len()],
-                "max_tokens": 24 + 8 * (i % 5),
+                "max_tokens": 16 + 4 * (i % 5),
                 "speculation": speculation,
                 "ignore_eos": i % 2 == 0,
                 "stream": i % 3 == 0,
@@ -910,7 +919,7 @@ fn open_stream_queued(addr: SocketAddr, body: &Value) -> TcpStream {
 fn two_hundred_requests_with_random_disconnects_leave_memory_flat() {
     let (_dir, config) = deployment("[drafter]\nname = \"ngram\"\n[server]\nmax_active = 4\n");
     let server = Server::start(&config, &[], &[]);
-    let body = |i: u64| json!({"prompt": PROMPT, "max_tokens": 12 + i % 20, "ignore_eos": true, "stream": true, "temperature": 0.7, "seed": i});
+    let body = |i: u64| json!({"prompt": PROMPT, "max_tokens": 6 + i % 10, "ignore_eos": true, "stream": true, "temperature": 0.7, "seed": i});
     // A small deterministic generator picks which clients leave, and when.
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
     let mut next = move || {
