@@ -4,7 +4,8 @@
 //! ([`model::gemma4`]), checkpoint loading ([`weights`]), the tokenizer and chat format
 //! ([`tokenizer`]), the sampler ([`sampler`]), device selection ([`device`]), plain
 //! generation ([`generate`]), drafter plugins ([`plugins`]), the verify loop ([`speculative`]) and
-//! mlx-spec's own CUDA kernels for the decode step ([`kernels`]).
+//! mlx-spec's own CUDA kernels for the decode step ([`kernels`]), and the OpenAI-compatible
+//! server ([`server`]).
 
 pub mod deploy;
 pub mod device;
@@ -17,6 +18,7 @@ pub mod perplexity;
 pub mod plugins;
 pub mod sampler;
 pub mod scaffold;
+pub mod server;
 pub mod speculative;
 pub mod tokenizer;
 pub mod weights;

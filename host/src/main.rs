@@ -17,6 +17,8 @@ use mlx_spec::model::gemma4::config::QuantSpec;
 use mlx_spec::model::gemma4::DtypeChoice;
 use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
 use mlx_spec::sampler::{DrawPlace, SamplingParams};
+use mlx_spec::server::engine::{DrafterSpec, EngineConfig};
+use mlx_spec::server::{Defaults, Limits, ServeOptions};
 use mlx_spec::speculative::target_port::target_spec;
 use mlx_spec::speculative::{generate_speculative, SpecOptions};
 use mlx_spec::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
@@ -45,6 +47,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Generate as a deploy config (TOML) says: model, device, plugins, drafter, sampling.
     Run(RunArgs),
+    /// Serve the OpenAI HTTP API (completions, chat, streaming) as a deploy config says.
+    Serve(ServeArgs),
     /// Measure prefill and decode speed (tokens/s), plain or speculative side by side.
     Bench(UserBenchArgs),
     /// Developer measurements and checks of the fast path (bench/gpu/README.md).
@@ -167,6 +171,28 @@ struct RunArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// The deploy config: model, plugins, drafters, sampling defaults, [server] (optional).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Address to listen on (default: the file's, else 127.0.0.1).
+    #[arg(long)]
+    host: Option<String>,
+    /// Port (default: the file's, else 8000; 0 picks a free one).
+    #[arg(long)]
+    port: Option<u16>,
+    /// Model folder (overrides the file's).
+    #[arg(long, value_name = "PATH")]
+    model: Option<PathBuf>,
+    /// Directory of drafter plugins (repeatable; overrides the file's).
+    #[arg(long = "plugins-dir", value_name = "DIR")]
+    plugins_dirs: Vec<PathBuf>,
+    /// Default drafter of requests: a drafter of the file, a plugin's name, or `off`.
+    #[arg(long)]
+    drafter: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -829,6 +855,156 @@ fn run_deploy(args: RunArgs) -> Result<()> {
     })
 }
 
+fn dtype_of(text: &str) -> DtypeArg {
+    match text {
+        "f32" => DtypeArg::F32,
+        "bf16" => DtypeArg::Bf16,
+        "f16" => DtypeArg::F16,
+        _ => DtypeArg::Auto,
+    }
+}
+
+fn draw_place(d: DrawnOn) -> DrawPlace {
+    match d {
+        DrawnOn::Auto => DrawPlace::Auto,
+        DrawnOn::Device => DrawPlace::Device,
+        DrawnOn::Host => DrawPlace::Host,
+    }
+}
+
+/// The server's settings: the deploy file (if any), then the flags over it.
+fn serve_options(args: ServeArgs) -> Result<ServeOptions> {
+    let cfg = match &args.config {
+        Some(path) => DeployConfig::load(path)?,
+        None => DeployConfig::default(),
+    };
+    let sv = &cfg.server;
+    let model_path = args
+        .model
+        .clone()
+        .or_else(|| cfg.model.path.clone())
+        .unwrap_or_else(mlx_spec::default_model_path);
+    let plugins_dirs = if !args.plugins_dirs.is_empty() {
+        args.plugins_dirs.clone()
+    } else if !cfg.plugins.dirs.is_empty() {
+        cfg.plugins.dirs.clone()
+    } else {
+        vec![mlx_spec::default_plugins_dir()]
+    };
+    let mut drafters = Vec::new();
+    if let Some(d) = &cfg.drafter {
+        drafters.push(DrafterSpec {
+            name: d.name.clone(),
+            plugin: d.name.clone(),
+            num_draft_tokens: d.num_draft_tokens,
+            overrides: d.config.clone(),
+            auto_off: d.auto_off,
+            fitted_draft_length: d.fitted_draft_length,
+            origin: cfg.locate("drafter", None),
+        });
+    }
+    for (name, d) in &cfg.drafters {
+        drafters.push(DrafterSpec {
+            name: name.clone(),
+            plugin: d.plugin.clone().unwrap_or_else(|| name.clone()),
+            num_draft_tokens: d.num_draft_tokens,
+            overrides: d.config.clone(),
+            auto_off: d.auto_off,
+            fitted_draft_length: d.fitted_draft_length,
+            origin: cfg.locate(&format!("drafters.{name}"), None),
+        });
+    }
+    let default_drafter = match (&args.drafter, &sv.default_drafter) {
+        (Some(name), _) if name == "off" => None,
+        (Some(name), _) => {
+            if !drafters.iter().any(|d| &d.name == name) {
+                // A plugin by its name, with its manifest's defaults.
+                drafters.push(DrafterSpec {
+                    name: name.clone(),
+                    plugin: name.clone(),
+                    num_draft_tokens: None,
+                    overrides: toml::Table::new(),
+                    auto_off: true,
+                    fitted_draft_length: true,
+                    origin: "--drafter".to_owned(),
+                });
+            }
+            Some(name.clone())
+        }
+        (None, Some(name)) if name == "off" => None,
+        (None, Some(name)) => Some(name.clone()),
+        (None, None) => cfg.drafter.as_ref().map(|d| d.name.clone()),
+    };
+    let host = args.host.clone().unwrap_or_else(|| sv.host.clone());
+    let ip: std::net::IpAddr = host.parse().with_context(|| {
+        format!("--host {host:?} is not an IP address (127.0.0.1, 0.0.0.0, ::1, ...)")
+    })?;
+    let api_key = match (&sv.api_key, &sv.api_key_env) {
+        (Some(key), _) => Some(key.clone()),
+        (None, Some(var)) => match std::env::var(var) {
+            Ok(key) if !key.is_empty() => Some(key),
+            _ => bail!(
+                "{}: the environment variable {var} holding the API key is not set",
+                cfg.locate("server", Some("api_key_env"))
+            ),
+        },
+        (None, None) => None,
+    };
+    let model_name = sv.model_name.clone().unwrap_or_else(|| {
+        model_path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".to_owned())
+    });
+    let s = &cfg.sampling;
+    let defaults = Defaults {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        min_p: s.min_p,
+        max_tokens: s.max_tokens.max(1),
+        draw: draw_place(s.drawn_on),
+    };
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        seed: 0,
+        draw: DrawPlace::Auto,
+    }
+    .validate()
+    .with_context(|| format!("{}: [sampling]", cfg.locate("sampling", None)))?;
+    let model_args = ModelArgs {
+        model: model_path,
+        device: cfg.model.device,
+        dtype: dtype_of(&cfg.model.dtype),
+        fused_kernels: FusedKernelsArg::Default,
+        handoff_layers: cfg.model.handoff_layers,
+    };
+    Ok(ServeOptions {
+        engine: EngineConfig {
+            load: model_args.load_options(&RandomArgs::none())?,
+            plugins_dirs,
+            drafters,
+            max_active: sv.max_active,
+        },
+        addr: std::net::SocketAddr::new(ip, args.port.unwrap_or(sv.port)),
+        api_key,
+        model_name,
+        default_drafter,
+        defaults,
+        limits: Limits {
+            max_active: sv.max_active,
+            queue_length: sv.queue_length,
+            max_prompt_tokens: sv.max_prompt_tokens,
+            max_new_tokens: sv.max_new_tokens,
+            max_body_bytes: sv.max_body_bytes,
+            request_timeout: std::time::Duration::from_secs_f64(sv.request_timeout_s),
+        },
+    })
+}
+
 fn run_draft(args: DraftArgs) -> Result<()> {
     if args.num_draft_tokens == 0 || args.num_draft_tokens > 64 {
         bail!(
@@ -1033,6 +1209,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Run(args) => run_deploy(args),
+        Command::Serve(args) => serve_options(args).and_then(mlx_spec::server::serve),
         Command::Bench(common) => bench::run_bench(BenchArgs {
             common,
             lab: LabArgs::default(),

@@ -10,7 +10,7 @@ use serde_json::Value;
 pub const BOS_ID: u32 = 2;
 
 /// One chat message.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatMessage {
     /// `system`, `user` or `model` (`assistant` is accepted and written as `model`).
     pub role: String,
