@@ -482,3 +482,26 @@ fn trained_default_model_matches_transformers_on_held_out_code() {
     let got = greedy(&model, &ids, want.len());
     assert_eq!(got, want, "greedy continuation differs from transformers");
 }
+
+/// The CPU loads small quantized checkpoints dense (`mlx_spec::load`): the same weights,
+/// `scales * q + biases`, so the same function as the quantized products, up to the order of
+/// summation.
+#[test]
+fn a_quantized_checkpoint_loaded_dense_computes_the_same_logits() {
+    let dir = fixture("tiny-ple-q4");
+    let f32 = DtypeChoice::Fixed(Dtype::Float32);
+    let quantized = Gemma4Model::load(&dir, f32, None).unwrap();
+    let dense = Gemma4Model::load_dequantized(&dir, f32, None).unwrap();
+    let ids = Golden::load("tiny-ple-q4").ids("prompt_ids");
+    let logits = |m: &Gemma4Model| {
+        let out = m
+            .forward(&ids, &mut m.new_cache(), LogitsFor::All, false)
+            .unwrap()
+            .logits;
+        out.eval().unwrap();
+        out.as_slice::<f32>().to_vec()
+    };
+    let (a, b) = (logits(&quantized), logits(&dense));
+    let diff = max_abs_diff(&a, &b);
+    assert!(diff < 1e-4, "dense and quantized logits differ by {diff}");
+}

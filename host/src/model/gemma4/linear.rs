@@ -98,6 +98,9 @@ pub struct Loader<'a> {
     pub prefix: String,
     pub dtype: Dtype,
     pub quant: &'a QuantConfig,
+    /// Quantized matrices become dense ones in `dtype` as they load (see
+    /// [`super::Gemma4Model::load_dequantized`]).
+    pub dequantize: bool,
 }
 
 impl Loader<'_> {
@@ -181,6 +184,12 @@ impl Loader<'_> {
         let biases = self
             .tensor(&format!("{module}.biases"), &group_shape)
             .with_context(|| format!("{full_module}: affine quantization needs `.biases`"))?;
+        if self.dequantize {
+            // One dense copy, made once: the products then run as dense ones.
+            let weight =
+                dequantize(&packed, &scales, &biases, group_size, bits)?.as_dtype(self.dtype)?;
+            return Linear::dense(weight);
+        }
         Ok(Linear::Quantized(Quantized {
             packed,
             scales,

@@ -176,6 +176,27 @@ impl Gemma4Model {
         dtype: DtypeChoice,
         progress: Option<indicatif::ProgressBar>,
     ) -> Result<Self> {
+        Self::load_from(dir, dtype, progress, false)
+    }
+
+    /// [`Gemma4Model::load`], every quantized matrix dequantized once into a dense one of the
+    /// compute dtype: the same weights (`scales * q + biases`), for a device whose quantized
+    /// products are much slower than its dense ones (MLX's CPU), at the cost of the dense
+    /// copy's memory.
+    pub fn load_dequantized(
+        dir: &Path,
+        dtype: DtypeChoice,
+        progress: Option<indicatif::ProgressBar>,
+    ) -> Result<Self> {
+        Self::load_from(dir, dtype, progress, true)
+    }
+
+    fn load_from(
+        dir: &Path,
+        dtype: DtypeChoice,
+        progress: Option<indicatif::ProgressBar>,
+        dequantize: bool,
+    ) -> Result<Self> {
         if !dir.is_dir() {
             bail!("model folder {} does not exist", dir.display());
         }
@@ -185,10 +206,9 @@ impl Gemma4Model {
             bar.set_length(store.total_bytes());
             store.set_progress(bar);
         }
-        Self::from_store(config, &store, dtype)
+        Self::build(config, &store, dtype, dequantize)
     }
 
-    /// A model of `config`'s shapes with seeded random weights (see [`random_weights`]).
     pub fn random(
         mut config: Gemma4Config,
         seed: u64,
@@ -204,6 +224,17 @@ impl Gemma4Model {
         config: Gemma4Config,
         store: &dyn TensorSource,
         dtype: DtypeChoice,
+    ) -> Result<Self> {
+        Self::build(config, store, dtype, false)
+    }
+
+    /// [`Gemma4Model::from_store`], quantized matrices turned dense (in the compute dtype)
+    /// when `dequantize`.
+    fn build(
+        config: Gemma4Config,
+        store: &dyn TensorSource,
+        dtype: DtypeChoice,
+        dequantize: bool,
     ) -> Result<Self> {
         let prefix = detect_prefix(store)?;
         let embed_name = format!("{prefix}embed_tokens");
@@ -229,6 +260,7 @@ impl Gemma4Model {
             prefix: prefix.to_owned(),
             dtype,
             quant: &config.quantization,
+            dequantize,
         };
         let c = &config;
         let h = c.hidden_size;
@@ -263,6 +295,7 @@ impl Gemma4Model {
                 prefix: outer,
                 dtype,
                 quant: &config.quantization,
+                dequantize,
             };
             Some(hw.linear("lm_head", c.vocab_size, h)?)
         };
