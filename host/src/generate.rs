@@ -209,17 +209,22 @@ pub fn prefill_capturing(
         last = Some(out.logits);
     }
     let logits = last.ok_or_else(|| anyhow::anyhow!("empty prompt"))?;
-    let hidden = parts
-        .iter()
-        .map(|p| {
+    Ok((logits, join_rows(parts)?))
+}
+
+/// Per tap point, the hidden states of consecutive forwards joined along the positions (one
+/// forward's are taken as they are).
+pub fn join_rows(parts: Vec<Vec<Array>>) -> Result<Vec<Array>> {
+    parts
+        .into_iter()
+        .map(|mut p| {
             Ok(if p.len() == 1 {
-                p[0].clone()
+                p.pop().expect("one part")
             } else {
-                concatenate(p, 0)?
+                concatenate(&p, 0)?
             })
         })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((logits, hidden))
+        .collect()
 }
 
 /// Generates up to `max_tokens` tokens, calling `on_token` with each as soon as it is known.

@@ -218,7 +218,8 @@ fn into_result<T>(r: RResult<T, RString>) -> Result<T, String> {
     }
 }
 
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+/// The text of a caught panic's payload (its message, when it has one).
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())

@@ -25,13 +25,12 @@ pub mod target_port;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 use mlx_spec_plugin_api::abi::{DraftProviderBox, SamplingInfo};
 use serde::Serialize;
 
 use crate::generate::{
-    pick_token, prefill_capturing, queue_step_capturing, GenerateRequest, GenerateStats,
+    join_rows, pick_token, prefill_capturing, queue_step_capturing, GenerateRequest, GenerateStats,
 };
 use crate::model::gemma4::cache::DEFAULT_ROLLBACK_RESERVE;
 use crate::model::gemma4::{Capture, Gemma4Model, LogitsFor, ModelCache};
@@ -770,16 +769,7 @@ fn verify_in_parts(
             break;
         }
     }
-    verified.hidden = hidden_parts
-        .into_iter()
-        .map(|parts| {
-            Ok(if parts.len() == 1 {
-                parts.into_iter().next().expect("one part")
-            } else {
-                concatenate(&parts, 0)?
-            })
-        })
-        .collect::<Result<_>>()?;
+    verified.hidden = join_rows(hidden_parts)?;
     Ok(verified)
 }
 

@@ -9,6 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RString};
 use mlx_rs::Dtype;
 use mlx_spec_plugin_api::abi::{DonorKv, TargetInfo, TargetPort};
+use mlx_spec_plugin_api::sdk::panic_text;
 use mlx_spec_plugin_api::target_spec::{
     AttentionSpec, DonorLayers, LayerKind, RopeSpec, TargetSpec,
 };
@@ -31,11 +32,7 @@ fn guarded<T>(what: &str, body: impl FnOnce() -> anyhow::Result<T>) -> RResult<T
         Ok(Ok(v)) => ROk(v),
         Ok(Err(e)) => RErr(RString::from(format!("{what}: {e:#}"))),
         Err(payload) => {
-            let text = payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic without text".to_owned());
+            let text = panic_text(&*payload);
             RErr(RString::from(format!("{what}: the host failed ({text})")))
         }
     }
