@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# Train the model ON the GPU machine (no network) from the packed payload.
+# Train ON the GPU machine (no network) from the packed payload.
 #
 #   bash train/gpu_run.sh [MINUTES] [extra train_model.py arguments...]
+#   TASK=assistant bash train/gpu_run.sh [MINUTES] [extra train_assistant.py arguments...]
 #
 # MINUTES (default 6) is the wall-clock budget of the training loop; final evaluation,
 # saving and the golden add about half a minute on top.
+# TASK=assistant trains the assistant drafter for the target in $TARGET (default
+# models/gemma4-code-25m of the checkout this script sits in) instead of the model, into
+# train/out/$NAME/ (NAME defaults to "assistant"), or with $OUT set into one file
+# $OUT/$NAME.tar.gz (model.safetensors, config.json, generation_config.json, metrics.json,
+# train_log.csv, train_stdout.log), so that several shapes can train side by side on one GPU:
+#   TASK=assistant NAME=a4 bash gpu_run.sh 6 --layers 4 & TASK=assistant NAME=a2 bash gpu_run.sh 6 --layers 2 & wait
 # The payload is looked for, in order: $PARTS, a folder holding the parts written by
 # pack_for_gpu.sh (gpu-payload.tar.NN + PARTS.sha256; they are joined and unpacked into a
 # scratch folder); $PAYLOAD; the folder of this script when it holds wheels/ and data/
@@ -90,6 +97,54 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import transformers, numpy; from transformers import Gemma4ForCausalLM; \
 print('== transformers', transformers.__version__, 'from', transformers.__file__.rsplit('/', 2)[0], '| numpy', numpy.__version__)"
 
+# ---------------------------------------------------------------- assistant drafter
+SCRIPTS="$HERE"
+[ -f "$PAYLOAD/train_model.py" ] && SCRIPTS="$PAYLOAD"
+if [ "${TASK:-model}" = "assistant" ]; then
+  TARGET="${TARGET:-$HERE/../models/gemma4-code-25m}"
+  NAME="${NAME:-assistant}"
+  if [ -n "${OUT:-}" ]; then RUN="$WORK/$NAME"; else RUN="$HERE/out/$NAME"; fi
+  rm -rf "$RUN"
+  mkdir -p "$RUN"
+  # The checkout's scripts: train_assistant.py imports eval_heldout.py beside it.
+  # A failure after training (evaluation, the transformers check) must not lose the saved
+  # weights: export whatever is there, then fail.
+  status=0
+  "$PY" "$HERE/train_assistant.py" --target "$TARGET" --train-bin "$PAYLOAD/data/train.bin" \
+    --heldout-bin "$PAYLOAD/data/heldout.bin" --out "$RUN" --max-minutes "$MINUTES" "$@" \
+    2>&1 | tee "$RUN/train_stdout.log" || status=$?
+  if [ -d "$RUN/model" ]; then mv "$RUN"/model/* "$RUN"/ && rmdir "$RUN/model"; fi
+  if [ "$status" -ne 0 ]; then
+    [ -n "${OUT:-}" ] && tar -C "$RUN" -czf "$OUT/$NAME.tar.gz" .
+    echo "== train_assistant.py failed ($status); what it left is in ${OUT:-$RUN}" >&2
+    exit "$status"
+  fi
+  "$PY" - "$RUN/metrics.json" "$NAME" <<'EOF'
+import json, sys
+m = json.load(open(sys.argv[1]))
+a = m["args"]
+rows = [
+    ("run", sys.argv[2]),
+    ("parameters", f"{m['params']:,}"),
+    ("shape", f"{a['layers']} layers, hidden {a['hidden']}, ffn {a['ffn']}, {a['steps']} steps"),
+    ("train steps", f"{m['train_steps']:,} in {m['train_seconds'] / 60:.2f} min"),
+] + [(f"est. acceptance at {k + 1}", f"{v:.3f}") for k, v in enumerate(m["heldout"]["mean_acceptance_length_at_k"])]
+w = max(len(k) for k, _ in rows)
+print("=" * 50)
+for k, v in rows:
+    print(f"{k:<{w}}  {v}")
+print("=" * 50)
+EOF
+  if [ -n "${OUT:-}" ]; then
+    tar -C "$RUN" -czf "$OUT/$NAME.tar.gz" .
+    echo "== result: $OUT/$NAME.tar.gz (untar it into plugins/assistant/checkpoint or a folder of your own)"
+  else
+    echo "== result: $RUN"
+  fi
+  rm -rf "$WORK" "${UNPACK:-}"
+  exit 0
+fi
+
 # ---------------------------------------------------------------- train
 if [ -n "${OUT:-}" ]; then
   RUN="$WORK/run"
@@ -98,8 +153,6 @@ else
 fi
 rm -rf "$RUN"
 mkdir -p "$RUN"
-SCRIPTS="$HERE"
-[ -f "$PAYLOAD/train_model.py" ] && SCRIPTS="$PAYLOAD"
 "$PY" "$SCRIPTS/train_model.py" --device cuda --data "$PAYLOAD/data" --tokenizer "$PAYLOAD/data/tokenizer" \
   --out "$RUN" --max-minutes "$MINUTES" "$@" 2>&1 | tee "$RUN/train_stdout.log"
 

@@ -39,10 +39,14 @@ import math
 import time
 from pathlib import Path
 
+import sys
+
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -120,14 +124,14 @@ class Layer(nn.Module):
 class Assistant(nn.Module):
     """The assistant drafter's forward over many anchors at once."""
 
-    def __init__(self, target_cfg, d, heads, ffn):
+    def __init__(self, target_cfg, d, heads, ffn, num_layers=4):
         super().__init__()
         t = target_cfg
         self.backbone = t["hidden_size"]
         self.vocab = t["vocab_size"]
         self.eps = float(t.get("rms_norm_eps", 1e-6))
         self.window = int(t["sliding_window"])
-        self.kinds = [SLIDING, SLIDING, SLIDING, FULL]
+        self.kinds = layer_kinds(num_layers)
         self.head_dims = {SLIDING: t["head_dim"], FULL: t.get("global_head_dim") or t["head_dim"]}
         self.embed_tokens = nn.Embedding(self.vocab, d)
         self.pre_projection = nn.Linear(2 * self.backbone, d, bias=False)
@@ -151,7 +155,10 @@ class Assistant(nn.Module):
 
     def step(self, token_embedding, hidden, donors, masks, positions):
         """One draft step for every anchor: (logits [B, L, V], projected hidden [B, L, H_b])."""
-        a = self.pre_projection(torch.cat([token_embedding, hidden], -1))
+        # The target's tensors come in its dtype (bf16 on the GPU); outside autocast (the
+        # held-out evaluation) they must meet the drafter's float32 weights.
+        joined = torch.cat([token_embedding, hidden], -1).to(self.pre_projection.weight.dtype)
+        a = self.pre_projection(joined)
         for layer, kind in zip(self.layers, self.kinds):
             a = layer(a, donors[kind], masks[kind], positions, self.inv_freq[kind], self.eps)
         z = rms(a, self.norm, self.eps)
@@ -182,15 +189,21 @@ class Assistant(nn.Module):
         return {k: v.detach() for k, v in out.items()}
 
 
-def assistant_config(target_cfg, d, heads, ffn):
+def layer_kinds(num_layers):
+    """Sliding layers, then one full layer last, as the released drafters stack them (four
+    layers there; fewer here make each draft step cheaper for a small target)."""
+    return [SLIDING] * (num_layers - 1) + [FULL]
+
+
+def assistant_config(target_cfg, d, heads, ffn, num_layers=4):
     """config.json in the released flat form."""
     t = target_cfg
     text = {
         "model_type": "gemma4_text",
         "hidden_size": d,
         "intermediate_size": ffn,
-        "num_hidden_layers": 4,
-        "layer_types": [SLIDING, SLIDING, SLIDING, FULL],
+        "num_hidden_layers": num_layers,
+        "layer_types": layer_kinds(num_layers),
         "num_attention_heads": heads,
         "num_key_value_heads": t["num_key_value_heads"],
         "num_global_key_value_heads": t.get("num_global_key_value_heads") or t["num_key_value_heads"],
@@ -202,7 +215,7 @@ def assistant_config(target_cfg, d, heads, ffn):
         "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
         "hidden_activation": "gelu_pytorch_tanh",
         "vocab_size": t["vocab_size"],
-        "num_kv_shared_layers": 4,
+        "num_kv_shared_layers": num_layers,
         "hidden_size_per_layer_input": 0,
         "vocab_size_per_layer_input": 0,
         "enable_moe_block": False,
@@ -227,12 +240,19 @@ def assistant_config(target_cfg, d, heads, ffn):
 
 
 def load_target(path, device, dtype):
+    """The target as mlx-spec runs it: a quantized folder (mlx-community affine layout) is
+    dequantized first, so the drafter learns the distributions it will be verified against."""
     from transformers import Gemma4ForCausalLM
 
-    model = Gemma4ForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if cfg.get("quantization"):
+        from eval_heldout import load_model
+
+        model = load_model(path).to(device=device, dtype=dtype).eval()
+    else:
+        model = Gemma4ForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    cfg = json.loads((Path(path) / "config.json").read_text())
     return model, cfg.get("text_config", cfg)
 
 
@@ -287,7 +307,7 @@ def train(args):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     target, tcfg = load_target(args.target, device, dtype)
     torch.manual_seed(args.seed)
-    assistant = Assistant(tcfg, args.hidden, args.heads, args.ffn).to(device)
+    assistant = Assistant(tcfg, args.hidden, args.heads, args.ffn, args.layers).to(device)
     params = sum(p.numel() for p in assistant.parameters())
     print(f"assistant: {params / 1e6:.2f} M parameters on {device}", flush=True)
     decay = [p for n, p in assistant.named_parameters() if p.ndim == 2]
@@ -386,7 +406,7 @@ def save(assistant, tcfg, args, out):
     model_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.to(torch.bfloat16).contiguous().cpu() for k, v in assistant.hf_state_dict().items()}
     save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = assistant_config(tcfg, args.hidden, args.heads, args.ffn)
+    cfg = assistant_config(tcfg, args.hidden, args.heads, args.ffn, args.layers)
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {"num_assistant_tokens": args.steps, "num_assistant_tokens_schedule": "constant"}
     (model_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -436,6 +456,27 @@ def verify(model_dir, target_path, assistant, data, args):
     return {"hf_drafts": hf_tokens, "max_logit_diff": worst}
 
 
+def verify_saved(model_dir, args):
+    """--verify-only: rebuilds this module from a saved checkpoint and runs `verify` on it."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg["text_config"]
+    _, tcfg = load_target(args.target, "cpu", torch.float32)
+    assistant = Assistant(tcfg, text["hidden_size"], text["num_attention_heads"],
+                          text["intermediate_size"], text["num_hidden_layers"])
+    saved = load_file(str(model_dir / "model.safetensors"))
+    names = assistant.hf_state_dict()
+    assert set(saved) == set(names), f"tensor names differ: {set(saved) ^ set(names)}"
+    with torch.no_grad():
+        for hf_name, tensor in names.items():
+            # hf_state_dict returns detached views sharing the parameters' storage.
+            tensor.copy_(saved[hf_name].float())
+    heldout = np.fromfile(args.heldout_bin, dtype=np.uint16)
+    result = verify(model_dir, args.target, assistant, heldout, args)
+    print(json.dumps(result))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="target checkpoint folder (config.json + safetensors)")
@@ -444,6 +485,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--hidden", type=int, default=256, help="drafter width d")
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4, help="drafter layers (the last one full attention)")
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=6, help="chained draft steps trained (K)")
     ap.add_argument("--step-decay", type=float, default=0.8)
@@ -458,9 +500,18 @@ def main():
     ap.add_argument("--verify-prompt", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="train on the CPU (a smoke test)")
+    ap.add_argument("--verify-only", metavar="MODEL_DIR",
+                    help="skip training: check that transformers loads MODEL_DIR (a saved drafter) "
+                    "and drafts what this module drafts with its weights")
     args = ap.parse_args()
 
+    if args.verify_only:
+        verify_saved(Path(args.verify_only), args)
+        return
+
     target, tcfg, assistant, steps, seconds = train(args)
+    # Saved first, so that a failure below never loses the training run.
+    model_dir = save(assistant, tcfg, args, args.out)
     device = next(assistant.parameters()).device
     heldout = np.fromfile(args.heldout_bin, dtype=np.uint16)
     metrics = {
@@ -471,7 +522,6 @@ def main():
         "heldout": evaluate(target, assistant.eval(), heldout, args, device),
     }
     print(json.dumps(metrics["heldout"]), flush=True)
-    model_dir = save(assistant, tcfg, args, args.out)
     metrics["verify"] = verify(model_dir, args.target, assistant, heldout, args)
     (Path(args.out) / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
 

@@ -24,7 +24,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use mlx_spec_plugin_api::mlx_rs::ops::indexing::IndexOp;
-use mlx_spec_plugin_api::mlx_rs::Array;
+use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
 use mlx_spec_plugin_api::target_spec::{AttentionSpec, RopeSpec};
 use mlx_spec_plugin_api::{
     Drafter, DrafterSession, Proposal, SamplingInfo, Taps, Target, TargetInfo, TargetSpec,
@@ -35,7 +35,7 @@ use crate::config::{AssistantConfig, Kind, RopeKind};
 use crate::linear::mlx_err;
 use crate::model::{AssistantModel, Choice, Round};
 use crate::rope::QueryAngles;
-use crate::settings::{QueryPosition, Settings, SlidingKeys};
+use crate::settings::{ComputeDtype, QueryPosition, Settings, SlidingKeys};
 
 /// The loaded drafter. MLX arrays may move between threads but not be shared, so sessions
 /// reach the weights through a lock (held for one `draft` call).
@@ -47,7 +47,7 @@ pub struct AssistantDrafter {
 
 impl AssistantDrafter {
     pub fn new(settings: Settings) -> Result<Self, String> {
-        let model = AssistantModel::load(&settings.checkpoint, settings.dtype)?;
+        let model = AssistantModel::load(&settings.checkpoint, settings.dtype.fixed())?;
         let bytes = model.nbytes() as u64;
         Ok(AssistantDrafter {
             model: Arc::new(Mutex::new(model)),
@@ -86,11 +86,18 @@ impl Drafter for AssistantDrafter {
         sampling: &SamplingInfo,
     ) -> Result<AssistantSession, String> {
         let spec = target.spec()?;
-        let model = self
+        let mut model = self
             .model
             .lock()
             .map_err(|_| "the assistant drafter's weights are poisoned by an earlier panic")?;
         let donors = check_pairing(&model.config, &spec)?;
+        if self.settings.dtype == ComputeDtype::Target {
+            let wanted = activation_dtype(&spec.dtype)?;
+            if model.dtype != wanted {
+                // Loaded before the target was known: load again in the target's dtype.
+                *model = AssistantModel::load(&self.settings.checkpoint, Some(wanted))?;
+            }
+        }
         Ok(AssistantSession {
             model: Arc::clone(&self.model),
             position: self.settings.position,
@@ -102,6 +109,18 @@ impl Drafter for AssistantDrafter {
             sampling: (self.settings.sample_drafts && sampling.temperature > 0.0)
                 .then_some((sampling.temperature, sampling.seed)),
         })
+    }
+}
+
+/// The MLX dtype of a `TargetSpec::dtype` name.
+fn activation_dtype(name: &str) -> Result<Dtype, String> {
+    match name {
+        "float32" => Ok(Dtype::Float32),
+        "bfloat16" => Ok(Dtype::Bfloat16),
+        "float16" => Ok(Dtype::Float16),
+        other => Err(format!(
+            "the target describes its activation dtype as {other:?}; the assistant drafter knows float32, bfloat16 and float16"
+        )),
     }
 }
 

@@ -5,7 +5,7 @@
 //! | `checkpoint` | assistant checkpoint folder, relative to the plugin's folder | `checkpoint` |
 //! | `position` | query position of a round: `anchor` (P, the anchor token's index, as transformers and mlx-vlm) or `previous` (P − 1, as vLLM) | `anchor` |
 //! | `sliding_keys` | sliding layers see the last `window+1` positions before P (transformers) or the last `window` (a W-entry ring, vLLM) | `window+1` |
-//! | `dtype` | compute dtype: `auto` (the checkpoint's), `float32`, `bfloat16`, `float16` | `auto` |
+//! | `dtype` | compute dtype: `auto` (the target's activation dtype), `checkpoint` (the checkpoint's float dtype), `float32`, `bfloat16`, `float16` | `auto` |
 //! | `sample_drafts` | at temperature > 0, draw drafts from `softmax(logits / T)` and hand the host those distributions (rejection sampling) instead of greedy drafts verified by token match | `false` |
 //!
 //! The implementations disagree on `position` and `sliding_keys` and Google's training code
@@ -32,13 +32,34 @@ pub enum SlidingKeys {
     Window,
 }
 
+/// The dtype the drafter computes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComputeDtype {
+    /// The target's activation dtype, known at `open` (float32 for a target dequantized on
+    /// the CPU, bfloat16 on a GPU): the drafter's inputs come in it, and a bf16 checkpoint
+    /// runs slowly on a CPU.
+    Target,
+    /// The checkpoint's own float dtype.
+    Checkpoint,
+    Fixed(Dtype),
+}
+
+impl ComputeDtype {
+    /// The dtype to load the weights in before the target is known (`None`: as stored).
+    pub fn fixed(self) -> Option<Dtype> {
+        match self {
+            ComputeDtype::Fixed(dtype) => Some(dtype),
+            ComputeDtype::Target | ComputeDtype::Checkpoint => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub checkpoint: PathBuf,
     pub position: QueryPosition,
     pub sliding_keys: SlidingKeys,
-    /// `None`: the checkpoint's own float dtype.
-    pub dtype: Option<Dtype>,
+    pub dtype: ComputeDtype,
     pub sample_drafts: bool,
 }
 
@@ -82,13 +103,14 @@ impl Settings {
             }
         };
         let dtype = match raw.dtype.as_deref().unwrap_or("auto") {
-            "auto" => None,
-            "float32" => Some(Dtype::Float32),
-            "bfloat16" => Some(Dtype::Bfloat16),
-            "float16" => Some(Dtype::Float16),
+            "auto" => ComputeDtype::Target,
+            "checkpoint" => ComputeDtype::Checkpoint,
+            "float32" => ComputeDtype::Fixed(Dtype::Float32),
+            "bfloat16" => ComputeDtype::Fixed(Dtype::Bfloat16),
+            "float16" => ComputeDtype::Fixed(Dtype::Float16),
             other => {
                 return Err(format!(
-                    "assistant drafter: `dtype` must be auto, float32, bfloat16 or float16, got {other:?}"
+                    "assistant drafter: `dtype` must be auto, checkpoint, float32, bfloat16 or float16, got {other:?}"
                 ))
             }
         };
@@ -113,7 +135,7 @@ mod tests {
         assert_eq!(s.checkpoint, Path::new("/plugins/assistant/checkpoint"));
         assert_eq!(s.position, QueryPosition::Anchor);
         assert_eq!(s.sliding_keys, SlidingKeys::WindowPlusOne);
-        assert_eq!(s.dtype, None);
+        assert_eq!(s.dtype, ComputeDtype::Target);
         let s = Settings::parse(
             &json!({"checkpoint": "/x/y", "position": "previous", "sliding_keys": "window", "dtype": "bfloat16"}),
             Path::new("/p"),
@@ -122,7 +144,9 @@ mod tests {
         assert_eq!(s.checkpoint, Path::new("/x/y"));
         assert_eq!(s.position, QueryPosition::Previous);
         assert_eq!(s.sliding_keys, SlidingKeys::Window);
-        assert_eq!(s.dtype, Some(Dtype::Bfloat16));
+        assert_eq!(s.dtype, ComputeDtype::Fixed(Dtype::Bfloat16));
+        let s = Settings::parse(&json!({"dtype": "checkpoint"}), Path::new("/p")).unwrap();
+        assert_eq!(s.dtype, ComputeDtype::Checkpoint);
     }
 
     #[test]
