@@ -4,7 +4,8 @@
 #   PREFIX/bin/mlx-spec                       the binary
 #   PREFIX/lib/mlx-spec/                      the libmlx it was built against (Linux)
 #   PREFIX/share/mlx-spec/models/gemma4-code-25m   the default model
-#   PREFIX/share/mlx-spec/plugins/<name>/     each drafter plugin: plugin.toml + its library
+#   PREFIX/share/mlx-spec/plugins/<name>/     each drafter plugin: plugin.toml, its library and
+#                                             what it ships beside them (a checkpoint folder)
 #
 # The binary finds its default model and plugins from its own location (PREFIX/share/mlx-spec),
 # or from $MLX_SPEC_HOME when that is set. Usage:
@@ -68,7 +69,15 @@ for manifest in "$ROOT"/plugins/*/plugin.toml; do
     lib="$(plugin_library "$manifest")"
     rm -rf "$dest"
     mkdir -p "$dest"
-    cp "$manifest" "$dest/"
+    # Everything the plugin ships beside its manifest (a checkpoint folder, a README), but
+    # not a library left there by an earlier build: the fresh one is copied below.
+    for item in "$src"/* "$src"/.[!.]*; do
+        [[ -e "$item" ]] || continue
+        case "$(basename "$item")" in
+            *.so | *.dylib | src | tests | target | Cargo.toml | Cargo.lock | build.rs) continue ;;
+        esac
+        cp -R "$item" "$dest/"
+    done
     if [[ -n "$lib" && -f "$ROOT/target/release/$lib" ]]; then
         cp "$ROOT/target/release/$lib" "$dest/"
     elif [[ -n "$lib" && -f "$src/$lib" ]]; then

@@ -25,6 +25,11 @@ fn the_installed_binary_runs_the_main_command_from_another_directory() {
     let share = prefix.path().join("share/mlx-spec");
     assert!(share.join("models/gemma4-code-25m/config.json").is_file());
     assert!(share.join("plugins/ngram/plugin.toml").is_file());
+    // A plugin's own files travel with it; its sources do not.
+    assert!(share
+        .join("plugins/assistant/checkpoint/model.safetensors")
+        .is_file());
+    assert!(!share.join("plugins/assistant/src").exists());
 
     let binary = prefix.path().join("bin/mlx-spec");
     let run = |args: &[&str]| {
@@ -65,6 +70,25 @@ fn the_installed_binary_runs_the_main_command_from_another_directory() {
     assert_eq!(v["stats"]["generated_tokens"], 24);
     assert_eq!(v["stats"]["drafter"], "ngram");
     assert!(!v["text"].as_str().unwrap().is_empty());
+    // The assistant finds its checkpoint in the installed plugin folder.
+    let out = run(&[
+        "generate",
+        "--prompt",
+        "def read_config(path):",
+        "--max-tokens",
+        "24",
+        "--drafter",
+        "assistant",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "generate with the assistant failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let with_assistant: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(with_assistant["stats"]["drafter"], "assistant");
+    assert!(with_assistant["stats"]["drafter_error"].is_null());
     // The model it loaded is the installed copy.
     let installed_model = share.join("models/gemma4-code-25m");
     assert!(

@@ -31,8 +31,8 @@ fn ids(v: &Value) -> Vec<u32> {
 
 #[test]
 fn the_shipped_checkpoint_drafts_what_transformers_drafts() {
-    let text = std::fs::read_to_string(repo_root().join("tests/fixtures/assistant-shipped.json"))
-        .unwrap();
+    let text =
+        std::fs::read_to_string(repo_root().join("tests/fixtures/assistant-shipped.json")).unwrap();
     let golden: Value = serde_json::from_str(&text).unwrap();
     let k = golden["num_draft_tokens"].as_u64().unwrap().to_string();
     let cases = golden["cases"].as_array().unwrap();
@@ -54,17 +54,23 @@ fn the_shipped_checkpoint_drafts_what_transformers_drafts() {
         ]);
         let got = json_of(&out);
         assert_eq!(got["anchor"], case["anchor"], "{}", case["text"]);
-        assert_eq!(ids(&got["drafts"]), ids(&case["drafts"]), "{}", case["text"]);
+        assert_eq!(
+            ids(&got["drafts"]),
+            ids(&case["drafts"]),
+            "{}",
+            case["text"]
+        );
     }
 }
 
 #[test]
 fn the_shipped_assistant_is_lossless_and_mostly_accepted_on_code() {
+    let model = model();
     let generate = |extra: &[&str]| {
         let mut args = vec![
             "generate",
             "--model",
-            &model(),
+            &model,
             "--prompt",
             "import os\n\n\ndef read_config(path):\n",
             "--max-tokens",
@@ -76,16 +82,23 @@ fn the_shipped_assistant_is_lossless_and_mostly_accepted_on_code() {
     };
     let plain = generate(&[]);
     let plugins = plugins();
-    let spec = generate(&["--plugins-dir", &plugins, "--drafter", "assistant"]);
+    // Every round drafts: with auto-off the gate's choice of rounds follows measured times.
+    let spec = generate(&[
+        "--plugins-dir",
+        &plugins,
+        "--drafter",
+        "assistant",
+        "--no-auto-off",
+    ]);
     assert_eq!(spec["tokens"], plain["tokens"]);
     let stats = &spec["stats"];
     assert!(stats["drafter_error"].is_null(), "{stats}");
     let drafted = stats["num_draft_tokens"].as_f64().unwrap();
     let accepted = stats["num_accepted_tokens"].as_f64().unwrap();
-    // A drafter that guesses has almost every draft rejected; the shipped one had 41 of its
-    // 61 drafts accepted on this prompt when it was trained.
+    // A drafter that guesses has almost every draft rejected; the shipped one had 70 of its
+    // 150 drafts accepted on this prompt when it was trained.
     assert!(
-        drafted >= 40.0 && accepted / drafted >= 0.5,
+        drafted >= 100.0 && accepted / drafted >= 0.35,
         "{accepted} of {drafted} drafts accepted: {stats}"
     );
 }

@@ -107,9 +107,13 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
         fitted_draft_length: !args.spec.recent_draft_length,
     };
     let (mut plain_rates, mut spec_rates) = (Vec::new(), Vec::new());
+    // Decode alone (after the prefill, which speculation does not change): on long prompts
+    // the prefill bounds what any drafter can do for a whole request.
+    let (mut plain_decode_rates, mut spec_decode_rates) = (Vec::new(), Vec::new());
     let mut totals = mlx_spec::speculative::SpecStats::default();
     for round in 0..=args.repeats {
         let (mut plain_s, mut spec_s, mut generated) = (0.0, 0.0, 0usize);
+        let (mut plain_decode_s, mut spec_decode_s) = (0.0, 0.0);
         for prompt in &prompts {
             let request = GenerateRequest {
                 prompt_ids: prompt.clone(),
@@ -120,12 +124,14 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
             };
             // Whole requests, prefill included: both paths prefill the same prompt.
             let start = Instant::now();
-            let (plain_tokens, _) = generate(model, &request, |_| Ok(()))?;
+            let (plain_tokens, plain_stats) = generate(model, &request, |_| Ok(()))?;
             plain_s += start.elapsed().as_secs_f64();
+            plain_decode_s += plain_stats.decode_seconds;
             let start = Instant::now();
-            let (spec_tokens, _, stats) =
+            let (spec_tokens, spec_stats, stats) =
                 generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
             spec_s += start.elapsed().as_secs_f64();
+            spec_decode_s += spec_stats.decode_seconds;
             if spec_tokens != plain_tokens {
                 bail!(
                     "speculative output differs from plain output (round {round}; {}): this is a bug, please report it",
@@ -144,6 +150,8 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
         if round > 0 {
             plain_rates.push(generated as f64 / plain_s);
             spec_rates.push(generated as f64 / spec_s);
+            plain_decode_rates.push(generated as f64 / plain_decode_s);
+            spec_decode_rates.push(generated as f64 / spec_decode_s);
         }
     }
     totals.mean_acceptance_length = if totals.num_drafts > 0 {
@@ -154,26 +162,30 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     let stats = totals;
     let (plain, spec) = (median(plain_rates), median(spec_rates));
+    let (plain_decode, spec_decode) = (median(plain_decode_rates), median(spec_decode_rates));
     if args.json {
         println!(
             "{}",
             json!({"model": args.model.model.display().to_string(), "drafter": drafter, "num_draft_tokens": k,
                    "prompts": prompts.len(), "prompt_tokens": prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
                    "plain_tokens_per_s": plain, "spec_tokens_per_s": spec, "speedup": spec / plain,
+                   "plain_decode_tokens_per_s": plain_decode, "spec_decode_tokens_per_s": spec_decode,
+                   "decode_speedup": spec_decode / plain_decode,
                    "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
                    "num_accepted_tokens": stats.num_accepted_tokens, "mean_acceptance_length": stats.mean_acceptance_length,
                    "target_forwards": stats.target_forwards, "drafter_seconds": stats.drafter_seconds,
                    "drafter_us_per_forward": 1e6 * stats.drafter_seconds / stats.target_forwards.max(1) as f64})
         );
     } else {
-        println!("| model | drafter (k) | prompts (tokens) | generated each | plain tok/s | spec tok/s | speedup | acceptance length | forwards | drafter µs/forward |");
-        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!("| model | drafter (k) | prompts (tokens) | generated each | plain tok/s | spec tok/s | speedup | decode alone: plain / spec tok/s, speedup | acceptance length | forwards | drafter µs/forward |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         println!(
-            "| {} | {drafter} ({k}) | {} ({prompt_tokens}) | {} | {plain:.1} | {spec:.1} | {:.2}x | {:.2} | {} | {:.1} |",
+            "| {} | {drafter} ({k}) | {} ({prompt_tokens}) | {} | {plain:.1} | {spec:.1} | {:.2}x | {plain_decode:.1} / {spec_decode:.1}, {:.2}x | {:.2} | {} | {:.1} |",
             args.model.model.file_name().unwrap_or_default().to_string_lossy(),
             prompts.len(),
             args.gen_tokens,
             spec / plain,
+            spec_decode / plain_decode,
             stats.mean_acceptance_length,
             stats.target_forwards,
             1e6 * stats.drafter_seconds / stats.target_forwards.max(1) as f64
