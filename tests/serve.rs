@@ -6,7 +6,7 @@
 //! line; seeds; 16 concurrent clients with mixed drafters and settings, each answered exactly
 //! as when alone; every bad request (an OpenAI-style error that never reaches the model); the
 //! API key; a drafter that panics mid-request; a full queue (503 + Retry-After); disconnects
-//! freeing their slot with memory flat; SIGTERM draining; bad deploy files.
+//! (streaming or not) freeing their slot with memory flat; SIGTERM draining; bad deploy files.
 
 mod common;
 
@@ -887,6 +887,53 @@ fn a_full_queue_answers_503_and_a_client_that_leaves_frees_its_slot() {
     assert_eq!(ids.len(), 4);
     assert!(server.metric("mlx_spec:request_success_total{finished_reason=\"abort\"}") >= 2.0);
     // Nowhere near 4000 tokens were generated for the clients that left.
+    assert!(server.metric("mlx_spec:generation_tokens_total") < 100.0);
+}
+
+#[test]
+fn a_non_streaming_client_that_leaves_frees_its_slot() {
+    let (_dir, config) = deployment("[server]\nmax_active = 1\nqueue_length = 0\n");
+    let server = Server::start(&config, &[], &[]);
+    // Far more tokens than the test waits for: only a stopped generation frees the slot.
+    let long =
+        json!({"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": true, "speculation": "off"});
+    let mut s = connect(server.addr);
+    write_request(
+        &mut s,
+        "POST",
+        "/v1/completions",
+        &[("Content-Type", "application/json")],
+        long.to_string().as_bytes(),
+    );
+    let start = Instant::now();
+    while server.get("/health").json()["running"] != 1 {
+        assert!(start.elapsed() < Duration::from_secs(30), "never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The only slot is taken: another request is refused.
+    let short = json!({"prompt": PROMPT, "max_tokens": 4});
+    assert_eq!(server.post("/v1/completions", &short).status, 503);
+    std::thread::sleep(Duration::from_millis(300));
+    // The client leaves before any byte of the answer (none comes before the end).
+    drop(s);
+    let left = Instant::now();
+    server.wait_idle();
+    assert!(
+        left.elapsed() < Duration::from_secs(5),
+        "the slot freed only after {:?}",
+        left.elapsed()
+    );
+    let (ids, _, _) = server.complete(&short);
+    assert_eq!(ids.len(), 4);
+    assert_eq!(
+        server.metric("mlx_spec:request_success_total{finished_reason=\"abort\"}"),
+        1.0
+    );
+    // Only the short request ran to its length; the one that left was ended.
+    assert_eq!(
+        server.metric("mlx_spec:request_success_total{finished_reason=\"length\"}"),
+        1.0
+    );
     assert!(server.metric("mlx_spec:generation_tokens_total") < 100.0);
 }
 
