@@ -6,7 +6,8 @@
 //! line; seeds; 16 concurrent clients with mixed drafters and settings, each answered exactly
 //! as when alone; every bad request (an OpenAI-style error that never reaches the model); the
 //! API key; a drafter that panics mid-request; a full queue (503 + Retry-After); disconnects
-//! freeing their slot with memory flat; SIGTERM draining; bad deploy files.
+//! (streaming or not) freeing their slot with memory flat; speculation counters in /metrics
+//! advancing mid-request; SIGTERM draining; bad deploy files.
 
 mod common;
 
@@ -888,6 +889,108 @@ fn a_full_queue_answers_503_and_a_client_that_leaves_frees_its_slot() {
     assert!(server.metric("mlx_spec:request_success_total{finished_reason=\"abort\"}") >= 2.0);
     // Nowhere near 4000 tokens were generated for the clients that left.
     assert!(server.metric("mlx_spec:generation_tokens_total") < 100.0);
+}
+
+#[test]
+fn a_non_streaming_client_that_leaves_frees_its_slot() {
+    let (_dir, config) = deployment("[server]\nmax_active = 1\nqueue_length = 0\n");
+    let server = Server::start(&config, &[], &[]);
+    // Far more tokens than the test waits for: only a stopped generation frees the slot.
+    let long =
+        json!({"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": true, "speculation": "off"});
+    let mut s = connect(server.addr);
+    write_request(
+        &mut s,
+        "POST",
+        "/v1/completions",
+        &[("Content-Type", "application/json")],
+        long.to_string().as_bytes(),
+    );
+    let start = Instant::now();
+    while server.get("/health").json()["running"] != 1 {
+        assert!(start.elapsed() < Duration::from_secs(30), "never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The only slot is taken: another request is refused.
+    let short = json!({"prompt": PROMPT, "max_tokens": 4});
+    assert_eq!(server.post("/v1/completions", &short).status, 503);
+    std::thread::sleep(Duration::from_millis(300));
+    // The client leaves before any byte of the answer (none comes before the end).
+    drop(s);
+    let left = Instant::now();
+    server.wait_idle();
+    assert!(
+        left.elapsed() < Duration::from_secs(5),
+        "the slot freed only after {:?}",
+        left.elapsed()
+    );
+    let (ids, _, _) = server.complete(&short);
+    assert_eq!(ids.len(), 4);
+    assert_eq!(
+        server.metric("mlx_spec:request_success_total{finished_reason=\"abort\"}"),
+        1.0
+    );
+    // Only the short request ran to its length; the one that left was ended.
+    assert_eq!(
+        server.metric("mlx_spec:request_success_total{finished_reason=\"length\"}"),
+        1.0
+    );
+    assert!(server.metric("mlx_spec:generation_tokens_total") < 100.0);
+}
+
+#[test]
+fn speculation_counters_advance_while_a_request_runs() {
+    let (_dir, config) = deployment("[drafter]\nname = \"ngram\"\n");
+    let server = Server::start(&config, &[], &[]);
+    let drafted = "mlx_spec:spec_decode_num_draft_tokens_total{drafter=\"ngram\"}";
+    let accepted = "mlx_spec:spec_decode_num_accepted_tokens_total{drafter=\"ngram\"}";
+    assert_eq!(server.metric(drafted), 0.0);
+    let body = json!({"prompt": REPEATING, "max_tokens": 1500, "ignore_eos": true, "stream": true});
+    let mut stream = open_stream(server.addr, &body);
+    // Scraped mid-request: the drafts of the rounds so far already count.
+    let start = Instant::now();
+    loop {
+        let n = server.metric(drafted);
+        let running = server.get("/health").json()["running"] == 1;
+        assert!(running, "the request ended before its drafts were counted");
+        if n > 0.0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no drafts counted"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // At its end, the rounds' counts add up to the request's own.
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).unwrap();
+    let text = String::from_utf8_lossy(&rest);
+    let last: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|v| v.get("speculation").is_some())
+        .unwrap_or_else(|| panic!("no speculation in {text}"));
+    let s = &last["speculation"];
+    assert!(s["num_accepted_tokens"].as_u64().unwrap() > 0, "{s}");
+    assert_eq!(
+        server.metric(drafted),
+        s["num_draft_tokens"].as_u64().unwrap() as f64
+    );
+    assert_eq!(
+        server.metric(accepted),
+        s["num_accepted_tokens"].as_u64().unwrap() as f64
+    );
+    assert_eq!(
+        server.metric("mlx_spec:spec_decode_num_drafts_total{drafter=\"ngram\"}"),
+        s["num_drafts"].as_u64().unwrap() as f64
+    );
+    let first_position = s["accepted_per_position"][0].as_u64().unwrap();
+    assert_eq!(
+        server.metric("mlx_spec:spec_decode_num_accepted_tokens_per_pos_total{drafter=\"ngram\",position=\"0\"}"),
+        first_position as f64
+    );
 }
 
 /// A streaming request sent without waiting for content (it waits in the queue).

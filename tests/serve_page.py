@@ -2,12 +2,14 @@
 
 Usage: python tests/serve_page.py path/to/mlx-spec path/to/chromium OUT_DIR
 
-Starts the server with the ngram drafter, opens the page with `?autorun=1` so it sends one
-streaming request, waits for it through Chromium's DevTools protocol (a minimal WebSocket
-client below: the standard library has none), and checks the page Chromium rendered: tokens
-coloured by how they were made (accepted drafts among them), the request's speculation stats
-filled in and agreeing with the tokens shown. Writes OUT_DIR/serve-page.png (a screenshot)
-and OUT_DIR/serve-page.html.
+Starts the server with the ngram drafter and opens the page twice. Completion mode: with
+`?autorun=1` it sends one streaming request. Chat mode: the test uses the page as a person
+would (chat chosen, a system message and a message typed, Send clicked). Each time it waits
+for the request through Chromium's DevTools protocol (a minimal WebSocket client below: the
+standard library has none) and checks the page Chromium rendered: tokens coloured by how they
+were made (accepted drafts among them), the request's speculation stats filled in and
+agreeing with the tokens shown. Writes OUT_DIR/serve-page.png and OUT_DIR/serve-page-chat.png
+(screenshots) and the pages' HTML beside them.
 """
 
 import base64
@@ -27,6 +29,19 @@ import urllib.request
 from serve_openai import start
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):"
+SYSTEM = "You write Python."
+
+# Chat mode as a person uses it: once the page has loaded the model, choose chat, type a
+# system message and a message, press Send.
+CHAT_ACTION = f"""(() => {{
+  if (!document.getElementById('drafter').options.length) return false;
+  document.querySelector('input[name=mode][value=chat]').click();
+  document.getElementById('system').value = {json.dumps(SYSTEM)};
+  document.getElementById('prompt').value = {json.dumps(PROMPT)};
+  document.getElementById('max_tokens').value = '96';
+  document.getElementById('send').click();
+  return true;
+}})()"""
 
 
 class WebSocket:
@@ -99,8 +114,9 @@ class WebSocket:
                 return reply["result"]
 
 
-def browse(binary, profile, url, deadline_s=90):
-    """Opens `url` in headless Chromium and waits (in real time) for the page's request to
+def browse(binary, profile, url, action=None, deadline_s=90):
+    """Opens `url` in headless Chromium, runs `action` (JavaScript that returns false until
+    the page is ready for it) if given, and waits (in real time) for the page's request to
     finish; returns the page's HTML and a PNG screenshot."""
     args = [
         binary,
@@ -132,6 +148,13 @@ def browse(binary, profile, url, deadline_s=90):
         page = next(t for t in json.load(listing) if t["type"] == "page")
         ws = WebSocket(page["webSocketDebuggerUrl"])
         begun = time.monotonic()
+        while action is not None:
+            done = ws.call("Runtime.evaluate", expression=action, returnByValue=True)
+            if done["result"].get("value") is True:
+                break
+            if time.monotonic() - begun > deadline_s:
+                raise AssertionError("the page never loaded its model")
+            time.sleep(0.1)
         while True:
             state = ws.call(
                 "Runtime.evaluate",
@@ -169,18 +192,41 @@ def main():
                 {"autorun": "1", "mode": "completion", "prompt": PROMPT, "max_tokens": "96"}
             )
             dom, png = browse(browser, os.path.join(tmp, "profile"), f"http://{addr}/?{query}")
-            with open(os.path.join(out_dir, "serve-page.html"), "w") as f:
-                f.write(dom)
-            shot = os.path.join(out_dir, "serve-page.png")
-            with open(shot, "wb") as f:
-                f.write(png)
+            shot = keep(out_dir, "serve-page", dom, png)
             check_dom(dom)
-            if len(png) < 10_000:
-                raise AssertionError("the screenshot is nearly empty")
+            if served(addr, "/v1/completions") != 1:
+                raise AssertionError("the completion page did not call /v1/completions")
+            dom, png = browse(
+                browser, os.path.join(tmp, "profile-chat"), f"http://{addr}/", CHAT_ACTION
+            )
+            chat_shot = keep(out_dir, "serve-page-chat", dom, png)
+            check_dom(dom)
+            # The page sent a chat request, not a completion.
+            if served(addr, "/v1/chat/completions") != 1 or served(addr, "/v1/completions") != 1:
+                raise AssertionError("the chat page did not call /v1/chat/completions once")
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
-    print(f"page test passed; screenshot in {shot}")
+    print(f"page test passed; screenshots in {shot} and {chat_shot}")
+
+
+def keep(out_dir, name, dom, png):
+    """Writes a page's HTML and screenshot to out_dir; returns the screenshot's path."""
+    with open(os.path.join(out_dir, name + ".html"), "w") as f:
+        f.write(dom)
+    shot = os.path.join(out_dir, name + ".png")
+    with open(shot, "wb") as f:
+        f.write(png)
+    if len(png) < 10_000:
+        raise AssertionError(f"the screenshot {shot} is nearly empty")
+    return shot
+
+
+def served(addr, route):
+    """Requests to `route` answered 200, from the server's /metrics."""
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=30).read().decode()
+    line = f'mlx_spec:http_requests_total{{route="{route}",status="200"}} '
+    return sum(int(l[len(line):]) for l in text.splitlines() if l.startswith(line))
 
 
 def check_dom(dom):

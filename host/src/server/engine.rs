@@ -332,6 +332,8 @@ struct Active<'m> {
     drafter: Option<usize>,
     k: usize,
     first_token: Option<Instant>,
+    /// The speculation counters already added to the metrics.
+    reported: SpecStats,
 }
 
 fn run(
@@ -473,6 +475,7 @@ fn run(
                         drafter,
                         k,
                         first_token: None,
+                        reported: SpecStats::default(),
                     });
                 }
                 Err(e) => fail(&job, &metrics, false, &format!("{e:#}")),
@@ -527,6 +530,7 @@ fn run(
                 }
             };
             let after = counts(a.stepper.spec_stats());
+            record_spec(&metrics, &drafters, a);
             if !emitted.is_empty() {
                 if a.first_token.is_none() {
                     let now = Instant::now();
@@ -588,10 +592,43 @@ fn fail(job: &Job, metrics: &Metrics, timeout: bool, message: &str) {
     });
 }
 
-fn record_spec(metrics: &Metrics, drafters: &[Loaded], a: &Active) {
-    if let Some(d) = a.drafter {
-        metrics.speculation(&drafters[d].info.name, a.stepper.spec_stats());
+/// Adds to the drafter's counters what the request drafted since they were last added: each
+/// round, so a scrape during a long request sees its progress.
+fn record_spec(metrics: &Metrics, drafters: &[Loaded], a: &mut Active) {
+    let Some(d) = a.drafter else {
+        return;
+    };
+    let now = a.stepper.spec_stats();
+    let was = &a.reported;
+    if now.num_draft_tokens == was.num_draft_tokens
+        && now.num_drafts == was.num_drafts
+        && now.drafter_error.is_some() == was.drafter_error.is_some()
+    {
+        return;
     }
+    let per_position = |now: &[u64], was: &[u64]| -> Vec<u64> {
+        now.iter()
+            .enumerate()
+            .map(|(i, n)| n.saturating_sub(was.get(i).copied().unwrap_or(0)))
+            .collect()
+    };
+    let delta = SpecStats {
+        num_drafts: now.num_drafts.saturating_sub(was.num_drafts),
+        num_draft_tokens: now.num_draft_tokens.saturating_sub(was.num_draft_tokens),
+        num_accepted_tokens: now
+            .num_accepted_tokens
+            .saturating_sub(was.num_accepted_tokens),
+        accepted_per_position: per_position(&now.accepted_per_position, &was.accepted_per_position),
+        drafted_per_position: per_position(&now.drafted_per_position, &was.drafted_per_position),
+        // Counted once, in the round the drafter was switched off.
+        drafter_error: now
+            .drafter_error
+            .clone()
+            .filter(|_| was.drafter_error.is_none()),
+        ..SpecStats::default()
+    };
+    metrics.speculation(&drafters[d].info.name, &delta);
+    a.reported = now.clone();
 }
 
 fn finish(a: &mut Active, drafters: &[Loaded], metrics: &Metrics) {

@@ -175,7 +175,8 @@ impl Metrics {
         self.with(|m| m.tokens_per_s.observe(rate));
     }
 
-    /// Adds one request's speculation counters to its drafter's.
+    /// Adds counters a request drafted (since its last report: the engine reports each round)
+    /// to its drafter's.
     pub fn speculation(&self, drafter: &str, s: &SpecStats) {
         self.with(|m| {
             let t = m.spec.entry(drafter.to_owned()).or_default();

@@ -699,6 +699,8 @@ async fn whole_response(
     let id = response_id(&state, chat);
     let mut text = String::new();
     let mut tokens = Vec::new();
+    // A client that closes its connection makes hyper drop this future, and with it `run`:
+    // the engine sees the closed event channel and ends the request before its next round.
     loop {
         match run.next().await {
             Step::Delta { text: t, tokens: d } => {
