@@ -3,8 +3,10 @@ of concurrent clients, with and without speculation (BENCHMARKS.md, "The server 
 
 Usage: python3 bench/serve_load.py [--binary target/release/mlx-spec] [--prompts FILE]
            [--clients 1,4,16] [--requests-per-client 4] [--max-tokens 128]
+           [--drafters ngram,assistant]
 
-Starts the server (default model, ngram drafter, max_active 16) on a free loopback port.
+Starts the server (default model, the ngram and assistant drafters, max_active 16) on a free
+loopback port; each level runs without speculation, then with each drafter (`--drafters`).
 Each client sends streaming chat requests from the prompt set one after another; a request's
 time to first token is from sending it to its first content chunk. Greedy decoding: the
 texts with and without speculation are the same, which the script checks. Standard library
@@ -122,14 +124,17 @@ def main():
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--drafters", default="ngram,assistant")
     args = ap.parse_args()
+    drafters = [d for d in args.drafters.split(",") if d]
     with open(args.prompts) as f:
         prompts = [json.loads(line)["messages"] for line in f if line.strip()]
     with tempfile.TemporaryDirectory() as tmp:
         config = os.path.join(tmp, "deploy.toml")
         with open(config, "w") as f:
             f.write(
-                '[drafter]\nname = "ngram"\n[server]\nmax_active = 16\nqueue_length = 64\n'
+                "[server]\nmax_active = 16\nqueue_length = 64\n"
+                + "".join(f"[drafters.{d}]\n" for d in drafters)
             )
         proc, host, port = start(args.binary, config)
         try:
@@ -138,7 +143,8 @@ def main():
             print("|---|---|---|---|---|---|---|")
             for clients in [int(c) for c in args.clients.split(",")]:
                 texts = {}
-                for name, speculation in [("off", "off"), ("ngram", {"drafter": "ngram"})]:
+                runs = [("off", "off")] + [(d, {"drafter": d}) for d in drafters]
+                for name, speculation in runs:
                     r = run_level(
                         host, port, prompts, clients, args.requests_per_client, args.max_tokens,
                         speculation,
@@ -150,8 +156,9 @@ def main():
                         f"{1000 * r['ttft_p90_s']:.0f} ms |",
                         flush=True,
                     )
-                if texts["off"] != texts["ngram"]:
-                    raise SystemExit("greedy texts differ with and without speculation")
+                for d in drafters:
+                    if texts["off"] != texts[d]:
+                        raise SystemExit(f"greedy texts differ with {d} and without speculation")
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)

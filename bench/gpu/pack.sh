@@ -3,10 +3,11 @@
 #   .gpu/bin/mlx-spec           the host built against the CPU wheel's headers, without the
 #                               OpenBLAS link (the CUDA libmlx brings its own BLAS)
 #   .gpu/bin/*.so               the drafter plugins
-#   .gpu/part-0 ... part-3      mlx-cuda-13==0.32.2's libmlx, JIT headers (cccl, cute,
+#   .gpu/part-0 ... part-4      mlx-cuda-13==0.32.2's libmlx, JIT headers (cccl, cute,
 #                               cutlass) and bundled libraries, xz-compressed (~73 MB) and split
-#                               in four, because one transfer to the GPU machine carries 64 MiB
-#                               together with the working tree (~40 MB with the default model)
+#                               in five, because one transfer to the GPU machine carries 64 MiB
+#                               together with the working tree (~50 MB with the default model
+#                               and the assistant's checkpoint)
 # Then run bench/gpu/run.sh there (see bench/gpu/README.md).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -32,14 +33,15 @@ done
 # Restore the normal (OpenBLAS) build for this machine.
 cargo build --release --quiet --workspace
 
-if [[ ! -f "$OUTDIR/part-3" ]]; then
+if [[ ! -f "$OUTDIR/part-4" ]]; then
     tmp="$(mktemp -d)"
     python3 -m pip download --quiet --no-deps --only-binary=:all: "mlx-cuda-13==$MLX_VERSION" -d "$tmp"
     mkdir "$tmp/x"
     python3 -m zipfile -e "$tmp"/mlx_cuda_13-*.whl "$tmp/x"
     (cd "$tmp/x" && tar cf - mlx/lib mlx/include/cccl mlx/include/cute mlx/include/cutlass mlx_cuda_13.libs) \
         | xz -T0 -6 >"$tmp/mlx-cuda.tar.xz"
-    split -n 4 -d -a 1 "$tmp/mlx-cuda.tar.xz" "$OUTDIR/part-"
+    rm -f "$OUTDIR"/part-[0-9]
+    split -n 5 -d -a 1 "$tmp/mlx-cuda.tar.xz" "$OUTDIR/part-"
     rm -rf "$tmp"
 fi
 ls -la "$OUTDIR" "$OUTDIR/bin"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the H200 machine, from the repository root, once .gpu/part-0 ... part-3 have arrived
+# Runs ON the H200 machine, from the repository root, once .gpu/part-0 ... part-4 have arrived
 # (one per call while the machine stays warm; bench/gpu/README.md). Checks that the GPU computes what
 # the CPU computes, then measures; prints a table last. Results also go to $OUT if set.
 #
@@ -65,6 +65,8 @@
 #   window-spec  ngram speculation (at most 7 drafts: windows the kernels take) vs plain
 #              greedy decoding of the default model, both prompt sets, outputs checked equal;
 #              WINDOW_SPEC_BASELINE=1 also runs it without the fused kernels
+#   drafters   ngram and the shipped assistant vs plain on the default model, free-text set,
+#              with the fused kernels and with MLX's operations alone
 #   assistant  the assistant drafter on the two oracle pairs: `draft` against transformers'
 #              first round, and greedy speculation against plain decoding
 #   replay     speculation with replayed drafts (`lab --replay-drafts`: the plain output's own
@@ -626,6 +628,22 @@ print(",".join(map(str, g[:n])), g[n], ",".join(map(str, o["rounds"][0]["draft_t
         spec="$(timeout 120 "$BIN" generate "${common[@]}" "${drafter[@]}" --no-auto-off --max-tokens 48 --ignore-eos --json 2>>"$RES/assistant.err" | python3 -c 'import json,sys; d=json.load(sys.stdin); s=d["stats"]; print(d["tokens"], s["num_drafts"], s["drafter_error"])')"
         [[ "$spec" == "$plain "* && "$spec" == *" None" ]] && verdict="equal (${spec#"$plain "})" || verdict="DIFFERENT: $spec vs $plain"
         row "assistant speculation on the GPU, oracle pair $pair, 48 greedy tokens | vs plain: $verdict"
+    done
+fi
+
+if want drafters; then
+    # The default model's drafters side by side on the GPU, free-text set: ngram and the shipped
+    # assistant, with the fused kernels and with MLX's operations alone. The checkpoint comes
+    # from the checkout (.gpu/bin/plugins holds manifests and libraries only).
+    for kernels in default none; do
+        for drafter in ngram assistant; do
+            extra=()
+            [[ "$drafter" == assistant ]] && extra=(--drafter-set "checkpoint=\"$ROOT/plugins/assistant/checkpoint\"")
+            line="$(timeout 280 "$BIN" bench --device gpu --fused-kernels "$kernels" --drafter "$drafter" \
+                --plugins-dir "$G/bin/plugins" "${extra[@]}" --prompt-set "$ROOT/bench/prompts/free_text.jsonl" \
+                --gen-tokens 128 --repeats 1 2>"$RES/drafters.err" | tail -n 1)"
+            row "$drafter vs plain, default model, free_text set, kernels $kernels | ${line:-failed: $(tail -n 1 "$RES/drafters.err")}"
+        done
     done
 fi
 

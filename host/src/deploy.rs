@@ -538,7 +538,11 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/serve.toml");
         let cfg = DeployConfig::load(&path).unwrap();
         assert_eq!(cfg.server.host, "127.0.0.1");
-        assert_eq!(cfg.drafter_names(), vec!["ngram", "ngram-short"]);
+        assert_eq!(
+            cfg.drafter_names(),
+            vec!["ngram", "assistant", "ngram-short"]
+        );
+        assert_eq!(cfg.drafters["assistant"].plugin, None);
         assert_eq!(cfg.drafters["ngram-short"].plugin.as_deref(), Some("ngram"));
     }
 
