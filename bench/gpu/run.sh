@@ -67,6 +67,7 @@
 #              WINDOW_SPEC_BASELINE=1 also runs it without the fused kernels
 #   drafters   ngram and the shipped assistant vs plain on the default model, free-text set,
 #              with the fused kernels and with MLX's operations alone
+#   assistant-cost  a round of an E4B-size assistant (random weights) beside E4B's verify
 #   assistant  the assistant drafter on the two oracle pairs: `draft` against transformers'
 #              first round, and greedy speculation against plain decoding
 #   replay     speculation with replayed drafts (`lab --replay-drafts`: the plain output's own
@@ -645,6 +646,21 @@ if want drafters; then
             row "$drafter vs plain, default model, free_text set, kernels $kernels | ${line:-failed: $(tail -n 1 "$RES/drafters.err")}"
         done
     done
+fi
+
+if want assistant-cost; then
+    # What a round of an assistant of the released E4B assistant's size costs beside E4B's own
+    # verify: random weights for both (bench/gpu/random_assistant.py: 4 layers, hidden 256,
+    # centroid head over 262 144 tokens), bf16 target, every round drafting 6 tokens (random
+    # drafts are all rejected, so each round emits one token: the bench's spec rate is the
+    # price of a round and its drafter column the drafting part of it).
+    python3 "$ROOT/bench/gpu/random_assistant.py" "$ROOT/configs/gemma-4-e4b.json" "$G/assistant-e4b" \
+        >"$RES/assistant-cost.err" 2>&1
+    line="$(timeout 300 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
+        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --plugins-dir "$G/bin/plugins" \
+        --drafter assistant --drafter-set "checkpoint=\"$G/assistant-e4b\"" --num-draft-tokens 6 \
+        --no-auto-off 2>>"$RES/assistant-cost.err" | tail -n 1)"
+    row "assistant of E4B size (random) on E4B bf16 (random), 6 drafts every round | ${line:-failed: $(tail -n 1 "$RES/assistant-cost.err")}"
 fi
 
 if want spec; then
