@@ -17,6 +17,7 @@
 use std::path::Path;
 
 use mlx_spec_plugin_api::mlx_rs::fast::rms_norm;
+use mlx_spec_plugin_api::mlx_rs::ops::indexing::argmax_axis;
 use mlx_spec_plugin_api::mlx_rs::ops::{concatenate, softmax_axis};
 use mlx_spec_plugin_api::mlx_rs::random;
 use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
@@ -188,6 +189,13 @@ impl AssistantModel {
             let out = self.step(&embed(token)?, &hidden, round)?;
             let picked = match choice {
                 Choice::Greedy => self.head.token(&out.normed)?,
+                Choice::GreedyWhileConfident { min_probability } => {
+                    let (picked, probability) = self.confident_token(&out.normed)?;
+                    if probability < min_probability {
+                        break;
+                    }
+                    picked
+                }
                 Choice::Sampled {
                     temperature,
                     seed,
@@ -212,6 +220,21 @@ impl AssistantModel {
             Some(concatenate(&rows, 0).map_err(mlx_err("stacking draft distributions"))?)
         };
         Ok(Drafts { tokens, probs })
+    }
+
+    /// The argmax token and its probability under the drafter's softmax.
+    fn confident_token(&self, z: &Array) -> Result<(Array, f32), String> {
+        let e = mlx_err("the draft's probability");
+        let logits = self.head.logits(z)?;
+        let token = argmax_axis(&logits, 0, false)
+            .and_then(|t| t.as_dtype(Dtype::Uint32))
+            .map_err(&e)?;
+        let probability = softmax_axis(&logits, -1, true)
+            .and_then(|q| q.max(false))
+            .map_err(&e)?
+            .try_item_cast::<f32>()
+            .map_err(|err| format!("reading the draft's probability: {err}"))?;
+        Ok((token, probability))
     }
 
     /// Draws a token from `softmax(logits / temperature)` with a key made from the request's
@@ -245,6 +268,10 @@ impl AssistantModel {
 pub enum Choice {
     /// The argmax (transformers' choice); proposals go without distributions.
     Greedy,
+    /// The argmax while the drafter's own probability of it is at least `min_probability`:
+    /// the round ends at the first draft below it, so a window is not widened for a draft the
+    /// target is unlikely to accept.
+    GreedyWhileConfident { min_probability: f32 },
     /// Drawn from `softmax(logits / temperature)`; the distributions go with the proposal, for
     /// the host's rejection sampling. `first_index`: the emitted index of the first draft.
     Sampled {

@@ -35,7 +35,7 @@ use crate::config::{AssistantConfig, Kind, RopeKind};
 use crate::linear::mlx_err;
 use crate::model::{AssistantModel, Choice, Round};
 use crate::rope::QueryAngles;
-use crate::settings::{ComputeDtype, QueryPosition, Settings, SlidingKeys};
+use crate::settings::{confidence_floor, ComputeDtype, QueryPosition, Settings, SlidingKeys};
 
 /// The loaded drafter. MLX arrays may move between threads but not be shared, so sessions
 /// reach the weights through a lock (held for one `draft` call).
@@ -43,16 +43,23 @@ pub struct AssistantDrafter {
     model: Arc<Mutex<AssistantModel>>,
     settings: Settings,
     bytes: u64,
+    /// Greedy rounds end at the first draft the drafter gives less than this (0: never).
+    min_draft_probability: f32,
 }
 
 impl AssistantDrafter {
     pub fn new(settings: Settings) -> Result<Self, String> {
         let model = AssistantModel::load(&settings.checkpoint, settings.dtype.fixed())?;
         let bytes = model.nbytes() as u64;
+        let min_draft_probability = match settings.min_draft_probability {
+            Some(p) => p,
+            None => confidence_floor(&settings.checkpoint)?,
+        };
         Ok(AssistantDrafter {
             model: Arc::new(Mutex::new(model)),
             settings,
             bytes,
+            min_draft_probability,
         })
     }
 }
@@ -108,6 +115,7 @@ impl Drafter for AssistantDrafter {
             anchor: None,
             sampling: (self.settings.sample_drafts && sampling.temperature > 0.0)
                 .then_some((sampling.temperature, sampling.seed)),
+            min_draft_probability: self.min_draft_probability,
         })
     }
 }
@@ -265,6 +273,8 @@ pub struct AssistantSession {
     anchor: Option<(u64, Array)>,
     /// `sample_drafts` at a temperature above 0: the temperature and the request's seed.
     sampling: Option<(f32, u64)>,
+    /// Greedy rounds end at the first draft the drafter gives less than this (0: never).
+    min_draft_probability: f32,
 }
 
 impl AssistantSession {
@@ -405,6 +415,9 @@ impl DrafterSession for AssistantSession {
         }
         let vocab = model.config.vocab_size as u32;
         let choice = match self.sampling {
+            None if self.min_draft_probability > 0.0 => Choice::GreedyWhileConfident {
+                min_probability: self.min_draft_probability,
+            },
             None => Choice::Greedy,
             Some((temperature, seed)) => Choice::Sampled {
                 temperature,

@@ -6,6 +6,7 @@
 //! | `position` | query position of a round: `anchor` (P, the anchor token's index, as transformers and mlx-vlm) or `previous` (P − 1, as vLLM) | `anchor` |
 //! | `sliding_keys` | sliding layers see the last `window+1` positions before P (transformers) or the last `window` (a W-entry ring, vLLM) | `window+1` |
 //! | `dtype` | compute dtype: `auto` (the target's activation dtype), `checkpoint` (the checkpoint's float dtype), `float32`, `bfloat16`, `float16` | `auto` |
+//! | `min_draft_probability` | greedy rounds end at the first draft whose probability under the drafter is below this | the checkpoint's `assistant_confidence_threshold` (`generation_config.json`), else `0` (never) |
 //! | `sample_drafts` | at temperature > 0, draw drafts from `softmax(logits / T)` and hand the host those distributions (rejection sampling) instead of greedy drafts verified by token match | `false` |
 //!
 //! The implementations disagree on `position` and `sliding_keys` and Google's training code
@@ -61,6 +62,8 @@ pub struct Settings {
     pub sliding_keys: SlidingKeys,
     pub dtype: ComputeDtype,
     pub sample_drafts: bool,
+    /// `None`: the checkpoint's `generation_config.json` decides (see [`confidence_floor`]).
+    pub min_draft_probability: Option<f32>,
 }
 
 #[derive(Deserialize)]
@@ -71,6 +74,7 @@ struct Raw {
     sliding_keys: Option<String>,
     dtype: Option<String>,
     sample_drafts: Option<bool>,
+    min_draft_probability: Option<f64>,
 }
 
 impl Settings {
@@ -114,13 +118,45 @@ impl Settings {
                 ))
             }
         };
+        let min_draft_probability = match raw.min_draft_probability {
+            Some(p) if !(0.0..1.0).contains(&p) => {
+                return Err(format!(
+                    "assistant drafter: `min_draft_probability` must be in [0, 1), got {p}"
+                ))
+            }
+            p => p.map(|p| p as f32),
+        };
         Ok(Settings {
             checkpoint,
             position,
             sliding_keys,
             dtype,
             sample_drafts: raw.sample_drafts.unwrap_or(false),
+            min_draft_probability,
         })
+    }
+}
+
+/// The confidence floor of greedy rounds when the settings give none: the checkpoint's
+/// `assistant_confidence_threshold` in `generation_config.json` (transformers' assisted
+/// decoding ends a round the same way), else 0. A file that is there but unreadable is an
+/// error, not a silent 0.
+pub fn confidence_floor(checkpoint: &Path) -> Result<f32, String> {
+    let path = checkpoint.join("generation_config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(0.0);
+    };
+    let config: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
+    match config.get("assistant_confidence_threshold") {
+        None | Some(serde_json::Value::Null) => Ok(0.0),
+        Some(v) => match v.as_f64() {
+            Some(p) if (0.0..1.0).contains(&p) => Ok(p as f32),
+            _ => Err(format!(
+                "{}: `assistant_confidence_threshold` must be a number in [0, 1), got {v}",
+                path.display()
+            )),
+        },
     }
 }
 
@@ -150,11 +186,44 @@ mod tests {
     }
 
     #[test]
+    fn the_checkpoint_may_set_the_confidence_floor() {
+        let dir = std::env::temp_dir().join(format!("assistant-floor-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(
+            confidence_floor(&dir).unwrap(),
+            0.0,
+            "no generation_config.json"
+        );
+        let file = dir.join("generation_config.json");
+        std::fs::write(&file, r#"{"num_assistant_tokens": 6}"#).unwrap();
+        assert_eq!(confidence_floor(&dir).unwrap(), 0.0);
+        std::fs::write(&file, r#"{"assistant_confidence_threshold": 0.4}"#).unwrap();
+        assert_eq!(confidence_floor(&dir).unwrap(), 0.4);
+        std::fs::write(&file, r#"{"assistant_confidence_threshold": 2}"#).unwrap();
+        let e = confidence_floor(&dir).unwrap_err();
+        assert!(
+            e.contains("assistant_confidence_threshold") && e.contains("generation_config.json"),
+            "{e}"
+        );
+        std::fs::write(&file, "{").unwrap();
+        assert!(confidence_floor(&dir).unwrap_err().contains("not JSON"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn unknown_keys_and_values_are_named() {
         let e = Settings::parse(&json!({"checkpont": "x"}), Path::new("/p")).unwrap_err();
         assert!(e.contains("checkpont"), "{e}");
         let e = Settings::parse(&json!({"position": "next"}), Path::new("/p")).unwrap_err();
         assert!(e.contains("position") && e.contains("next"), "{e}");
+        let e =
+            Settings::parse(&json!({"min_draft_probability": 1.5}), Path::new("/p")).unwrap_err();
+        assert!(
+            e.contains("min_draft_probability") && e.contains("1.5"),
+            "{e}"
+        );
+        let s = Settings::parse(&json!({"min_draft_probability": 0.25}), Path::new("/p")).unwrap();
+        assert_eq!(s.min_draft_probability, Some(0.25));
         let e = Settings::parse(&json!({"sliding_keys": 3}), Path::new("/p")).unwrap_err();
         assert!(e.contains("sliding_keys") || e.contains("string"), "{e}");
     }
