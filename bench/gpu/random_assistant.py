@@ -7,8 +7,9 @@ clusters, the best 32 kept) over the target's vocabulary, float16 weights.
   python3 bench/gpu/random_assistant.py TARGET_CONFIG OUT_DIR [CENTROIDS TOP_K]
 
 TARGET_CONFIG is a Gemma 4 config (e.g. configs/gemma-4-e4b.json); the drafter takes its
-backbone width, vocabulary, KV heads, head dims, window and RoPE from it. Only numpy is
-needed (the GPU machine has no registry): the safetensors file is written by hand.
+backbone width, vocabulary, KV heads, head dims, window and RoPE from it. The config.json is
+the training script's (train/train_assistant.py, which imports torch); the weights need only
+numpy, and the safetensors file is written by hand (the GPU machine has no registry).
 """
 
 import json
@@ -17,6 +18,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "train"))
+from train_assistant import FULL, assistant_config, layer_kinds  # noqa: E402
 
 D, FFN, HEADS, LAYERS = 256, 2048, 4, 4
 
@@ -48,9 +52,9 @@ def main():
     # The released head's clusters; a tiny test vocabulary needs fewer.
     centroids, top_k = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (2048, 32)
     out.mkdir(parents=True, exist_ok=True)
-    kinds = ["sliding_attention"] * (LAYERS - 1) + ["full_attention"]
-    head_dim = {"sliding_attention": t["head_dim"],
-                "full_attention": t.get("global_head_dim") or t["head_dim"]}
+    kinds = layer_kinds(LAYERS)
+    head_dim = {kind: t["head_dim"] for kind in kinds}
+    head_dim[FULL] = t.get("global_head_dim") or t["head_dim"]
     hb, vocab = t["hidden_size"], t["vocab_size"]
     rng = np.random.default_rng(0)
 
@@ -84,26 +88,10 @@ def main():
             p + "layer_scalar": ones(1),
         })
     save_safetensors(out / "model.safetensors", tensors)
-    text = {
-        "model_type": "gemma4_text", "hidden_size": D, "intermediate_size": FFN,
-        "num_hidden_layers": LAYERS, "layer_types": kinds, "num_attention_heads": HEADS,
-        "num_key_value_heads": t["num_key_value_heads"],
-        "num_global_key_value_heads": t.get("num_global_key_value_heads") or t["num_key_value_heads"],
-        "attention_k_eq_v": bool(t.get("attention_k_eq_v", False)),
-        "head_dim": t["head_dim"], "global_head_dim": head_dim["full_attention"],
-        "sliding_window": t["sliding_window"], "rope_parameters": t["rope_parameters"],
-        "rms_norm_eps": t.get("rms_norm_eps", 1e-6), "hidden_activation": "gelu_pytorch_tanh",
-        "vocab_size": vocab, "num_kv_shared_layers": LAYERS, "hidden_size_per_layer_input": 0,
-        "vocab_size_per_layer_input": 0, "enable_moe_block": False,
-        "use_double_wide_mlp": False, "final_logit_softcapping": None,
-        "tie_word_embeddings": True,
-    }
-    config = {
-        "architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant",
-        "text_config": text, "backbone_hidden_size": hb, "use_ordered_embeddings": True,
-        "num_centroids": centroids, "centroid_intermediate_top_k": top_k,
-        "tie_word_embeddings": True, "dtype": "float16",
-    }
+    # The released centroid head and float16 weights; the rest as the trainer writes it.
+    config = assistant_config(t, D, HEADS, FFN, LAYERS)
+    config.update({"use_ordered_embeddings": True, "num_centroids": centroids,
+                   "centroid_intermediate_top_k": top_k, "dtype": "float16"})
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     params = sum(a.size for n, a in tensors.items() if a.dtype == np.float16)
     print(f"random assistant: {params:,} parameters in {out}")
