@@ -10,8 +10,10 @@
 //! * [`sdk`]: plain-Rust traits and the panic-catching adapters.
 //! * [`manifest`]: the `plugin.toml` schema, shared with the host.
 //! * [`target_spec`]: the target's description a drafter checks its pairing against.
+//! * [`checkpoint`]: a checked safetensors reader for drafters that load their own weights.
 
 pub mod abi;
+pub mod checkpoint;
 pub mod manifest;
 pub mod sdk;
 pub mod target_spec;

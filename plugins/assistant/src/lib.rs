@@ -18,7 +18,8 @@
 //! * [`session`]: pairing with the target, what is read from the host and when.
 
 pub mod attention;
-pub mod checkpoint;
+/// The SDK's safetensors reader, under the name this crate's modules and tests use.
+pub use mlx_spec_plugin_api::checkpoint;
 pub mod config;
 pub mod head;
 pub mod layer;

@@ -1,4 +1,4 @@
-//! Reading named tensors out of safetensors files.
+//! Reading named tensors out of safetensors files, for drafters that load checkpoints.
 //!
 //! A checkpoint folder holds `model.safetensors`, or shards listed by
 //! `model.safetensors.index.json`, or (failing both) any `*.safetensors` files. Every file is
@@ -11,7 +11,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
+use mlx_rs::{Array, Dtype};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 
 struct MappedFile {
