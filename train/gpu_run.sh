@@ -12,6 +12,11 @@
 # $OUT/$NAME.tar.gz (model.safetensors, config.json, generation_config.json, metrics.json,
 # train_log.csv, train_stdout.log), so that several shapes can train side by side on one GPU:
 #   TASK=assistant NAME=a4 bash gpu_run.sh 6 --layers 4 & TASK=assistant NAME=a2 bash gpu_run.sh 6 --layers 2 & wait
+# TASK=mtp trains the glm-mtp row (train_mtp.py) the same way, into train/out/$NAME/ (NAME
+# defaults to "mtp") or $OUT/$NAME.tar.gz (model.safetensors, config.json, metrics.json,
+# train_log.csv, train_stdout.log); its final check uses transformers' glm4_moe, which the
+# payload's trimmed transformers keeps.
+#   TASK=mtp NAME=pre bash gpu_run.sh 6 --chain pre_norm & TASK=mtp NAME=post bash gpu_run.sh 6 --chain post_norm & wait
 # The payload is looked for, in order: $PARTS, a folder holding the parts written by
 # pack_for_gpu.sh (gpu-payload.tar.NN + PARTS.sha256; they are joined and unpacked into a
 # scratch folder); $PAYLOAD; the folder of this script when it holds wheels/ and data/
@@ -138,6 +143,55 @@ EOF
   if [ -n "${OUT:-}" ]; then
     tar -C "$RUN" -czf "$OUT/$NAME.tar.gz" .
     echo "== result: $OUT/$NAME.tar.gz (untar it into plugins/assistant/checkpoint or a folder of your own)"
+  else
+    echo "== result: $RUN"
+  fi
+  rm -rf "$WORK" "${UNPACK:-}"
+  exit 0
+fi
+
+# ---------------------------------------------------------------- MTP row (glm-mtp)
+if [ "${TASK:-model}" = "mtp" ]; then
+  TARGET="${TARGET:-$HERE/../models/gemma4-code-25m}"
+  NAME="${NAME:-mtp}"
+  if [ -n "${OUT:-}" ]; then RUN="$WORK/$NAME"; else RUN="$HERE/out/$NAME"; fi
+  rm -rf "$RUN"
+  mkdir -p "$RUN"
+  "$PY" -c "import transformers.models.glm4_moe.modeling_glm4_moe" 2>/dev/null \
+    || echo "== warning: this transformers has no glm4_moe (a payload packed before pack_for_gpu.sh kept it); the final check will fail" >&2
+  # As for the assistant: whatever train_mtp.py saved is exported even when a later stage
+  # (evaluation, the transformers check) fails.
+  status=0
+  "$PY" "$HERE/train_mtp.py" --target "$TARGET" --train-bin "$PAYLOAD/data/train.bin" \
+    --heldout-bin "$PAYLOAD/data/heldout.bin" --out "$RUN" --max-minutes "$MINUTES" "$@" \
+    2>&1 | tee "$RUN/train_stdout.log" || status=$?
+  if [ -d "$RUN/model" ]; then mv "$RUN"/model/* "$RUN"/ && rmdir "$RUN/model"; fi
+  if [ -n "${OUT:-}" ]; then tar -C "$RUN" -czf "$OUT/$NAME.tar.gz" .; fi
+  if [ "$status" -ne 0 ]; then
+    echo "== train_mtp.py failed ($status); what it left is in ${OUT:-$RUN}" >&2
+    exit "$status"
+  fi
+  "$PY" - "$RUN/metrics.json" "$NAME" <<'EOF'
+import json, sys
+m = json.load(open(sys.argv[1]))
+a, v = m["args"], m.get("verify", {})
+rows = [
+    ("run", sys.argv[2]),
+    ("chain_hidden", a["chain"]),
+    ("parameters", f"{m['params']:,}"),
+    ("shape", f"{a['heads']}/{a['kv_heads']} heads x {a['head_dim']}, ffn {a['ffn']}, {a['steps']} steps"),
+    ("train steps", f"{m['train_steps']:,} in {m['train_seconds'] / 60:.2f} min"),
+] + [(f"est. acceptance at {k + 1}", f"{x:.3f}") for k, x in enumerate(m["heldout"]["mean_acceptance_length_at_k"])] + [
+    ("transformers check", f"{'PASS' if v.get('pass') else 'FAIL'}, max |dlogit| {v.get('max_logit_diff', float('nan')):.2e}"),
+]
+w = max(len(k) for k, _ in rows)
+print("=" * 50)
+for k, x in rows:
+    print(f"{k:<{w}}  {x}")
+print("=" * 50)
+EOF
+  if [ -n "${OUT:-}" ]; then
+    echo "== result: $OUT/$NAME.tar.gz (config.json, model.safetensors for plugins/glm-mtp/checkpoint)"
   else
     echo "== result: $RUN"
   fi

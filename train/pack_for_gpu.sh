@@ -4,7 +4,8 @@
 #     gpu_run.sh, train_model.py, verify_checkpoint.py   copies of the scripts
 #     wheels/      pinned wheels for what transformers 5.24.0 imports (cp312, manylinux)
 #     transformers-5.24.0-trimmed.tar.xz   transformers 5.24.0 from its pinned wheel with every
-#                  model folder dropped except gemma4, gemma4_assistant and auto (9 MB, not 60)
+#                  model folder dropped except gemma4, gemma4_assistant, glm4_moe (the MTP row's
+#                  check) and auto (9 MB, not 60)
 #     data/        train.bin.xz, heldout.bin.xz, unseen.bin.xz, *_index.json, manifest.json,
 #                  tokenizer_stats.json, tokenizer/{tokenizer.json,tokenizer_config.json}
 #   out/gpu-parts/gpu-payload.tar.NN   the same folder as one tar cut into parts of at most
@@ -86,7 +87,7 @@ rm -rf "$TRIM" && mkdir -p "$TRIM"
 "$PY" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
   "$(ls "$CACHE"/transformers-5.24.0-*.whl)" "$TRIM"
 for d in "$TRIM"/transformers/models/*/; do
-  case "$(basename "$d")" in gemma4|gemma4_assistant|auto) ;; *) rm -rf "$d" ;; esac
+  case "$(basename "$d")" in gemma4|gemma4_assistant|glm4_moe|auto) ;; *) rm -rf "$d" ;; esac
 done
 XZ_OPT="-6 -T0" tar -C "$TRIM" -cJf "$PAYLOAD/transformers-5.24.0-trimmed.tar.xz" .
 rm -rf "$TRIM"
