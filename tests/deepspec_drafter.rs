@@ -108,6 +108,50 @@ fn the_confidence_threshold_cuts_the_block_where_the_confidences_say() {
     }
 }
 
+/// A checkpoint that leaves out its embedding and LM head (`mlx_spec_shared_vocab`) drafts
+/// with the target's through the ports: the same block as the full checkpoint whose tables
+/// are copies of the target's (as DeepSpec's trainer makes them).
+#[test]
+fn a_shared_vocabulary_checkpoint_drafts_as_the_full_one_with_the_targets_tables() {
+    use safetensors::tensor::TensorView;
+    use safetensors::SafeTensors;
+    let target_bytes = std::fs::read(fixture().join("target/model.safetensors")).unwrap();
+    let target = SafeTensors::deserialize(&target_bytes).unwrap();
+    let table = target.tensor("model.embed_tokens.weight").unwrap();
+    let drafter_bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
+    let drafter = SafeTensors::deserialize(&drafter_bytes).unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("config.json")).unwrap())
+            .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, with_tables: bool| {
+        let folder = dir.path().join(name);
+        std::fs::create_dir_all(&folder).unwrap();
+        let mut views: Vec<(String, TensorView)> = drafter
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| n != "embed_tokens.weight" && n != "lm_head.weight")
+            .collect();
+        let mut config = config.clone();
+        if with_tables {
+            views.push(("embed_tokens.weight".into(), table.clone()));
+            views.push(("lm_head.weight".into(), table.clone()));
+        } else {
+            config["mlx_spec_shared_vocab"] = Value::Bool(true);
+        }
+        safetensors::serialize_to_file(views, None, &folder.join("model.safetensors")).unwrap();
+        std::fs::write(folder.join("config.json"), config.to_string()).unwrap();
+        format!("checkpoint={}", folder.display())
+    };
+    let (full, shared) = (write("full", true), write("shared", false));
+    let full_block = draft(&[&full], 5);
+    let shared_block = draft(&[&shared], 5);
+    assert_eq!(full_block["drafts"], shared_block["drafts"]);
+    assert_eq!(ids(&shared_block["drafts"]).len(), 5, "{shared_block}");
+    // And the tables matter: the fixture's own (random) tables draft another block.
+    assert_ne!(full_block["drafts"], e2e()["block_tokens"]);
+}
+
 fn generate(extra: &[&str]) -> Value {
     let prompt = ids_arg(&prompt());
     let target = target();

@@ -33,6 +33,9 @@ pub struct DSparkConfig {
     pub markov_rank: usize,
     pub confidence_head: bool,
     pub confidence_with_markov: bool,
+    /// `mlx_spec_shared_vocab`: the checkpoint stores no `embed_tokens`/`lm_head`; the block
+    /// reads the target's embedding and LM head through its ports.
+    pub shared_vocab: bool,
 }
 
 fn usize_of(v: &Value, key: &str, whence: &str) -> Result<usize, String> {
@@ -199,6 +202,7 @@ impl DSparkConfig {
             markov_rank,
             confidence_head,
             confidence_with_markov,
+            shared_vocab: bool_of(&v, "mlx_spec_shared_vocab", false, whence)?,
         };
         let c = &config;
         if c.block_size == 0

@@ -20,7 +20,10 @@ pub mod rope;
 pub mod session;
 pub mod settings;
 
-pub use model::{confident_prefix, Block, BlockOutput, Choice, Context, DSparkModel};
+pub use model::{
+    confident_prefix, Block, BlockOutput, Choice, Context, DSparkModel, NoPorts, TargetPorts,
+    Vocabulary,
+};
 pub use session::{DeepSpecDrafter, DeepSpecSession};
 
 mlx_spec_plugin_api::declare_drafter_plugin!("deepspec", DeepSpecDrafter);

@@ -12,9 +12,11 @@
 //! confidence of row k:                  c_k = sigmoid(proj [hB_k ; markov_w1[prev_k]])
 //! ```
 //!
-//! The drafter's embedding and LM head are its own (frozen copies of the target's, in the
-//! checkpoint). The Markov chain runs on the device: each token stays an MLX array that feeds
-//! the next row's lookup, and the block is read back once.
+//! The drafter's embedding and LM head are its own frozen copies of the target's (DeepSpec's
+//! format), or, in a checkpoint marked `mlx_spec_shared_vocab`, the target's own through its
+//! ports (the copies would only repeat the target's tables). The Markov chain runs on the
+//! device: each token stays an MLX array that feeds the next row's lookup, and the block is
+//! read back once.
 
 use std::path::Path;
 
@@ -29,13 +31,42 @@ use crate::layer::DraftLayer;
 use crate::linear::{is_float, mlx_err, Linear, Loader};
 use crate::rope::Angles;
 
+/// Where a block's embeddings and logits come from.
+pub enum Vocabulary {
+    /// The checkpoint's tables: `embed_tokens` `[V, H]`, looked up and scaled by `sqrt(H)`
+    /// rounded to the weight dtype, and `lm_head`, soft-capped as the config says.
+    Own {
+        embed_tokens: Array,
+        embed_scale: Array,
+        lm_head: Linear,
+    },
+    /// The target's input embedding and LM head (with its soft-cap), through its ports.
+    Target,
+}
+
+/// The target's ports a shared-vocabulary drafter reads: embeddings `[.., rows, H]` as the
+/// target's first layer reads them, and float32 logits `[rows, V]` of final hidden states.
+pub trait TargetPorts {
+    fn embed(&self, ids: &[u32]) -> Result<Array, String>;
+    fn logits(&self, hidden: &Array) -> Result<Array, String>;
+}
+
+/// For drafters with their own tables: no port is read.
+pub struct NoPorts;
+
+impl TargetPorts for NoPorts {
+    fn embed(&self, _ids: &[u32]) -> Result<Array, String> {
+        Err("this drafter has no target to read embeddings from".to_owned())
+    }
+    fn logits(&self, _hidden: &Array) -> Result<Array, String> {
+        Err("this drafter has no target to read logits from".to_owned())
+    }
+}
+
 pub struct DSparkModel {
     pub config: DSparkConfig,
     pub dtype: Dtype,
-    /// `[V, H]`; looked up and scaled by `sqrt(H)` rounded to the weight dtype.
-    embed_tokens: Array,
-    embed_scale: Array,
-    lm_head: Linear,
+    pub vocabulary: Vocabulary,
     fc: Linear,
     hidden_norm: Array,
     layers: Vec<DraftLayer>,
@@ -148,18 +179,23 @@ impl DSparkModel {
         } else {
             None
         };
-        let embed_tokens = loader.float("embed_tokens.weight", &[v, h])?;
-        // transformers scales by sqrt(H) cast to the embedding's dtype (62.0 for 3840 in bf16).
-        let embed_scale = Array::from_f32((h as f32).sqrt())
-            .as_dtype(loader.dtype)
-            .map_err(mlx_err("embedding scale"))?;
+        let vocabulary = if config.shared_vocab {
+            Vocabulary::Target
+        } else {
+            // transformers scales by sqrt(H) cast to the embedding's dtype (62.0 for 3840 in bf16).
+            Vocabulary::Own {
+                embed_tokens: loader.float("embed_tokens.weight", &[v, h])?,
+                embed_scale: Array::from_f32((h as f32).sqrt())
+                    .as_dtype(loader.dtype)
+                    .map_err(mlx_err("embedding scale"))?,
+                lm_head: loader.linear("lm_head", v, h, false)?,
+            }
+        };
         Ok(DSparkModel {
-            lm_head: loader.linear("lm_head", v, h, false)?,
+            vocabulary,
             fc: loader.linear("fc", h, taps * h, false)?,
             hidden_norm: loader.float("hidden_norm.weight", &[h])?,
             norm: loader.float("norm.weight", &[h])?,
-            embed_tokens,
-            embed_scale,
             layers,
             markov,
             confidence,
@@ -169,8 +205,15 @@ impl DSparkModel {
     }
 
     pub fn nbytes(&self) -> usize {
-        self.embed_tokens.nbytes()
-            + self.lm_head.nbytes()
+        let vocabulary = match &self.vocabulary {
+            Vocabulary::Own {
+                embed_tokens,
+                lm_head,
+                ..
+            } => embed_tokens.nbytes() + lm_head.nbytes(),
+            Vocabulary::Target => 0,
+        };
+        vocabulary
             + self.fc.nbytes()
             + self.hidden_norm.nbytes()
             + self.norm.nbytes()
@@ -233,26 +276,53 @@ impl DSparkModel {
         Ok(projected)
     }
 
-    /// The forward of the block `[anchor, mask, ..., mask]` at positions `context.rows()..`.
-    pub fn block(&self, context: &Context, anchor: u32) -> Result<BlockOutput, String> {
+    /// The forward of the block `[anchor, mask, ..., mask]` at positions `context.rows()..`;
+    /// `ports` are read only by a shared-vocabulary drafter.
+    pub fn block(
+        &self,
+        context: &Context,
+        anchor: u32,
+        ports: &dyn TargetPorts,
+    ) -> Result<BlockOutput, String> {
         let e = mlx_err("draft block");
         let c = &self.config;
         let b = c.block_size;
-        let mut ids = vec![c.mask_token_id as i32; b];
-        ids[0] = anchor as i32;
-        let ids = Array::from_slice(&ids, &[b as i32]);
-        let mut h = self
-            .embed_tokens
-            .take_axis(&ids, 0)
-            .and_then(|x| x.multiply(&self.embed_scale))
-            .map_err(&e)?;
+        let mut ids = vec![c.mask_token_id; b];
+        ids[0] = anchor;
+        let mut h = match &self.vocabulary {
+            Vocabulary::Own {
+                embed_tokens,
+                embed_scale,
+                ..
+            } => {
+                let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+                embed_tokens
+                    .take_axis(Array::from_slice(&ids, &[b as i32]), 0)
+                    .and_then(|x| x.multiply(embed_scale))
+                    .map_err(&e)?
+            }
+            Vocabulary::Target => ports
+                .embed(&ids)?
+                .reshape(&[b as i32, c.hidden_size as i32])
+                .and_then(|x| x.as_dtype(self.dtype))
+                .map_err(&e)?,
+        };
         let angles = self.angles(context.rows as u64, b)?;
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(&h, context.layers.get(i), &angles)?;
         }
         let hidden = rms_norm(&h, Some(&self.norm), c.rms_norm_eps).map_err(&e)?;
-        let mut base_logits = self
-            .lm_head
+        let lm_head = match &self.vocabulary {
+            Vocabulary::Own { lm_head, .. } => lm_head,
+            // The target's port applies its own soft-cap.
+            Vocabulary::Target => {
+                return Ok(BlockOutput {
+                    base_logits: ports.logits(&hidden)?,
+                    hidden,
+                })
+            }
+        };
+        let mut base_logits = lm_head
             .forward(&hidden)?
             .as_dtype(Dtype::Float32)
             .map_err(&e)?;

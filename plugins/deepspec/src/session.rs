@@ -6,8 +6,9 @@
 //! * `tap_layers()`: the checkpoint's `target_layer_ids` (the residual stream leaving each);
 //! * `receive_taps`: every verified position's taps, concatenated in that order and kept
 //!   until the next `draft` projects them into the context;
-//! * `draft`: nothing: the drafter has its own embedding and LM head. One block forward, one
-//!   read of the block's tokens and confidences.
+//! * `draft`: nothing for DeepSpec's format, which carries its own embedding and LM head;
+//!   `target.embed` and `target.logits_from_hidden` once a block for a shared-vocabulary
+//!   checkpoint. One block forward, one read of the block's tokens and confidences.
 
 use std::sync::{Arc, Mutex};
 
@@ -20,7 +21,7 @@ use mlx_spec_plugin_api::{
 
 use crate::config::DSparkConfig;
 use crate::linear::mlx_err;
-use crate::model::{confident_prefix, Choice, Context, DSparkModel};
+use crate::model::{confident_prefix, Choice, Context, DSparkModel, TargetPorts};
 use crate::settings::{calibrated_thresholds, ComputeDtype, Settings};
 
 /// The loaded drafter; sessions reach the weights through a lock (held for one `draft`).
@@ -137,6 +138,19 @@ pub fn check_pairing(config: &DSparkConfig, spec: &TargetSpec) -> Result<(), Str
     Ok(())
 }
 
+/// The host's ports, for a shared-vocabulary drafter.
+struct Ports<'a, 'b>(&'a Target<'b>);
+
+impl TargetPorts for Ports<'_, '_> {
+    fn embed(&self, ids: &[u32]) -> Result<Array, String> {
+        self.0.embed(ids)
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array, String> {
+        self.0.logits_from_hidden(hidden)
+    }
+}
+
 /// Per-request state: the context rows made so far and the taps waiting to join them.
 pub struct DeepSpecSession {
     model: Arc<Mutex<DSparkModel>>,
@@ -220,7 +234,7 @@ impl DrafterSession for DeepSpecSession {
             },
             None => Choice::Greedy,
         };
-        let out = model.block(&self.context, anchor)?;
+        let out = model.block(&self.context, anchor, &Ports(target))?;
         let block = model.choose(&out, anchor, choice)?;
         let keep = confident_prefix(&block.confidence, &self.thresholds, block.tokens.len()).min(n);
         let tokens = block.tokens[..keep].to_vec();

@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use mlx_spec_deepspec::{confident_prefix, Choice, Context, DSparkModel};
+use mlx_spec_deepspec::{confident_prefix, Choice, Context, DSparkModel, NoPorts};
 use mlx_spec_plugin_api::checkpoint::Checkpoint;
 use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
 
@@ -78,7 +78,7 @@ fn three_rounds_match_deepspec() {
                 max_diff(v, &get(&format!("{tag}.cache_after.v.{i}"))),
             ));
         }
-        let out = model.block(&context, anchor).unwrap();
+        let out = model.block(&context, anchor, &NoPorts).unwrap();
         let block = model.choose(&out, anchor, Choice::Greedy).unwrap();
         worst.push((
             "block hidden",
