@@ -92,6 +92,35 @@ MODEL_KW = dict(
     pad_token_id=PAD,
 )
 
+# Draft models for the `draft-model` drafter: the default model's tokenizer and conventions,
+# few layers (a draft step must cost a fraction of a target step), no per-layer inputs and no
+# KV sharing. `--shape draft2` / `draft3`.
+DRAFT_SHAPES = {
+    "draft2": dict(layer_types=[SLIDING, FULL]),
+    "draft3": dict(layer_types=[SLIDING, SLIDING, FULL]),
+}
+DRAFT_KW = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=64,
+    global_head_dim=128,
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=0,
+)
+
+
+def use_shape(name):
+    """Switches MODEL_KW to a named shape ("default" leaves it as it is)."""
+    if name == "default":
+        return
+    MODEL_KW.update(DRAFT_KW)
+    MODEL_KW.update(DRAFT_SHAPES[name])
+    MODEL_KW["num_hidden_layers"] = len(MODEL_KW["layer_types"])
+
+
 GENERATION_CONFIG = {
     "bos_token_id": BOS,
     "eos_token_id": [1, 106, 50],
@@ -328,7 +357,10 @@ def main():
     ap.add_argument("--save-dtype", choices=["f32", "bf16"], default="bf16",
                     help="dtype of the saved checkpoint (bf16: half the bytes to bring back from "
                          "a GPU machine; train/quantize_checkpoint.py makes the shipped model)")
+    ap.add_argument("--shape", choices=["default", *DRAFT_SHAPES], default="default",
+                    help="the default model's shape, or a small draft model of its tokenizer")
     args = ap.parse_args()
+    use_shape(args.shape)
 
     import transformers
     from transformers import Gemma4ForCausalLM
