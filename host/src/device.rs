@@ -1,10 +1,9 @@
 //! Device selection at run time (`--device cpu|gpu`), never at build time: the same binary
 //! runs on the CPU libmlx, on a CUDA libmlx swapped in by library path, or on Metal.
 
-use std::ffi::CStr;
-
 use anyhow::{bail, Result};
 use mlx_rs::{Device, DeviceType};
+pub use mlx_spec_model::device::{default_is, mlx_version};
 
 /// Where the model runs.
 #[derive(
@@ -14,30 +13,6 @@ use mlx_rs::{Device, DeviceType};
 pub enum DeviceKind {
     Cpu,
     Gpu,
-}
-
-/// Whether MLX's default device, where the next operations will run, is of this type.
-pub fn default_is(kind: DeviceType) -> bool {
-    Device::default()
-        .get_type()
-        .is_ok_and(|t| t as u32 == kind as u32)
-}
-
-/// The version string of the libmlx this process loaded (e.g. `0.32.2`).
-pub fn mlx_version() -> String {
-    // SAFETY: mlx_string is created, read and freed here; mlx_version only writes into it.
-    unsafe {
-        let mut s = mlx_sys::mlx_string_new();
-        let out = if mlx_sys::mlx_version(&mut s) == 0 {
-            CStr::from_ptr(mlx_sys::mlx_string_data(s))
-                .to_string_lossy()
-                .into_owned()
-        } else {
-            "unknown".to_owned()
-        };
-        mlx_sys::mlx_string_free(s);
-        out
-    }
 }
 
 /// Whether the loaded libmlx can run on `kind`.
