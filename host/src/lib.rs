@@ -4,14 +4,13 @@
 //! ([`model::gemma4`]) and checkpoint loading ([`weights`]), from the `mlx-spec-model` crate;
 //! the tokenizer and chat format ([`tokenizer`]), the sampler ([`sampler`]), device selection
 //! ([`device`]), plain generation ([`generate`]), drafter plugins ([`plugins`]), the verify
-//! loop ([`speculative`]) and mlx-spec's own CUDA kernels for the decode step ([`kernels`]),
-//! and the OpenAI-compatible server ([`server`]).
+//! loop ([`speculative`]), mlx-spec's own CUDA kernels for the decode step ([`kernels`], from
+//! the `mlx-spec-kernels` crate), and the OpenAI-compatible server ([`server`]).
 
 pub mod deploy;
 pub mod device;
 pub mod diagnostics;
 pub mod generate;
-pub mod kernels;
 pub mod load;
 pub mod perplexity;
 pub mod plugins;
@@ -25,6 +24,9 @@ pub mod tokenizer;
 /// shared with plugins that run a Gemma 4 of their own; re-exported under their old paths.
 pub use mlx_spec_model as model;
 pub use mlx_spec_model::weights;
+
+/// The fused CUDA kernels, the model's fast path on a CUDA GPU, live in their own crate too.
+pub use mlx_spec_kernels as kernels;
 
 /// The default model's folder under [`home`]: a small Gemma 4 trained on Python code
 /// (`models/gemma4-code-25m/README.md`).
