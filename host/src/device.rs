@@ -1,10 +1,13 @@
 //! Device selection at run time (`--device cpu|gpu`), never at build time: the same binary
 //! runs on the CPU libmlx, on a CUDA libmlx swapped in by library path, or on Metal.
 
-use std::ffi::CStr;
-
 use anyhow::{bail, Result};
 use mlx_rs::{Device, DeviceType};
+pub use mlx_spec_kernels::cuda::{
+    cuda_compute_capability, cuda_multiprocessor_count, cuda_runtime, cuda_shared_through_mps,
+    KERNEL_CACHE_VAR,
+};
+pub use mlx_spec_model::device::{default_is, mlx_version};
 
 /// Where the model runs.
 #[derive(
@@ -14,30 +17,6 @@ use mlx_rs::{Device, DeviceType};
 pub enum DeviceKind {
     Cpu,
     Gpu,
-}
-
-/// Whether MLX's default device, where the next operations will run, is of this type.
-pub fn default_is(kind: DeviceType) -> bool {
-    Device::default()
-        .get_type()
-        .is_ok_and(|t| t as u32 == kind as u32)
-}
-
-/// The version string of the libmlx this process loaded (e.g. `0.32.2`).
-pub fn mlx_version() -> String {
-    // SAFETY: mlx_string is created, read and freed here; mlx_version only writes into it.
-    unsafe {
-        let mut s = mlx_sys::mlx_string_new();
-        let out = if mlx_sys::mlx_version(&mut s) == 0 {
-            CStr::from_ptr(mlx_sys::mlx_string_data(s))
-                .to_string_lossy()
-                .into_owned()
-        } else {
-            "unknown".to_owned()
-        };
-        mlx_sys::mlx_string_free(s);
-        out
-    }
 }
 
 /// Whether the loaded libmlx can run on `kind`.
@@ -80,9 +59,6 @@ pub fn select(kind: DeviceKind) -> Result<()> {
     Device::set_default(&device);
     Ok(())
 }
-
-/// MLX's variable naming where its CUDA backend keeps the kernels it compiles.
-pub const KERNEL_CACHE_VAR: &str = "MLX_PTX_CACHE_DIR";
 
 /// Where compiled kernels are kept when [`KERNEL_CACHE_VAR`] is unset: under the user's cache
 /// directory (`$XDG_CACHE_HOME`, else `$HOME/.cache`), one folder per libmlx version, since a
@@ -189,21 +165,6 @@ pub fn start_profiler_capture_if_asked() {
     }
 }
 
-/// The CUDA runtime library that the CUDA libmlx loaded (opening it again only takes a
-/// reference), with its name.
-fn cuda_runtime() -> Result<(&'static str, abi_stable::library::RawLibrary)> {
-    use abi_stable::library::RawLibrary;
-    let names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"];
-    names
-        .iter()
-        .find_map(|name| {
-            RawLibrary::load_at(std::path::Path::new(name))
-                .ok()
-                .map(|l| (*name, l))
-        })
-        .ok_or_else(|| anyhow::anyhow!("no CUDA runtime library ({}) loads", names.join(", ")))
-}
-
 fn cuda_profiler_start() -> Result<&'static str> {
     let (name, library) = cuda_runtime()?;
     // SAFETY: cudaProfilerStart takes no arguments and returns a cudaError_t (an int).
@@ -217,50 +178,6 @@ fn cuda_profiler_start() -> Result<&'static str> {
         bail!("cudaProfilerStart returned CUDA error {code}");
     }
     Ok(name)
-}
-
-/// An attribute of CUDA device 0 (`cudaDeviceAttr`), asked of the CUDA runtime the CUDA
-/// libmlx loaded; `None` where there is no runtime, or it refuses the attribute.
-fn cuda_device_attribute(attribute: i32) -> Option<i32> {
-    let (_, library) = cuda_runtime().ok()?;
-    let mut value = 0i32;
-    // SAFETY: cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) writes one
-    // int and returns a cudaError_t.
-    let code = unsafe {
-        let get = library
-            .get::<unsafe extern "C" fn(*mut i32, i32, i32) -> i32>(b"cudaDeviceGetAttribute\0")
-            .ok()?;
-        get(&mut value, attribute, 0)
-    };
-    (code == 0).then_some(value)
-}
-
-/// Streaming multiprocessors of CUDA device 0, asked once of the CUDA runtime; `None` where
-/// there is none (a CPU libmlx, macOS). Kernels whose blocks must all be resident at once
-/// (grid-wide barriers) size their grid from it.
-pub fn cuda_multiprocessor_count() -> Option<i32> {
-    static COUNT: std::sync::OnceLock<Option<i32>> = std::sync::OnceLock::new();
-    // cudaDevAttrMultiProcessorCount
-    *COUNT.get_or_init(|| cuda_device_attribute(16).filter(|&count| count > 0))
-}
-
-/// The compute capability (major, minor) of CUDA device 0, asked once of the CUDA runtime;
-/// `None` where there is none. The kernel cache compiles for it, as MLX does.
-pub fn cuda_compute_capability() -> Option<(i32, i32)> {
-    static CAPABILITY: std::sync::OnceLock<Option<(i32, i32)>> = std::sync::OnceLock::new();
-    // cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor
-    *CAPABILITY.get_or_init(|| Some((cuda_device_attribute(75)?, cuda_device_attribute(76)?)))
-}
-
-/// Whether contexts on CUDA device 0 are shared with other processes through MPS (the
-/// Multi-Process Service), asked once of the CUDA runtime; `false` where there is no CUDA
-/// runtime, or one too old to know the attribute. Under MPS the multiprocessors are shared,
-/// so a kernel whose blocks must all be resident at once (a grid-wide barrier) may never see
-/// them all start.
-pub fn cuda_shared_through_mps() -> bool {
-    static SHARED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    // cudaDevAttrMpsEnabled (CUDA 12.3 and later; older runtimes refuse it).
-    *SHARED.get_or_init(|| cuda_device_attribute(133).is_some_and(|enabled| enabled != 0))
 }
 
 #[cfg(test)]

@@ -1,19 +1,17 @@
 //! mlx-spec: a speculative-decoding host for Gemma 4 on MLX.
 //!
 //! The library holds everything the `mlx-spec` binary runs: the Gemma 4 target
-//! ([`model::gemma4`]), checkpoint loading ([`weights`]), the tokenizer and chat format
-//! ([`tokenizer`]), the sampler ([`sampler`]), device selection ([`device`]), plain
-//! generation ([`generate`]), drafter plugins ([`plugins`]), the verify loop ([`speculative`]) and
-//! mlx-spec's own CUDA kernels for the decode step ([`kernels`]), and the OpenAI-compatible
-//! server ([`server`]).
+//! ([`model::gemma4`]) and checkpoint loading ([`weights`]), from the `mlx-spec-model` crate;
+//! the tokenizer and chat format ([`tokenizer`]), the sampler ([`sampler`]), device selection
+//! ([`device`]), plain generation ([`generate`]), drafter plugins ([`plugins`]), the verify
+//! loop ([`speculative`]), mlx-spec's own CUDA kernels for the decode step ([`kernels`], from
+//! the `mlx-spec-kernels` crate), and the OpenAI-compatible server ([`server`]).
 
 pub mod deploy;
 pub mod device;
 pub mod diagnostics;
 pub mod generate;
-pub mod kernels;
 pub mod load;
-pub mod model;
 pub mod perplexity;
 pub mod plugins;
 pub mod sampler;
@@ -21,7 +19,14 @@ pub mod scaffold;
 pub mod server;
 pub mod speculative;
 pub mod tokenizer;
-pub mod weights;
+
+/// The Gemma 4 model, its checkpoint loading and device helpers live in their own crate,
+/// shared with plugins that run a Gemma 4 of their own; re-exported under their old paths.
+pub use mlx_spec_model as model;
+pub use mlx_spec_model::weights;
+
+/// The fused CUDA kernels, the model's fast path on a CUDA GPU, live in their own crate too.
+pub use mlx_spec_kernels as kernels;
 
 /// The default model's folder under [`home`]: a small Gemma 4 trained on Python code
 /// (`models/gemma4-code-25m/README.md`).

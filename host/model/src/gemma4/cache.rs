@@ -28,7 +28,7 @@ const GROWTH_STEP: usize = 256;
 /// A compaction keeps every position's slot modulo this many slots, so that the GPU's decode
 /// attention, which sums a head's slots in shares of this size at fixed slots, sums a
 /// verify window's queries as it sums decode steps' even when the cache was compacted in
-/// between (the kernels check they agree: `crate::kernels::decode_attention`).
+/// between (the kernels check they agree: `decode_attention` of the `mlx-spec-kernels` crate).
 pub const SLOT_ALIGNMENT: usize = 128;
 
 /// Default number of positions a sliding buffer keeps beyond the window, so any verify
@@ -479,7 +479,7 @@ impl ModelCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::diagnostics::{count_operations, export_dot};
+    use crate::graph::{count_operations, export_dot};
 
     #[test]
     fn a_kv_write_is_one_slice_update_of_the_given_slots() {

@@ -2,9 +2,9 @@
 //!
 //! The files of this module compute every block with MLX operations, and that is the whole
 //! model on every device. A fast path, chosen once at load for the device (on a CUDA GPU,
-//! mlx-spec's fused kernels: [`crate::kernels::CudaDecode`]), runs the layers and the output
-//! head of a forward in its own way, with the same values as the blocks here up to the
-//! rounding of a different summation order, and exactly the same values for a verify window
+//! mlx-spec's fused kernels: `CudaDecode` of the `mlx-spec-kernels` crate), runs the layers
+//! and the output head of a forward in its own way, with the same values as the blocks here
+//! up to the rounding of a different summation order, and exactly the same values for a verify window
 //! as for the decode steps it replaces (the verify loop's lossless greedy output depends on
 //! that). The model asks it at four points and knows nothing else of it.
 

@@ -7,13 +7,13 @@ use anyhow::Result;
 use mlx_rs::Array;
 
 use super::{kernel_weight, product_weight, CudaDecode, LayerState};
-use crate::kernels::post_attention::{self, post_attention, PerLayerInput, PostAttention};
-use crate::kernels::products::{gated_product, product_residual, serves_token, GateUp};
-use crate::kernels::window_post_attention::{self, window_post_attention};
-use crate::model::gemma4::cache::KvView;
-use crate::model::gemma4::layer::{DecoderLayer, PleGate};
-use crate::model::gemma4::linear::Linear;
-use crate::model::gemma4::LayerCall;
+use crate::post_attention::{self, post_attention, PerLayerInput, PostAttention};
+use crate::products::{gated_product, product_residual, serves_token, GateUp};
+use crate::window_post_attention::{self, window_post_attention};
+use mlx_spec_model::gemma4::cache::KvView;
+use mlx_spec_model::gemma4::layer::{DecoderLayer, PleGate};
+use mlx_spec_model::gemma4::linear::Linear;
+use mlx_spec_model::gemma4::LayerCall;
 
 impl CudaDecode {
     /// [`DecoderLayer::forward`] with the fused kernels.

@@ -227,12 +227,12 @@ fn compile_and_write(
 /// The folder MLX reads its cache from: `MLX_PTX_CACHE_DIR` (which `device::select` sets
 /// when the user did not), else MLX's default under the temporary folder.
 fn cache_dir() -> Option<PathBuf> {
-    match std::env::var_os(crate::device::KERNEL_CACHE_VAR) {
+    match std::env::var_os(crate::cuda::KERNEL_CACHE_VAR) {
         Some(dir) if !dir.is_empty() => Some(PathBuf::from(dir)),
         _ => Some(
             std::env::temp_dir()
                 .join("mlx")
-                .join(crate::device::mlx_version())
+                .join(mlx_spec_model::device::mlx_version())
                 .join("ptx"),
         ),
     }
@@ -348,7 +348,7 @@ fn nvrtc() -> Result<&'static Nvrtc> {
 impl Nvrtc {
     /// NVRTC for CUDA device 0, with the include folders MLX would use.
     fn load() -> Result<Nvrtc> {
-        let capability = crate::device::cuda_compute_capability()
+        let capability = crate::cuda::cuda_compute_capability()
             .ok_or_else(|| anyhow!("the CUDA runtime reports no compute capability"))?;
         Nvrtc::open(capability, include_dirs()?)
     }

@@ -276,7 +276,7 @@ const MAX_CHUNK: usize = 1024;
 /// Slots a block takes when there are enough of them.
 pub const DEFAULT_SHARE_SLOTS: usize = 128;
 // A compacted cache keeps each slot modulo the share size (see `SLOT_ALIGNMENT`).
-const _: () = assert!(DEFAULT_SHARE_SLOTS == crate::model::gemma4::cache::SLOT_ALIGNMENT);
+const _: () = assert!(DEFAULT_SHARE_SLOTS == mlx_spec_model::gemma4::cache::SLOT_ALIGNMENT);
 
 /// Whether a warp takes its whole share of a block's slots at once (up to 16 slots of a head
 /// of 256, 8 of 512), so that a block's default share is one trip to memory, rather than four
@@ -289,7 +289,7 @@ const MAX_SPLITS: usize = 64;
 /// A head's slots are split into shares of a fixed size at fixed slots
 /// ([`DEFAULT_SHARE_SLOTS`], larger only past 64 shares), rather than into a power of two of
 /// shares sized by the buffer (the first way, removed). With the cache keeping each position's
-/// slot modulo that size when it compacts ([`crate::model::gemma4::cache`]), a query's slots
+/// slot modulo that size when it compacts ([`mlx_spec_model::gemma4::cache`]), a query's slots
 /// then fall into the same shares whatever the buffer's capacity, so a verify window's queries
 /// sum exactly as the decode steps of the same positions sum, even when the window made the
 /// buffer grow or compact at another position (BENCHMARKS.md: the same fixtures' tokens, no

@@ -1,5 +1,5 @@
 //! [`CudaDecode`]: the model's fast path on a CUDA GPU, mlx-spec's fused kernels in place of
-//! chains of MLX operations ([`crate::model::gemma4::FastPath`]).
+//! chains of MLX operations ([`mlx_spec_model::gemma4::FastPath`]).
 //!
 //! The model's files hold Gemma 4's math; this module decides, call by call, which of that
 //! math runs as a fused kernel: every route the kernels take and the conditions they serve
@@ -22,11 +22,11 @@ use mlx_rs::Array;
 use super::post_attention::{self, Weight};
 use super::products::{device_array, new_counter, new_counters};
 use super::{kernel_cache, output_head, window_attention_heads, window_output_head, Fused};
-use crate::model::gemma4::attention::Attention;
-use crate::model::gemma4::cache::KvView;
-use crate::model::gemma4::layer::DecoderLayer;
-use crate::model::gemma4::linear::Linear;
-use crate::model::gemma4::{FastPath, Gemma4Model, LayerCall};
+use mlx_spec_model::gemma4::attention::Attention;
+use mlx_spec_model::gemma4::cache::KvView;
+use mlx_spec_model::gemma4::layer::DecoderLayer;
+use mlx_spec_model::gemma4::linear::Linear;
+use mlx_spec_model::gemma4::{FastPath, Gemma4Model, LayerCall};
 
 /// What one layer's kernels keep in device memory between calls.
 struct LayerState {
@@ -250,9 +250,9 @@ fn product_weight<'a>(linear: &'a Linear, x: &Array, fused: Fused) -> Option<Wei
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::gemma4::config::QuantSpec;
-    use crate::model::gemma4::linear::Quantized;
     use mlx_rs::Dtype;
+    use mlx_spec_model::gemma4::config::QuantSpec;
+    use mlx_spec_model::gemma4::linear::Quantized;
 
     #[test]
     fn a_4bit_matrix_goes_to_the_fused_products_only_when_allowed_and_fitting() {

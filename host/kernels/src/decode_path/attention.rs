@@ -11,18 +11,18 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use super::{dense_weight, kernel_weight, CudaDecode, LayerState};
-use crate::kernels::attention_heads::{
+use crate::attention_heads::{
     attention_heads, serves as heads_kernel_serves, CacheSlot, HeadShape, HeadWeights,
 };
-use crate::kernels::attention_inputs::{attention_inputs, serves, RawHeads};
-use crate::kernels::decode_attention::{decode_attention, splits_for, window_attention};
-use crate::kernels::post_attention::Weight;
-use crate::kernels::products::{normed_products, serves_token};
-use crate::kernels::window_attention_heads::{self, window_attention_heads};
-use crate::model::gemma4::attention::{buffer_attention, donor_view, Attention, Projections};
-use crate::model::gemma4::cache::{KvView, LayerKv};
-use crate::model::gemma4::config::AttentionKind;
-use crate::model::gemma4::layer::DecoderLayer;
+use crate::attention_inputs::{attention_inputs, serves, RawHeads};
+use crate::decode_attention::{decode_attention, splits_for, window_attention};
+use crate::post_attention::Weight;
+use crate::products::{normed_products, serves_token};
+use crate::window_attention_heads::{self, window_attention_heads};
+use mlx_spec_model::gemma4::attention::{buffer_attention, donor_view, Attention, Projections};
+use mlx_spec_model::gemma4::cache::{KvView, LayerKv};
+use mlx_spec_model::gemma4::config::AttentionKind;
+use mlx_spec_model::gemma4::layer::DecoderLayer;
 
 /// What [`CudaDecode::fused_heads`] gives: the queries, the view they attend over, the view a
 /// KV-owning layer leaves for its sharers, and the view's visible slots in device memory when
@@ -274,7 +274,7 @@ impl CudaDecode {
     /// Queries, and the view they attend over, from [`attention_heads`]: one kernel from the
     /// hidden state to normed, rotated heads, writing a KV-owning layer's key and value into
     /// its cache. Also the view's visible slots in device memory, which the kernel hands on
-    /// ([`crate::kernels::attention_heads::AttentionHeads::step_copy`]).
+    /// ([`crate::attention_heads::AttentionHeads::step_copy`]).
     #[allow(clippy::too_many_arguments)]
     fn fused_heads(
         &self,

@@ -770,7 +770,7 @@ pub fn grid_blocks() -> Option<i32> {
         // An H200's 132 multiprocessors.
         return Some(132 * BLOCKS_PER_MULTIPROCESSOR);
     }
-    if crate::device::cuda_shared_through_mps() {
+    if crate::cuda::cuda_shared_through_mps() {
         static SAID: std::sync::Once = std::sync::Once::new();
         SAID.call_once(|| {
             tracing::info!(
@@ -780,7 +780,7 @@ pub fn grid_blocks() -> Option<i32> {
         });
         return None;
     }
-    crate::device::cuda_multiprocessor_count().map(|sms| sms * BLOCKS_PER_MULTIPROCESSOR)
+    crate::cuda::cuda_multiprocessor_count().map(|sms| sms * BLOCKS_PER_MULTIPROCESSOR)
 }
 
 /// The layer's output for the token `x` (`[1, H]`, the layer's input) and its attention

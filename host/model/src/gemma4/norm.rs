@@ -105,10 +105,10 @@ mod tests {
         let w = Array::from_slice(&[1f32; 8], &[8]);
         let out = rms_norm(&x, Some(&w), 1e-6).unwrap();
         let path = std::env::temp_dir().join(format!("mlx-spec-norm-{}.dot", std::process::id()));
-        crate::diagnostics::export_dot(&out, &path).unwrap();
+        crate::graph::export_dot(&out, &path).unwrap();
         let dot = std::fs::read_to_string(&path).unwrap();
         std::fs::remove_file(&path).ok();
-        let ops = crate::diagnostics::count_operations(&dot);
+        let ops = crate::graph::count_operations(&dot);
         // MLX's own form: square, mean, add, rsqrt, two products and their broadcasts.
         assert!(ops.values().sum::<usize>() <= 3, "{ops:?}");
         assert!(ops.keys().any(|k| k.starts_with("Compiled")), "{ops:?}");

@@ -286,7 +286,7 @@ pub(crate) fn rows_per_warp(one_wave: bool, rows: i32, d: i32, resident: i32) ->
 /// Blocks of a kernel the device holds at once, `per_multiprocessor` on each multiprocessor.
 pub(crate) fn resident_blocks(per_multiprocessor: i32) -> i32 {
     // Off CUDA the kernels do not run; an H200's 132 multiprocessors stand in.
-    crate::device::cuda_multiprocessor_count().unwrap_or(132) * per_multiprocessor
+    crate::cuda::cuda_multiprocessor_count().unwrap_or(132) * per_multiprocessor
 }
 
 /// Whether the kernel serves heads of `head_dim` in `dtype`: a warp holds a head as whole

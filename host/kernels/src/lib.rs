@@ -1,4 +1,11 @@
-//! Fused CUDA kernels for the decode path, run through MLX's custom-kernel API.
+//! Fused CUDA kernels for the decode path, run through MLX's custom-kernel API: mlx-spec's
+//! fast path for Gemma 4 on a CUDA GPU ([`CudaDecode`], an implementation of the model's
+//! `FastPath` boundary in the `mlx-spec-model` crate).
+//!
+//! What it is not: the model. Gemma 4's math, over MLX operations on every device, is the
+//! `mlx-spec-model` crate's, and what the kernels compute is checked against it; this crate
+//! only runs parts of a forward faster where MLX's default device is a CUDA GPU. Choosing the
+//! device and the kernel set is the host's (`mlx_spec::load`).
 //!
 //! Why they exist: on CUDA, MLX spends host time on every operation of a step (walking the
 //! graph, allocating, encoding a graph node), and a Gemma 4 decode step was ~2 000 small
@@ -38,6 +45,7 @@
 pub mod affine4;
 pub mod attention_heads;
 pub mod attention_inputs;
+pub mod cuda;
 pub mod decode_attention;
 mod decode_path;
 pub mod kernel_cache;
@@ -106,7 +114,7 @@ impl Fused {
 /// Whether mlx-spec's kernels can run here: a Linux build (MLX's GPU backend there is CUDA)
 /// whose MLX default device is the GPU.
 pub fn on_cuda_gpu() -> bool {
-    cfg!(target_os = "linux") && crate::device::default_is(mlx_rs::DeviceType::Gpu)
+    cfg!(target_os = "linux") && mlx_spec_model::device::default_is(mlx_rs::DeviceType::Gpu)
 }
 
 thread_local! {

@@ -467,7 +467,7 @@ pub fn device_array(values: &Array, len: i32) -> Result<Array> {
 }
 
 /// [`device_array`]'s operation, not evaluated (a lazy part of a step's graph).
-pub(crate) fn padded(values: &Array, len: i32) -> Result<Array> {
+pub fn padded(values: &Array, len: i32) -> Result<Array> {
     let values = values.flatten(None, None)?;
     let pad = len - values.size() as i32;
     if pad < 0 {

@@ -126,10 +126,10 @@ mod tests {
     fn operations(out: &Array, tag: &str) -> std::collections::BTreeMap<String, usize> {
         let path =
             std::env::temp_dir().join(format!("mlx-spec-gelu-{tag}-{}.dot", std::process::id()));
-        crate::diagnostics::export_dot(out, &path).unwrap();
+        crate::graph::export_dot(out, &path).unwrap();
         let dot = std::fs::read_to_string(&path).unwrap();
         std::fs::remove_file(&path).ok();
-        crate::diagnostics::count_operations(&dot)
+        crate::graph::count_operations(&dot)
     }
 
     #[test]
