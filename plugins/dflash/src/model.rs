@@ -240,7 +240,7 @@ impl DFlashModel {
                 for j in 0..rows {
                     let key = random::key(draft_key(seed, first_index + j as u64)).map_err(&e)?;
                     drawn.push(
-                        random::categorical(&scaled.index(j..j + 1), -1, None, &key).map_err(&e)?,
+                        random::categorical(scaled.index(j..j + 1), -1, None, &key).map_err(&e)?,
                     );
                 }
                 (
