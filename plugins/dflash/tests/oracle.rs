@@ -210,3 +210,51 @@ fn attention_scale_one_misses_the_oracle() {
     assert!(worst > 1e-2, "the attention scale left no trace: {worst:e}");
     assert!(rounds.iter().any(|r| !r.1), "the drafts should change too");
 }
+
+/// `sample_drafts`: each row drawn with a key from the seed and its emitted index, and the
+/// distributions handed over are `softmax(logits / T)` of the same rows.
+#[test]
+fn sampled_blocks_are_keyed_by_seed_and_index_and_carry_their_distributions() {
+    use mlx_spec_plugin_api::mlx_rs::ops::softmax_axis;
+    let model = DFlashModel::load(&fixture(), Some(Dtype::Float32)).unwrap();
+    let rec = Checkpoint::open_file(&fixture().join("oracle.safetensors")).unwrap();
+    let mut context = Context::default();
+    model
+        .extend_context(&mut context, &rec.tensor_any_shape("r1.new_taps").unwrap())
+        .unwrap();
+    let anchor = meta()["rounds"][0]["anchor"].as_u64().unwrap() as u32;
+    let out = model
+        .block(&context, anchor, &FixtureTarget::load())
+        .unwrap();
+    let sample = |seed, first_index| {
+        let choice = Choice::Sampled {
+            temperature: 20.0,
+            seed,
+            first_index,
+        };
+        model.choose(&out, choice).unwrap()
+    };
+    let a = sample(1, 100);
+    assert_eq!(
+        a.tokens,
+        sample(1, 100).tokens,
+        "the same key, the same block"
+    );
+    let others: Vec<Vec<u32>> = (2..6).map(|s| sample(s, 100).tokens).collect();
+    assert!(others.iter().any(|t| *t != a.tokens), "the seed is read");
+    let moved: Vec<Vec<u32>> = (101..105).map(|i| sample(1, i).tokens).collect();
+    assert!(
+        moved.iter().any(|t| *t != a.tokens),
+        "the emitted index is read"
+    );
+    let q = a.probs.expect("sampled blocks carry q");
+    assert_eq!(q.shape(), &[5, 300]);
+    let want = softmax_axis(
+        out.logits.multiply(Array::from_f32(1.0 / 20.0)).unwrap(),
+        -1,
+        true,
+    )
+    .unwrap();
+    assert!(max_diff(&q, &want) < 1e-6);
+    assert!(model.choose(&out, Choice::Greedy).unwrap().probs.is_none());
+}
