@@ -40,6 +40,10 @@ function with transformers (`AttentionInterface`) that builds that mask from z-l
 `module.sliding_window` and then calls transformers' eager attention; everything else is
 z-lab's module unchanged.
 
+The first round is also recorded with z-lab's attention as it stands on the CPU
+(transformers' eager function: every layer non-causal, no window): `r1.stock_eager_logits`
+and `r1_stock_eager` in oracle.json.
+
 Logits: z-lab's loop calls `target.lm_head` (no soft-cap); the host's port applies Gemma's
 soft-cap (30). Both are recorded (`logits`: capped, what the plugin returns; `raw_logits`).
 
@@ -238,6 +242,24 @@ def main():
             record["forced_accepted"] = k
         rounds.append(record)
 
+    # ---- round 1 again with z-lab's attention as it stands (transformers' eager function:
+    # no mask, so every layer non-causal and no window), to show what the convention changes.
+    drafter.config._attn_implementation = "eager"
+    assert drafter.layers[0].self_attn.config._attn_implementation == "eager"
+    r1 = rounds[0]
+    block = torch.full((1, B), mask_id, dtype=torch.long)
+    block[0, 0] = r1["anchor"]
+    hidden = drafter(target_hidden=tensors["r1.new_taps"].unsqueeze(0),
+                     noise_embedding=target.model.embed_tokens(block),
+                     position_ids=torch.arange(0, PROMPT_LEN + B).unsqueeze(0),
+                     past_key_values=DynamicCache(), use_cache=True, is_causal=False)
+    stock = torch.tanh(target.lm_head(hidden[:, 1 - B:, :])[0] / cap) * cap
+    tensors["r1.stock_eager_logits"] = stock.contiguous()
+    stock_top2 = stock.topk(2, dim=-1).values
+    stock_record = {"drafts": stock.argmax(-1).tolist(),
+                    "min_top2_logit_gap": float((stock_top2[:, 0] - stock_top2[:, 1]).min())}
+    assert stock_record["drafts"] != r1["drafts"], "the convention must matter on this fixture"
+
     save_file(tensors, str(out / "oracle.safetensors"))
     meta = {
         "what": "z-lab's DFlashDraftModel (random weights) drafting for a random Gemma 4 target from the target's own taps; three rounds of one draft cache, acceptance forced to 2 then 0",
@@ -253,6 +275,7 @@ def main():
         "target_layer_ids": list(drafter.target_layer_ids),
         "min_top2_logit_gap": min_gap,
         "rounds": rounds,
+        "r1_stock_eager": stock_record,
     }
     (out / "oracle.json").write_text(json.dumps(meta, indent=2) + "\n")
     for f in [p for p in out.rglob("*") if p.is_file()]:

@@ -7,8 +7,10 @@
 //! The target's ports are played here by its tables read straight from the fixture: the
 //! embedding `E[t] * sqrt(H)` and the tied head with Gemma's soft-cap.
 //!
-//! Negative controls: the same drafter with every layer full (non-causal), or with the
-//! attention scale of 1, must miss the oracle — the fixture can tell the conventions apart.
+//! Negative controls: the same drafter with every layer full (non-causal), without the
+//! window, or with the attention scale of 1, must miss the oracle — the fixture can tell the
+//! conventions apart. Every layer full is also checked against the oracle's record of z-lab's
+//! module under transformers' plain eager attention (round 1), which ignores the window.
 
 use std::path::{Path, PathBuf};
 
@@ -181,13 +183,41 @@ fn altered(change: impl Fn(&mut DFlashConfig)) -> Vec<(String, bool, f32, f32)> 
     run_rounds(&DFlashModel::with_config(&dir, config, Some(Dtype::Float32)).unwrap())
 }
 
+/// Every layer full is z-lab's module as it stands on the CPU (transformers' eager attention
+/// drops the window): it misses the oracle, and matches the oracle's record of that module.
 #[test]
-fn every_layer_non_causal_misses_the_oracle() {
-    let rounds = altered(|c| c.layer_windows = vec![None; c.num_layers]);
+fn every_layer_non_causal_misses_the_oracle_and_is_zlabs_eager_module() {
+    let all_full = |c: &mut DFlashConfig| c.layer_windows = vec![None; c.num_layers];
+    let rounds = altered(all_full);
     let worst = rounds.iter().map(|r| r.3).fold(0.0, f32::max);
     assert!(
         worst > 1e-2,
         "sliding layers' causality left no trace: {worst:e}"
+    );
+    let dir = fixture();
+    let mut config = DFlashConfig::parse(
+        &std::fs::read_to_string(dir.join("config.json")).unwrap(),
+        "",
+    )
+    .unwrap();
+    all_full(&mut config);
+    let model = DFlashModel::with_config(&dir, config, Some(Dtype::Float32)).unwrap();
+    let rec = Checkpoint::open_file(&dir.join("oracle.safetensors")).unwrap();
+    let mut context = Context::default();
+    model
+        .extend_context(&mut context, &rec.tensor_any_shape("r1.new_taps").unwrap())
+        .unwrap();
+    let meta = meta();
+    let anchor = meta["rounds"][0]["anchor"].as_u64().unwrap() as u32;
+    let out = model
+        .block(&context, anchor, &FixtureTarget::load())
+        .unwrap();
+    let stock = rec.tensor_any_shape("r1.stock_eager_logits").unwrap();
+    let diff = max_diff(&out.logits, &stock);
+    assert!(diff <= TOL, "z-lab's eager module differs by {diff:e}");
+    assert_eq!(
+        model.choose(&out, Choice::Greedy).unwrap().tokens,
+        ids(&meta["r1_stock_eager"]["drafts"])
     );
 }
 
