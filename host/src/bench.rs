@@ -111,6 +111,9 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     // the prefill bounds what any drafter can do for a whole request.
     let (mut plain_decode_rates, mut spec_decode_rates) = (Vec::new(), Vec::new());
     let mut totals = mlx_spec::speculative::SpecStats::default();
+    // The measured round's drafts and accepted tokens of each prompt (`--json`: a paired
+    // comparison of two drafters takes prompts as its unit).
+    let mut per_prompt = Vec::new();
     for round in 0..=args.repeats {
         let (mut plain_s, mut spec_s, mut generated) = (0.0, 0.0, 0usize);
         let (mut plain_decode_s, mut spec_decode_s) = (0.0, 0.0);
@@ -125,12 +128,14 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
             // Whole requests, prefill included: both paths prefill the same prompt.
             let start = Instant::now();
             let (plain_tokens, plain_stats) = generate(model, &request, |_| Ok(()))?;
-            plain_s += start.elapsed().as_secs_f64();
+            let plain_s_prompt = start.elapsed().as_secs_f64();
+            plain_s += plain_s_prompt;
             plain_decode_s += plain_stats.decode_seconds;
             let start = Instant::now();
             let (spec_tokens, spec_stats, stats) =
                 generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
-            spec_s += start.elapsed().as_secs_f64();
+            let spec_s_prompt = start.elapsed().as_secs_f64();
+            spec_s += spec_s_prompt;
             spec_decode_s += spec_stats.decode_seconds;
             if spec_tokens != plain_tokens {
                 bail!(
@@ -145,6 +150,9 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
                 totals.num_accepted_tokens += stats.num_accepted_tokens;
                 totals.target_forwards += stats.target_forwards;
                 totals.drafter_seconds += stats.drafter_seconds;
+                per_prompt.push(json!({"num_drafts": stats.num_drafts,
+                    "num_accepted_tokens": stats.num_accepted_tokens,
+                    "spec_seconds": spec_s_prompt, "plain_seconds": plain_s_prompt}));
             }
         }
         if round > 0 {
@@ -174,7 +182,8 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
                    "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
                    "num_accepted_tokens": stats.num_accepted_tokens, "mean_acceptance_length": stats.mean_acceptance_length,
                    "target_forwards": stats.target_forwards, "drafter_seconds": stats.drafter_seconds,
-                   "drafter_us_per_forward": 1e6 * stats.drafter_seconds / stats.target_forwards.max(1) as f64})
+                   "drafter_us_per_forward": 1e6 * stats.drafter_seconds / stats.target_forwards.max(1) as f64,
+                   "per_prompt": per_prompt})
         );
     } else {
         println!("| model | drafter (k) | prompts (tokens) | generated each | plain tok/s | spec tok/s | speedup | decode alone: plain / spec tok/s, speedup | acceptance length | forwards | drafter µs/forward |");

@@ -14,6 +14,7 @@ pub mod generate;
 pub mod load;
 pub mod perplexity;
 pub mod plugins;
+pub mod quantize_drafter;
 pub mod sampler;
 pub mod scaffold;
 pub mod server;

@@ -61,6 +61,8 @@ enum Command {
     Plugins(PluginsCommand),
     /// Perplexity of text files: nats per token, BOS first, in chunks of the model's context.
     Perplexity(PerplexityArgs),
+    /// Quantize a drafter checkpoint (assistant, glm-mtp, deepspec) to affine 4 or 8 bits.
+    QuantizeDrafter(mlx_spec::quantize_drafter::QuantizeDrafterArgs),
 }
 
 #[derive(Args)]
@@ -1218,6 +1220,7 @@ fn main() -> ExitCode {
         Command::Draft(args) => run_draft(args),
         Command::Plugins(cmd) => run_plugins(cmd),
         Command::Perplexity(args) => run_perplexity(args),
+        Command::QuantizeDrafter(args) => mlx_spec::quantize_drafter::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -11,10 +11,12 @@
 //! * [`manifest`]: the `plugin.toml` schema, shared with the host.
 //! * [`target_spec`]: the target's description a drafter checks its pairing against.
 //! * [`checkpoint`]: a checked safetensors reader for drafters that load their own weights.
+//! * [`quant`]: affine-quantized matrices in MLX's layout (`mlx-spec quantize-drafter`'s output).
 
 pub mod abi;
 pub mod checkpoint;
 pub mod manifest;
+pub mod quant;
 pub mod sdk;
 pub mod target_spec;
 pub mod tensor;

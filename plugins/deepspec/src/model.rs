@@ -29,6 +29,7 @@ use mlx_spec_plugin_api::mlx_rs::{random, Array, Dtype};
 use crate::config::DSparkConfig;
 use crate::layer::DraftLayer;
 use crate::linear::{is_float, mlx_err, Linear, Loader};
+use mlx_spec_plugin_api::quant::QuantConfig;
 use crate::rope::Angles;
 
 /// Where a block's embeddings and logits come from.
@@ -36,7 +37,7 @@ pub enum Vocabulary {
     /// The checkpoint's tables: `embed_tokens` `[V, H]`, looked up and scaled by `sqrt(H)`
     /// rounded to the weight dtype, and `lm_head`, soft-capped as the config says.
     Own {
-        embed_tokens: Array,
+        embed_tokens: Linear,
         embed_scale: Array,
         lm_head: Linear,
     },
@@ -72,7 +73,7 @@ pub struct DSparkModel {
     layers: Vec<DraftLayer>,
     norm: Array,
     /// `markov_w1` `[V, r]` (a lookup) and `markov_w2` `[V, r]` (a product).
-    markov: Option<(Array, Linear)>,
+    markov: Option<(Linear, Linear)>,
     /// `proj` `[1, H (+ r)]` and its bias `[1]`.
     confidence: Option<(Linear, bool)>,
 }
@@ -151,6 +152,10 @@ impl DSparkModel {
             checkpoint: &checkpoint,
             prefix: String::new(),
             dtype: dtype.unwrap_or(stored),
+            quant: QuantConfig::from_config(
+                &serde_json::from_str(&text).map_err(|e| e.to_string())?,
+                &config_path.display().to_string(),
+            )?,
         };
         let (h, v) = (config.hidden_size, config.vocab_size);
         let taps = config.target_layer_ids.len();
@@ -160,7 +165,7 @@ impl DSparkModel {
         let markov = if config.markov_rank > 0 {
             let r = config.markov_rank;
             Some((
-                loader.float("markov_head.markov_w1.weight", &[v, r])?,
+                loader.linear("markov_head.markov_w1", v, r, false)?,
                 loader.linear("markov_head.markov_w2", v, r, false)?,
             ))
         } else {
@@ -184,7 +189,7 @@ impl DSparkModel {
         } else {
             // transformers scales by sqrt(H) cast to the embedding's dtype (62.0 for 3840 in bf16).
             Vocabulary::Own {
-                embed_tokens: loader.float("embed_tokens.weight", &[v, h])?,
+                embed_tokens: loader.linear("embed_tokens", v, h, false)?,
                 embed_scale: Array::from_f32((h as f32).sqrt())
                     .as_dtype(loader.dtype)
                     .map_err(mlx_err("embedding scale"))?,
@@ -297,8 +302,8 @@ impl DSparkModel {
             } => {
                 let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
                 embed_tokens
-                    .take_axis(Array::from_slice(&ids, &[b as i32]), 0)
-                    .and_then(|x| x.multiply(embed_scale))
+                    .rows(&Array::from_slice(&ids, &[b as i32]))?
+                    .multiply(embed_scale)
                     .map_err(&e)?
             }
             Vocabulary::Target => ports
@@ -352,7 +357,7 @@ impl DSparkModel {
             let mut z = out.base_logits.index(k..k + 1);
             let markov_row = match &self.markov {
                 Some((w1, w2)) => {
-                    let row = w1.take_axis(&prev, 0).map_err(&e)?;
+                    let row = w1.rows(&prev)?;
                     let bias = w2.forward(&row)?.as_dtype(Dtype::Float32).map_err(&e)?;
                     z = z.add(bias).map_err(&e)?;
                     Some(row)

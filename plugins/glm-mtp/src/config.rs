@@ -7,6 +7,7 @@
 //! (GLM's own rule), routed experts otherwise. Every value the math needs is read, never
 //! derived: `head_dim` in particular (GLM-4.5 has 128 with hidden 5120 and 96 heads).
 
+use mlx_spec_plugin_api::quant::QuantConfig;
 use serde_json::Value;
 
 /// What the next chained step reads as its hidden state.
@@ -84,6 +85,8 @@ pub struct MtpConfig {
     /// Prompt rows go into the row's cache at prefill (`false`: the cache starts at the
     /// prompt's last position, mlx-bun's "no prefill").
     pub kv_prefill: bool,
+    /// The `quantization` block (`mlx-spec quantize-drafter`); empty for a float row.
+    pub quantization: QuantConfig,
 }
 
 fn usize_of(v: &Value, key: &str, whence: &str) -> Result<usize, String> {
@@ -143,11 +146,7 @@ impl MtpConfig {
                 ))
             }
         }
-        if v.get("quantization").is_some() || v.get("quantization_config").is_some() {
-            return Err(format!(
-                "{whence}: quantized MTP rows are not supported; use a float checkpoint"
-            ));
-        }
+        let quantization = QuantConfig::from_config(&v, whence)?;
         let act = str_or(&v, "hidden_act", "silu", whence)?;
         if act != "silu" {
             return Err(format!(
@@ -271,6 +270,7 @@ impl MtpConfig {
             pairing,
             chain_hidden,
             kv_prefill,
+            quantization,
         };
         let c = &config;
         if c.hidden_size == 0
@@ -369,8 +369,8 @@ mod tests {
                 Box::new(|v| v["rope_parameters"]["rope_type"] = json!("yarn")),
             ),
             (
-                "quantized",
-                Box::new(|v| v["quantization"] = json!({"bits": 4})),
+                "7-bit",
+                Box::new(|v| v["quantization"] = json!({"bits": 7})),
             ),
             (
                 "target_hidden_size",

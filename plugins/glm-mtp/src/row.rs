@@ -79,6 +79,7 @@ impl MtpRow {
             checkpoint: &checkpoint,
             prefix,
             dtype: dtype.unwrap_or(stored),
+            quant: &config.quantization,
         };
         let h = config.hidden_size;
         Ok(MtpRow {
