@@ -29,8 +29,8 @@ use mlx_spec_plugin_api::mlx_rs::{random, Array, Dtype};
 use crate::config::DSparkConfig;
 use crate::layer::DraftLayer;
 use crate::linear::{is_float, mlx_err, Linear, Loader};
-use mlx_spec_plugin_api::quant::QuantConfig;
 use crate::rope::Angles;
+use mlx_spec_plugin_api::quant::QuantConfig;
 
 /// Where a block's embeddings and logits come from.
 pub enum Vocabulary {
