@@ -5,25 +5,16 @@ own Gemma4AssistantForCausalLM: for each prompt, the target's greedy anchor and 
 greedy drafts of the round that follows the prompt's prefill. tests/shipped_assistant.rs
 checks that `mlx-spec draft` proposes the same tokens.
 
-The shipped checkpoint is 8-bit (`mlx-spec quantize-drafter`: MLX's packed layout, which
-transformers cannot read), so its packed matrices are first dequantized (w = scales * q +
-biases, per group) into a float32 copy in a temporary folder, the weights the plugin computes
-with; a float checkpoint is read as it is.
-
   python tests/oracle/make_assistant_golden.py    # -> tests/fixtures/assistant-shipped.json
 
 Needs torch, numpy, safetensors, tokenizers and transformers==5.24.0 (train/README.md).
 """
 
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,44 +27,6 @@ PROMPTS = [
     "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n",
 ]
 DRAFTS = 6
-
-
-def dequantize(packed, scales, biases, group_size, bits):
-    """MLX's affine layout: `bits`-bit values packed low bits first into uint32 words."""
-    per_word = 32 // bits
-    shifts = np.arange(per_word, dtype=np.uint64) * bits
-    q = (packed.astype(np.uint64)[..., None] >> shifts) & ((1 << bits) - 1)
-    rows, cols = packed.shape[0], packed.shape[1] * per_word
-    q = q.reshape(rows, cols // group_size, group_size).astype(np.float32)
-    w = q * scales.astype(np.float32)[..., None] + biases.astype(np.float32)[..., None]
-    return w.reshape(rows, cols)
-
-
-def float_copy(checkpoint, into):
-    """`checkpoint` with its packed matrices dequantized to float32 (itself when it is float)."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    quant = config.pop("quantization", None)
-    if quant is None:
-        return checkpoint
-    tensors = load_file(str(checkpoint / "model.safetensors"))
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith((".scales", ".biases")):
-            continue
-        module = name[: -len(".weight")]
-        if name.endswith(".weight") and module + ".scales" in tensors:
-            spec = quant.get(module, quant)
-            scales, biases = (tensors[module + p].float().numpy() for p in (".scales", ".biases"))
-            w = dequantize(t.numpy(), scales, biases, spec["group_size"], spec["bits"])
-            out[name] = torch.from_numpy(w)
-        else:
-            out[name] = t.float() if t.is_floating_point() else t
-    save_file(out, str(into / "model.safetensors"), metadata={"format": "pt"})
-    (into / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in ["generation_config.json"]:
-        if (checkpoint / extra).exists():
-            shutil.copy(checkpoint / extra, into / extra)
-    return into
 
 
 @torch.no_grad()
@@ -105,9 +58,7 @@ def main():
     checkpoint = ROOT / "plugins/assistant/checkpoint"
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     target, _ = load_target(model_dir, "cpu", torch.float32)
-    scratch = tempfile.TemporaryDirectory()
-    weights = float_copy(checkpoint, Path(scratch.name))
-    drafter = Gemma4AssistantForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()
+    drafter = Gemma4AssistantForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     cases = []
     for text in PROMPTS:
         ids = [2] + tokenizer.encode(text, add_special_tokens=False).ids
