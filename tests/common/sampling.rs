@@ -89,3 +89,85 @@ pub fn chi_square_fit(cells: &[(f64, f64)]) -> (f64, f64) {
     let crit = k * (1.0 - 2.0 / (9.0 * k) + 3.72 * (2.0 / (9.0 * k)).sqrt()).powi(3);
     (stat, crit)
 }
+
+/// What seeded three-token generations with a drafter came to: its drafts, and the chi-square
+/// fit of the outputs against the target's exact joint distribution.
+pub struct DrafterDraws {
+    pub drafted: u64,
+    pub accepted: u64,
+    pub stat: f64,
+    pub crit: f64,
+    pub cells: usize,
+}
+
+/// `draws` seeded generations of three tokens after `prompt`, speculating with `provider`
+/// (`sampling(seed)` the request's parameters), counted against the exact joint distribution
+/// of the three tokens computed from the target's own logits with [`reference_distribution`].
+/// Asserts that the drafter never failed and that no output fell outside the target's
+/// support; the caller judges the branches reached and the fit.
+pub fn drafted_three_tokens(
+    model: &mlx_spec::model::gemma4::Gemma4Model,
+    provider: &mlx_spec_plugin_api::abi::DraftProviderBox,
+    prompt: &[u32],
+    options: mlx_spec::speculative::SpecOptions,
+    sampling: impl Fn(u64) -> SamplingParams,
+    draws: u64,
+) -> DrafterDraws {
+    use mlx_spec::generate::GenerateRequest;
+    use mlx_spec::model::gemma4::LogitsFor;
+    use mlx_spec::speculative::generate_speculative;
+    use std::collections::HashMap;
+
+    let mut counts: HashMap<Vec<u32>, u64> = HashMap::new();
+    let (mut drafted, mut accepted) = (0u64, 0u64);
+    for seed in 0..draws {
+        let req = GenerateRequest {
+            prompt_ids: prompt.to_vec(),
+            max_tokens: 3,
+            sampling: sampling(seed * 7919 + 5),
+            stop_ids: Vec::new(),
+            ignore_eos: true,
+        };
+        let (tokens, _, stats) =
+            generate_speculative(model, &req, Some(provider), options, |_| Ok(())).unwrap();
+        assert!(stats.drafter_error.is_none(), "{stats:?}");
+        drafted += stats.num_draft_tokens;
+        accepted += stats.num_accepted_tokens;
+        *counts.entry(tokens).or_default() += 1;
+    }
+    let next = |prefix: &[u32]| {
+        let logits = model
+            .forward(prefix, &mut model.new_cache(), LogitsFor::Last, false)
+            .unwrap()
+            .logits;
+        logits.eval().unwrap();
+        reference_distribution(logits.as_slice::<f32>(), &sampling(0))
+    };
+    let mut cells = Vec::new();
+    let mut covered = 0u64;
+    let mut context = prompt.to_vec();
+    for (t1, &a) in next(&context).iter().enumerate().filter(|e| *e.1 > 0.0) {
+        context.push(t1 as u32);
+        for (t2, &b) in next(&context).iter().enumerate().filter(|e| *e.1 > 0.0) {
+            context.push(t2 as u32);
+            for (t3, &c) in next(&context).iter().enumerate().filter(|e| *e.1 > 0.0) {
+                let seen = *counts
+                    .get(&vec![t1 as u32, t2 as u32, t3 as u32])
+                    .unwrap_or(&0);
+                covered += seen;
+                cells.push((a * b * c * draws as f64, seen as f64));
+            }
+            context.pop();
+        }
+        context.pop();
+    }
+    assert_eq!(covered, draws, "an output outside the target's support");
+    let (stat, crit) = chi_square_fit(&cells);
+    DrafterDraws {
+        drafted,
+        accepted,
+        stat,
+        crit,
+        cells: cells.len(),
+    }
+}
