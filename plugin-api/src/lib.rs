@@ -24,7 +24,7 @@ pub mod tensor;
 pub use abi::{PrefillMode, SamplingInfo, TargetInfo, INTERFACE_REVISION, INTERFACE_VERSION};
 pub use abi_stable;
 pub use mlx_rs;
-pub use sdk::{DonorKv, Drafter, DrafterSession, Proposal, Taps, Target};
+pub use sdk::{draft_key, DonorKv, Drafter, DrafterSession, Proposal, Taps, Target};
 pub use serde_json;
 pub use target_spec::{LayerKind, TargetSpec};
 

@@ -366,3 +366,17 @@ pub fn now_nanos() -> u64 {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0)
 }
+
+/// The random key of a drafter's draw at emitted index `index` of a request with `seed`:
+/// splitmix64 of the seed mixed with `salt`, then with the index. Each drafter passes a
+/// constant of its own as `salt`, so its draws never coincide with the host's verification
+/// coin, which is keyed by the same seed and index, nor with another drafter's.
+pub fn draft_key(salt: u64, seed: u64, index: u64) -> u64 {
+    let mix = |mut x: u64| {
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 31)
+    };
+    mix(mix(seed ^ salt) ^ index)
+}

@@ -90,6 +90,19 @@ impl TargetSpec {
         self.num_layers as i32
     }
 
+    /// The MLX dtype of [`TargetSpec::dtype`], the dtype the target's activations (taps,
+    /// embeddings) come in: a drafter computing in it needs no casts.
+    pub fn activation_dtype(&self) -> Result<mlx_rs::Dtype, String> {
+        match self.dtype.as_str() {
+            "float32" => Ok(mlx_rs::Dtype::Float32),
+            "bfloat16" => Ok(mlx_rs::Dtype::Bfloat16),
+            "float16" => Ok(mlx_rs::Dtype::Float16),
+            other => Err(format!(
+                "the target describes its activation dtype as {other:?}; drafters know float32, bfloat16 and float16"
+            )),
+        }
+    }
+
     /// Attention facts of a layer kind.
     pub fn attention(&self, kind: LayerKind) -> &AttentionSpec {
         match kind {

@@ -24,7 +24,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use mlx_spec_plugin_api::mlx_rs::ops::indexing::IndexOp;
-use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
+use mlx_spec_plugin_api::mlx_rs::Array;
 use mlx_spec_plugin_api::target_spec::{AttentionSpec, RopeSpec};
 use mlx_spec_plugin_api::{
     Drafter, DrafterSession, Proposal, SamplingInfo, Taps, Target, TargetInfo, TargetSpec,
@@ -99,7 +99,7 @@ impl Drafter for AssistantDrafter {
             .map_err(|_| "the assistant drafter's weights are poisoned by an earlier panic")?;
         let donors = check_pairing(&model.config, &spec)?;
         if self.settings.dtype == ComputeDtype::Target {
-            let wanted = activation_dtype(&spec.dtype)?;
+            let wanted = spec.activation_dtype()?;
             if model.dtype != wanted {
                 // Loaded before the target was known: load again in the target's dtype.
                 *model = AssistantModel::load(&self.settings.checkpoint, Some(wanted))?;
@@ -117,18 +117,6 @@ impl Drafter for AssistantDrafter {
                 .then_some((sampling.temperature, sampling.seed)),
             min_draft_probability: self.min_draft_probability,
         })
-    }
-}
-
-/// The MLX dtype of a `TargetSpec::dtype` name.
-fn activation_dtype(name: &str) -> Result<Dtype, String> {
-    match name {
-        "float32" => Ok(Dtype::Float32),
-        "bfloat16" => Ok(Dtype::Bfloat16),
-        "float16" => Ok(Dtype::Float16),
-        other => Err(format!(
-            "the target describes its activation dtype as {other:?}; the assistant drafter knows float32, bfloat16 and float16"
-        )),
     }
 }
 

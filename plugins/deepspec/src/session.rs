@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use mlx_spec_plugin_api::mlx_rs::ops::concatenate;
 use mlx_spec_plugin_api::mlx_rs::ops::indexing::IndexOp;
-use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
+use mlx_spec_plugin_api::mlx_rs::Array;
 use mlx_spec_plugin_api::{
     Drafter, DrafterSession, Proposal, SamplingInfo, Taps, Target, TargetInfo, TargetSpec,
 };
@@ -93,7 +93,7 @@ impl Drafter for DeepSpecDrafter {
             .map_err(|_| "the deepspec drafter's weights are poisoned by an earlier panic")?;
         check_pairing(&model.config, &spec)?;
         if self.settings.dtype == ComputeDtype::Target {
-            let wanted = activation_dtype(&spec.dtype)?;
+            let wanted = spec.activation_dtype()?;
             if model.dtype != wanted {
                 *model = DSparkModel::load(&self.settings.checkpoint, Some(wanted))?;
             }
@@ -108,17 +108,6 @@ impl Drafter for DeepSpecDrafter {
                 .then_some((sampling.temperature, sampling.seed)),
             vocab: spec.vocab_size as u32,
         })
-    }
-}
-
-fn activation_dtype(name: &str) -> Result<Dtype, String> {
-    match name {
-        "float32" => Ok(Dtype::Float32),
-        "bfloat16" => Ok(Dtype::Bfloat16),
-        "float16" => Ok(Dtype::Float16),
-        other => Err(format!(
-            "the target describes its activation dtype as {other:?}; the deepspec drafter knows float32, bfloat16 and float16"
-        )),
     }
 }
 

@@ -261,14 +261,8 @@ impl DFlashModel {
 /// The random key of the draft at emitted index `index`: splitmix64 of the seed, a constant of
 /// this drafter's own (never the host's verification coin) and the index.
 pub fn draft_key(seed: u64, index: u64) -> u64 {
-    let mix = |mut x: u64| {
-        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^ (x >> 31)
-    };
     const SALT: u64 = 0x0064_666c_6173_6821; // "dflash!"
-    mix(mix(seed ^ SALT) ^ index)
+    mlx_spec_plugin_api::draft_key(SALT, seed, index)
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use mlx_spec_plugin_api::mlx_rs::ops::concatenate;
 use mlx_spec_plugin_api::mlx_rs::ops::indexing::IndexOp;
-use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
+use mlx_spec_plugin_api::mlx_rs::Array;
 use mlx_spec_plugin_api::{
     Drafter, DrafterSession, Proposal, SamplingInfo, Taps, Target, TargetInfo, TargetSpec,
 };
@@ -75,7 +75,7 @@ impl Drafter for DFlashDrafter {
         let mut model = self.model.lock().map_err(|_| POISONED)?;
         check_pairing(&model.config, &spec)?;
         if self.settings.dtype == ComputeDtype::Target {
-            let wanted = activation_dtype(&spec.dtype)?;
+            let wanted = spec.activation_dtype()?;
             if model.dtype != wanted {
                 *model = DFlashModel::load(&self.settings.checkpoint, Some(wanted))?;
             }
@@ -89,17 +89,6 @@ impl Drafter for DFlashDrafter {
                 .then_some((sampling.temperature, sampling.seed)),
             vocab: spec.vocab_size as u32,
         })
-    }
-}
-
-fn activation_dtype(name: &str) -> Result<Dtype, String> {
-    match name {
-        "float32" => Ok(Dtype::Float32),
-        "bfloat16" => Ok(Dtype::Bfloat16),
-        "float16" => Ok(Dtype::Float16),
-        other => Err(format!(
-            "the target describes its activation dtype as {other:?}; the dflash drafter knows float32, bfloat16 and float16"
-        )),
     }
 }
 

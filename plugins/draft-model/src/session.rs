@@ -101,16 +101,7 @@ impl Drafter for DraftModelDrafter {
         let model = &mut guard.0;
         check_pairing(model, &spec)?;
         if self.settings.dtype == ComputeDtype::Target {
-            let wanted = match spec.dtype.as_str() {
-                "float32" => Dtype::Float32,
-                "bfloat16" => Dtype::Bfloat16,
-                "float16" => Dtype::Float16,
-                other => {
-                    return Err(format!(
-                        "the target describes its activation dtype as {other:?}; the draft-model drafter knows float32, bfloat16 and float16"
-                    ))
-                }
-            };
+            let wanted = spec.activation_dtype()?;
             if model.dtype != wanted {
                 *model = load(&self.settings, Some(wanted))?;
             }
@@ -249,12 +240,6 @@ impl DrafterSession for DraftModelSession {
 /// The random key of the draft at emitted index `index`: splitmix64 of the seed, a constant of
 /// this drafter's own (never the host's verification coin) and the index.
 pub fn draft_key(seed: u64, index: u64) -> u64 {
-    let mix = |mut x: u64| {
-        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^ (x >> 31)
-    };
     const SALT: u64 = 0x6472_6166_746D_646C; // "draftmdl"
-    mix(mix(seed ^ SALT) ^ index)
+    mlx_spec_plugin_api::draft_key(SALT, seed, index)
 }

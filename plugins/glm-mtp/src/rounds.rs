@@ -243,12 +243,6 @@ fn argmax(logits: &Array) -> Result<u32, String> {
 /// this drafter's own (so draws never coincide with the host's verification coin, keyed by the
 /// same seed and index) and the index.
 pub fn draft_key(seed: u64, index: u64) -> u64 {
-    let mix = |mut x: u64| {
-        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^ (x >> 31)
-    };
     const SALT: u64 = 0x676C_6D2D_6D74_7000; // "glm-mtp"
-    mix(mix(seed ^ SALT) ^ index)
+    mlx_spec_plugin_api::draft_key(SALT, seed, index)
 }

@@ -11,7 +11,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
+use mlx_spec_plugin_api::mlx_rs::Array;
 use mlx_spec_plugin_api::{
     Drafter, DrafterSession, Proposal, SamplingInfo, Taps, Target, TargetInfo, TargetSpec,
 };
@@ -76,7 +76,7 @@ impl Drafter for MtpDrafter {
             .map_err(|_| "the glm-mtp drafter's weights are poisoned by an earlier panic")?;
         check_pairing(&row.config, &spec)?;
         if self.settings.dtype == ComputeDtype::Target {
-            let wanted = activation_dtype(&spec.dtype)?;
+            let wanted = spec.activation_dtype()?;
             if row.dtype != wanted {
                 // Loaded before the target was known: load again in the target's dtype.
                 *row = MtpRow::load(&self.settings.checkpoint, Some(wanted))?;
@@ -99,18 +99,6 @@ impl Drafter for MtpDrafter {
             min_draft_probability: self.settings.min_draft_probability,
             vocab: spec.vocab_size as u32,
         })
-    }
-}
-
-/// The MLX dtype of a `TargetSpec::dtype` name.
-fn activation_dtype(name: &str) -> Result<Dtype, String> {
-    match name {
-        "float32" => Ok(Dtype::Float32),
-        "bfloat16" => Ok(Dtype::Bfloat16),
-        "float16" => Ok(Dtype::Float16),
-        other => Err(format!(
-            "the target describes its activation dtype as {other:?}; the glm-mtp drafter knows float32, bfloat16 and float16"
-        )),
     }
 }
 
