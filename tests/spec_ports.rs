@@ -15,7 +15,7 @@ use mlx_rs::{Array, Dtype};
 use mlx_spec::generate::{generate, GenerateRequest};
 use mlx_spec::model::gemma4::{Capture, DtypeChoice, Gemma4Model, LogitsFor};
 use mlx_spec::sampler::SamplingParams;
-use mlx_spec::speculative::{generate_speculative, SpecOptions};
+use mlx_spec::speculative::{generate_speculative, GateMemory, SpecOptions};
 use mlx_spec_plugin_api::sdk::provider_in_process;
 use mlx_spec_plugin_api::serde_json::Value;
 use mlx_spec_plugin_api::{
@@ -187,8 +187,15 @@ fn taps_and_donor_views_are_what_the_target_computed_for_verified_positions() {
             auto_off: false,
             fitted_draft_length: false,
         };
-        let (tokens, _, stats) =
-            generate_speculative(&model, &req, Some(&provider), options, |_| Ok(())).unwrap();
+        let (tokens, _, stats) = generate_speculative(
+            &model,
+            &req,
+            Some(&provider),
+            options,
+            &mut GateMemory::default(),
+            |_| Ok(()),
+        )
+        .unwrap();
         assert_eq!(tokens, plain, "{name}: speculation changed the output");
         assert!(stats.drafter_error.is_none(), "{name}: {stats:?}");
         assert!(

@@ -18,7 +18,7 @@ use mlx_spec::model::gemma4::layer::DecoderLayer;
 use mlx_spec::model::gemma4::{DtypeChoice, FastPath, Gemma4Model, KvView, LayerCall};
 use mlx_spec::sampler::SamplingParams;
 use mlx_spec::speculative::replay::{coin, ReplayDrafter};
-use mlx_spec::speculative::{generate_speculative, SpecOptions, SpecStats};
+use mlx_spec::speculative::{generate_speculative, GateMemory, SpecOptions, SpecStats};
 
 const SEED: u64 = 11;
 
@@ -55,10 +55,17 @@ fn speculate(
         fitted_draft_length: false,
     };
     let mut streamed = Vec::new();
-    let (tokens, stats, spec) = generate_speculative(model, req, Some(&provider), options, |t| {
-        streamed.push(t);
-        Ok(())
-    })
+    let (tokens, stats, spec) = generate_speculative(
+        model,
+        req,
+        Some(&provider),
+        options,
+        &mut GateMemory::default(),
+        |t| {
+            streamed.push(t);
+            Ok(())
+        },
+    )
     .unwrap();
     (tokens, streamed, stats.stop_reason, spec)
 }

@@ -13,7 +13,7 @@ use mlx_spec::generate::{generate, greedy_step, greedy_token, prefill, GenerateR
 use mlx_spec::model::gemma4::{Gemma4Model, LogitsFor};
 use mlx_spec::plugins::{self, instantiate, Registry};
 use mlx_spec::sampler::SamplingParams;
-use mlx_spec::speculative::{generate_speculative, SpecOptions};
+use mlx_spec::speculative::{generate_speculative, GateMemory, SpecOptions};
 use mlx_spec::tokenizer::ChatMessage;
 
 use crate::{load_model, parse_overrides, BenchArgs};
@@ -114,6 +114,9 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     // The measured round's drafts and accepted tokens of each prompt (`--json`: a paired
     // comparison of two drafters takes prompts as its unit).
     let mut per_prompt = Vec::new();
+    // What auto-off learned carries from each request to the next, as in a server: the
+    // warm-up round teaches it, the measured rounds start from it.
+    let mut gate_memory = GateMemory::default();
     for round in 0..=args.repeats {
         let (mut plain_s, mut spec_s, mut generated) = (0.0, 0.0, 0usize);
         let (mut plain_decode_s, mut spec_decode_s) = (0.0, 0.0);
@@ -132,8 +135,14 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
             plain_s += plain_s_prompt;
             plain_decode_s += plain_stats.decode_seconds;
             let start = Instant::now();
-            let (spec_tokens, spec_stats, stats) =
-                generate_speculative(model, &request, Some(&provider), options, |_| Ok(()))?;
+            let (spec_tokens, spec_stats, stats) = generate_speculative(
+                model,
+                &request,
+                Some(&provider),
+                options,
+                &mut gate_memory,
+                |_| Ok(()),
+            )?;
             let spec_s_prompt = start.elapsed().as_secs_f64();
             spec_s += spec_s_prompt;
             spec_decode_s += spec_stats.decode_seconds;
@@ -342,7 +351,14 @@ fn report_replayed_drafts(model: &mut Gemma4Model, prompt: &[u32], args: &BenchA
                 handoff_layers: case.handoff,
             });
             let start = Instant::now();
-            let spec = generate_speculative(model, &request, Some(&provider), options, |_| Ok(()));
+            let spec = generate_speculative(
+                model,
+                &request,
+                Some(&provider),
+                options,
+                &mut GateMemory::default(),
+                |_| Ok(()),
+            );
             let spec_s = start.elapsed().as_secs_f64();
             model.set_settings(configured);
             let (spec_tokens, _, stats) = spec?;

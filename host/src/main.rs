@@ -20,7 +20,7 @@ use mlx_spec::sampler::{DrawPlace, SamplingParams};
 use mlx_spec::server::engine::{DrafterSpec, EngineConfig};
 use mlx_spec::server::{Defaults, Limits, ServeOptions};
 use mlx_spec::speculative::target_port::target_spec;
-use mlx_spec::speculative::{generate_speculative, SpecOptions};
+use mlx_spec::speculative::{generate_speculative, GateMemory, SpecOptions};
 use mlx_spec::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
 mod bench;
@@ -698,8 +698,14 @@ fn run_job(job: Job) -> Result<()> {
                 auto_off: job.drafter.as_ref().is_some_and(|d| d.auto_off),
                 fitted_draft_length: job.drafter.as_ref().is_some_and(|d| d.fitted_draft_length),
             };
-            let (t, s, spec) =
-                generate_speculative(&loaded.model, &request, Some(provider), options, &mut print)?;
+            let (t, s, spec) = generate_speculative(
+                &loaded.model,
+                &request,
+                Some(provider),
+                options,
+                &mut GateMemory::default(),
+                &mut print,
+            )?;
             (t, s, Some(spec))
         }
         None => {

@@ -115,7 +115,7 @@ pub fn drafted_three_tokens(
 ) -> DrafterDraws {
     use mlx_spec::generate::GenerateRequest;
     use mlx_spec::model::gemma4::LogitsFor;
-    use mlx_spec::speculative::generate_speculative;
+    use mlx_spec::speculative::{generate_speculative, GateMemory};
     use std::collections::HashMap;
 
     let mut counts: HashMap<Vec<u32>, u64> = HashMap::new();
@@ -128,8 +128,15 @@ pub fn drafted_three_tokens(
             stop_ids: Vec::new(),
             ignore_eos: true,
         };
-        let (tokens, _, stats) =
-            generate_speculative(model, &req, Some(provider), options, |_| Ok(())).unwrap();
+        let (tokens, _, stats) = generate_speculative(
+            model,
+            &req,
+            Some(provider),
+            options,
+            &mut GateMemory::default(),
+            |_| Ok(()),
+        )
+        .unwrap();
         assert!(stats.drafter_error.is_none(), "{stats:?}");
         drafted += stats.num_draft_tokens;
         accepted += stats.num_accepted_tokens;

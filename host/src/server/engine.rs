@@ -28,7 +28,7 @@ use crate::load::LoadOptions;
 use crate::plugins::{check_needs, instantiate, Registry, HOST_KEY_NUM_DRAFT_TOKENS};
 use crate::sampler::SamplingParams;
 use crate::speculative::target_port::target_spec;
-use crate::speculative::{SpecOptions, SpecStats, SpecStepper};
+use crate::speculative::{GateMemory, SpecOptions, SpecStats, SpecStepper};
 use crate::tokenizer::Tokenizer;
 
 use super::metrics::Metrics;
@@ -400,6 +400,8 @@ fn run(
     let model = &loaded.model;
     let mut waiting: VecDeque<Job> = VecDeque::new();
     let mut active: Vec<Active> = Vec::new();
+    // Per drafter, what auto-off learned from its requests so far.
+    let mut gate_memories = vec![GateMemory::default(); drafters.len()];
     let mut open = true;
     loop {
         if active.is_empty() && waiting.is_empty() {
@@ -469,6 +471,9 @@ fn run(
             match SpecStepper::new(model, &job.request, provider, options) {
                 Ok(mut stepper) => {
                     stepper.limit_plain_burst(PLAIN_TURN);
+                    if let Some(d) = drafter {
+                        stepper.resume_gate(&gate_memories[d]);
+                    }
                     active.push(Active {
                         job,
                         stepper,
@@ -546,6 +551,12 @@ fn run(
             if a.stepper.is_done() {
                 ended[i] = true;
                 finish(a, &drafters, &metrics);
+            }
+        }
+        // What each finished request's gate learned starts the next request of its drafter.
+        for (a, _) in active.iter().zip(&ended).filter(|(_, &e)| e) {
+            if let Some(d) = a.drafter {
+                a.stepper.remember_gate(&mut gate_memories[d]);
             }
         }
         let mut i = 0;

@@ -54,6 +54,33 @@ const SLOW_DECAY: f64 = 0.95;
 const MIN_REACHED: f64 = 1.0;
 /// Drafted rounds observed before the rounds' cost can pause a drafter.
 const COST_WARMUP_ROUNDS: u32 = 10;
+/// The longest pause a request starts with when it carries an earlier request's back-off: a
+/// new prompt may suit the drafter better, so it gets a probe every this many rounds at least.
+const MAX_CARRIED_PAUSE: u32 = 4 * FIRST_PAUSE;
+
+/// What a gate learned about its drafter that outlives one request: the costs of drafted and
+/// plain rounds on this machine, the long-memory acceptance by draft position, and the
+/// back-off. A caller that runs many requests with one drafter (the bench, the server) hands
+/// it from each finished request to the next ([`GateMemory::remember`],
+/// [`DraftGate::resumed`]), so a request starts with the verdict instead of relearning it in
+/// its first rounds; a request of a few dozen rounds spends most of them learning otherwise.
+#[derive(Debug, Clone, Default)]
+pub struct GateMemory(Option<DraftGate>);
+
+impl GateMemory {
+    /// Keeps what `gate` learned, if it saw a drafted round (a request whose drafter never
+    /// drafted leaves the earlier memory as it was).
+    pub fn remember(&mut self, gate: &DraftGate) {
+        if gate.observed > 0 {
+            self.0 = Some(gate.clone());
+        }
+    }
+
+    /// Whether a drafted round has been remembered.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct DraftGate {
@@ -101,6 +128,23 @@ impl DraftGate {
             plain_seconds: None,
             paused_rounds: 0,
             fitted_length: false,
+        }
+    }
+
+    /// A gate for a new request that starts from what `memory` holds: the warm-ups done, the
+    /// costs and acceptance rates known, no pause running (the request's first round drafts:
+    /// acceptance depends on the prompt), and the back-off kept up to [`MAX_CARRIED_PAUSE`].
+    /// With an empty memory, [`DraftGate::new`].
+    pub fn resumed(enabled: bool, memory: &GateMemory) -> Self {
+        let Some(learned) = &memory.0 else {
+            return DraftGate::new(enabled);
+        };
+        DraftGate {
+            enabled,
+            paused_for: 0,
+            paused_rounds: 0,
+            next_pause: learned.next_pause.min(MAX_CARRIED_PAUSE),
+            ..learned.clone()
         }
     }
 
@@ -420,6 +464,91 @@ mod tests {
             300 - CALIBRATION_ROUNDS,
             "{cheap} drafted rounds of 300"
         );
+    }
+
+    /// Requests of `rounds` rounds each of a drafter that accepts `accepted` of 10 drafts,
+    /// a drafted round costing `cost` plain tokens; the drafted rounds of each request, its
+    /// gate started from the previous requests' memory when `carry` is set.
+    fn drafted_rounds_per_request(
+        cost: f64,
+        accepted: usize,
+        rounds: u32,
+        carry: bool,
+    ) -> Vec<u32> {
+        let mut memory = GateMemory::default();
+        (0..8)
+            .map(|_| {
+                let mut gate = DraftGate::resumed(true, &memory);
+                let mut drafted = 0;
+                for _ in 0..rounds {
+                    if gate.should_draft() {
+                        drafted += 1;
+                        gate.observe_round_time(cost * 1e-3, 10);
+                        gate.observe(10, accepted);
+                    } else {
+                        gate.observe_plain_time(1e-3, 1);
+                    }
+                }
+                if carry {
+                    memory.remember(&gate);
+                }
+                drafted
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_losing_drafter_is_judged_once_not_in_every_request() {
+        // One accepted token a round at the price of three plain tokens: a loss. Alone, each
+        // request of 40 rounds drafts through the warm-ups before the cost can pause it.
+        let alone = drafted_rounds_per_request(3.0, 1, 40, false);
+        assert!(alone.iter().all(|&d| d >= COST_WARMUP_ROUNDS), "{alone:?}");
+        // Carried, the requests after the first probe once, then at most once per pause.
+        let carried = drafted_rounds_per_request(3.0, 1, 40, true);
+        assert_eq!(
+            carried[0], alone[0],
+            "the first request has nothing to start from"
+        );
+        assert!(
+            carried[1..].iter().all(|&d| (1..=3).contains(&d)),
+            "drafted rounds per request: {carried:?}"
+        );
+    }
+
+    #[test]
+    fn a_paying_drafter_keeps_drafting_from_a_requests_first_round() {
+        // Four accepted tokens at the price of two plain tokens: the later requests draft every
+        // round, with no warm-up and no calibration pause.
+        let carried = drafted_rounds_per_request(2.0, 4, 40, true);
+        assert!(carried[0] < 40, "the first request times plain rounds once");
+        assert!(carried[1..].iter().all(|&d| d == 40), "{carried:?}");
+    }
+
+    #[test]
+    fn a_resumed_gate_drafts_first_and_caps_the_carried_back_off() {
+        let mut gate = DraftGate::new(true);
+        // Always wrong: the back-off grows to its longest.
+        for _ in 0..5000 {
+            if gate.should_draft() {
+                gate.observe(10, 0);
+            }
+        }
+        assert_eq!(gate.next_pause, MAX_PAUSE);
+        let mut memory = GateMemory::default();
+        assert!(memory.is_empty());
+        memory.remember(&gate);
+        let mut next = DraftGate::resumed(true, &memory);
+        assert_eq!(next.paused_rounds, 0);
+        assert!(next.should_draft(), "a new prompt gets a probe first");
+        next.observe(10, 0);
+        assert_eq!(next.paused_remaining(), MAX_CARRIED_PAUSE);
+        // A request that never drafted leaves the memory as it was.
+        memory.remember(&DraftGate::new(true));
+        assert_eq!(DraftGate::resumed(true, &memory).observed, gate.observed);
+        // An empty memory is a new gate.
+        let fresh = DraftGate::resumed(true, &GateMemory::default());
+        assert_eq!(fresh.observed, 0);
+        assert_eq!(fresh.next_pause, FIRST_PAUSE);
     }
 
     #[test]

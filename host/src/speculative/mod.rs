@@ -36,6 +36,7 @@ use crate::model::gemma4::cache::DEFAULT_ROLLBACK_RESERVE;
 use crate::model::gemma4::{Capture, Gemma4Model, LogitsFor, ModelCache};
 use crate::sampler::{draw, draw_tokens, uniform, SamplingParams, Stream};
 use gate::DraftGate;
+pub use gate::GateMemory;
 use source::{ActiveSource, Proposal};
 use target_port::HostTarget;
 
@@ -220,20 +221,25 @@ pub fn most_drafts(requested: usize, window_limit: Option<usize>) -> Option<usiz
 
 /// Generates with speculative decoding. The drafter comes from `provider`; without one (or
 /// once it faults, or where drafting cannot pay: [`most_drafts`]) this is plain decoding
-/// through the same loop. A loop over [`SpecStepper`] to the end.
+/// through the same loop. A loop over [`SpecStepper`] to the end. The gate starts from
+/// `memory`, what earlier requests of the same drafter learned, and leaves there what this
+/// one learned (a fresh [`GateMemory`] for a request on its own).
 pub fn generate_speculative(
     model: &Gemma4Model,
     req: &GenerateRequest,
     provider: Option<&DraftProviderBox>,
     options: SpecOptions,
+    memory: &mut GateMemory,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, GenerateStats, SpecStats)> {
     let mut stepper = SpecStepper::new(model, req, provider, options)?;
+    stepper.resume_gate(memory);
     while !stepper.is_done() {
         for t in stepper.step()? {
             on_token(t)?;
         }
     }
+    stepper.remember_gate(memory);
     Ok(stepper.finish())
 }
 
@@ -307,6 +313,7 @@ pub struct SpecStepper<'m> {
     vocab: usize,
     k_max: usize,
     stats: SpecStats,
+    options: SpecOptions,
     gate: DraftGate,
     cache: ModelCache,
     source: Option<ActiveSource>,
@@ -382,6 +389,7 @@ impl<'m> SpecStepper<'m> {
             vocab: model.config.vocab_size,
             k_max,
             stats,
+            options,
             gate,
             cache,
             source,
@@ -400,6 +408,19 @@ impl<'m> SpecStepper<'m> {
     /// request without a drafter still yields its turn; the tokens are the same.
     pub fn limit_plain_burst(&mut self, rounds: usize) {
         self.plain_burst_limit = rounds.max(2);
+    }
+
+    /// Starts this request's gate from what earlier requests of the same drafter learned
+    /// ([`GateMemory`]); call it before the first step.
+    pub fn resume_gate(&mut self, memory: &GateMemory) {
+        self.gate = DraftGate::resumed(self.options.auto_off, memory)
+            .with_fitted_length(self.options.fitted_draft_length);
+    }
+
+    /// Leaves in `memory` what this request's gate learned, for the next request of the same
+    /// drafter.
+    pub fn remember_gate(&self, memory: &mut GateMemory) {
+        memory.remember(&self.gate);
     }
 
     /// Whether generation has ended (a stop token or the budget).

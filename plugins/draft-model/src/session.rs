@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::ops::{concatenate, softmax_axis};
 use mlx_rs::{random, Array, Dtype};
-use mlx_spec_model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor, ModelCache};
+use mlx_spec_model::gemma4::{DtypeChoice, Gemma4Config, Gemma4Model, LogitsFor, ModelCache};
 use mlx_spec_plugin_api::{
     Drafter, DrafterSession, Proposal, SamplingInfo, Target, TargetInfo, TargetSpec,
 };
@@ -31,6 +31,9 @@ pub struct OneThread<T>(pub T);
 unsafe impl<T> Send for OneThread<T> {}
 
 fn load(settings: &Settings, dtype: Option<Dtype>) -> Result<Gemma4Model, String> {
+    if let Some(seed) = settings.random_weights_seed {
+        return random_model(settings, seed, dtype.unwrap_or(Dtype::Bfloat16));
+    }
     let choice = match dtype {
         Some(d) => DtypeChoice::Fixed(d),
         None => DtypeChoice::Auto,
@@ -50,9 +53,30 @@ fn load(settings: &Settings, dtype: Option<Dtype>) -> Result<Gemma4Model, String
     })
 }
 
+/// A draft model of `checkpoint`'s config with seeded random weights: what a round costs at a
+/// released model's size, measured without its weights (the host's `--random-weights`).
+fn random_model(settings: &Settings, seed: u64, dtype: Dtype) -> Result<Gemma4Model, String> {
+    let path = &settings.checkpoint;
+    let config_path = if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.clone()
+    };
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| format!("draft model config {}: {e}", config_path.display()))?;
+    let raw: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| format!("draft model config {}: {e}", config_path.display()))?;
+    let config = Gemma4Config::from_json(&raw)
+        .map_err(|e| format!("draft model config {}: {e:#}", config_path.display()))?;
+    Gemma4Model::random(config, seed, dtype, None)
+        .map_err(|e| format!("random draft model for {}: {e:#}", config_path.display()))
+}
+
 /// The loaded draft model; sessions reach it through a lock (held for one `draft`).
 pub struct DraftModelDrafter {
     model: Arc<Mutex<OneThread<Gemma4Model>>>,
+    /// The dtype the model was loaded for (`None`: the checkpoint's, its matrices as stored).
+    loaded_for: Mutex<Option<Dtype>>,
     settings: Settings,
 }
 
@@ -60,10 +84,13 @@ impl DraftModelDrafter {
     pub fn new(settings: Settings) -> Result<Self, String> {
         let fixed = match settings.dtype {
             ComputeDtype::Fixed(d) => Some(d),
+            // Random weights are drawn once, in the dtype a GPU target computes in.
+            _ if settings.random_weights_seed.is_some() => Some(Dtype::Bfloat16),
             ComputeDtype::Target | ComputeDtype::Checkpoint => None,
         };
         Ok(DraftModelDrafter {
             model: Arc::new(Mutex::new(OneThread(load(&settings, fixed)?))),
+            loaded_for: Mutex::new(fixed),
             settings,
         })
     }
@@ -101,9 +128,17 @@ impl Drafter for DraftModelDrafter {
         let model = &mut guard.0;
         check_pairing(model, &spec)?;
         if self.settings.dtype == ComputeDtype::Target {
+            // Loaded once more for the target's dtype, even when the checkpoint's dtype is the
+            // same: only a load for float32 dequantizes packed matrices, and a packed draft
+            // model drafts several times slower on the CPU (BENCHMARKS.md, Quantized drafters).
             let wanted = spec.activation_dtype()?;
-            if model.dtype != wanted {
+            let mut loaded_for = self
+                .loaded_for
+                .lock()
+                .map_err(|_| "the draft model is poisoned by an earlier panic")?;
+            if *loaded_for != Some(wanted) {
                 *model = load(&self.settings, Some(wanted))?;
+                *loaded_for = Some(wanted);
             }
         }
         Ok(DraftModelSession {
