@@ -65,8 +65,9 @@
 #   window-spec  ngram speculation (at most 7 drafts: windows the kernels take) vs plain
 #              greedy decoding of the default model, both prompt sets, outputs checked equal;
 #              WINDOW_SPEC_BASELINE=1 also runs it without the fused kernels
-#   drafters   ngram and the shipped assistant vs plain on the default model, free-text set,
-#              with the fused kernels and with MLX's operations alone
+#   drafters   the five drafters (DRAFTERS) vs plain on the default model, free-text set, with
+#              each --fused-kernels value of DRAFTER_KERNELS (default: none, MLX's operations)
+#   draft-model-cost  a round of E2B (random weights) drafting for the 31B (random weights)
 #   assistant-cost  a round of an E4B-size assistant (random weights) beside E4B's verify
 #   assistant  the assistant drafter on the two oracle pairs: `draft` against transformers'
 #              first round, and greedy speculation against plain decoding
@@ -633,19 +634,34 @@ print(",".join(map(str, g[:n])), g[n], ",".join(map(str, o["rounds"][0]["draft_t
 fi
 
 if want drafters; then
-    # The default model's drafters side by side on the GPU, free-text set: ngram and the shipped
-    # assistant, with the fused kernels and with MLX's operations alone. The checkpoint comes
-    # from the checkout (.gpu/bin/plugins holds manifests and libraries only).
-    for kernels in default none; do
-        for drafter in ngram assistant; do
+    # The default model's drafters side by side on the GPU, free-text set, with each kernel set
+    # of DRAFTER_KERNELS (default: MLX's operations alone; `default` adds the fused kernels,
+    # with which the 8-bit default model's verify windows go a token at a time and nothing is
+    # drafted). The checkpoints come from the checkout (.gpu/bin/plugins holds manifests and
+    # libraries only): slim.sh must leave the named drafters' checkpoints in the tree.
+    for kernels in ${DRAFTER_KERNELS:-none}; do
+        for drafter in ${DRAFTERS:-ngram assistant glm-mtp deepspec draft-model}; do
             extra=()
-            [[ "$drafter" == assistant ]] && extra=(--drafter-set "checkpoint=\"$ROOT/plugins/assistant/checkpoint\"")
+            [[ "$drafter" != ngram ]] && extra=(--drafter-set "checkpoint=\"$ROOT/plugins/$drafter/checkpoint\"")
             line="$(timeout 280 "$BIN" bench --device gpu --fused-kernels "$kernels" --drafter "$drafter" \
                 --plugins-dir "$G/bin/plugins" "${extra[@]}" --prompt-set "$ROOT/bench/prompts/free_text.jsonl" \
                 --gen-tokens 128 --repeats 1 2>"$RES/drafters.err" | tail -n 1)"
             row "$drafter vs plain, default model, free_text set, kernels $kernels | ${line:-failed: $(tail -n 1 "$RES/drafters.err")}"
         done
     done
+fi
+
+if want draft-model-cost; then
+    # What a round of the draft-model drafter costs at released sizes: E2B drafting for the
+    # 31B, both with random bf16 weights (the plugin's `random_weights_seed`), 4 drafts every
+    # round. Random drafts are all rejected, so each round emits one token: the spec rate is
+    # the price of a round and the drafter column the drafting part of it.
+    line="$(timeout 400 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-31b.json" \
+        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --plugins-dir "$G/bin/plugins" \
+        --drafter draft-model --drafter-set "checkpoint=\"$ROOT/configs/gemma-4-e2b.json\"" \
+        --drafter-set random_weights_seed=1 --num-draft-tokens 4 --no-auto-off \
+        2>"$RES/draft-model-cost.err" | tail -n 1)"
+    row "draft-model E2B (random) for 31B bf16 (random), 4 drafts every round | ${line:-failed: $(tail -n 1 "$RES/draft-model-cost.err")}"
 fi
 
 if want assistant-cost; then

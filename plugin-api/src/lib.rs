@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod manifest;
 pub mod quant;
 pub mod sdk;
+pub mod settings;
 pub mod target_spec;
 pub mod tensor;
 
@@ -26,6 +27,7 @@ pub use abi_stable;
 pub use mlx_rs;
 pub use sdk::{draft_key, DonorKv, Drafter, DrafterSession, Proposal, Taps, Target};
 pub use serde_json;
+pub use settings::parse_settings;
 pub use target_spec::{LayerKind, TargetSpec};
 
 /// Major version of the plugin ABI: changes of meaning that layout checks cannot see (the

@@ -80,8 +80,7 @@ struct Raw {
 impl Settings {
     /// Reads the configuration; relative checkpoint paths resolve against `plugin_dir`.
     pub fn parse(config: &serde_json::Value, plugin_dir: &Path) -> Result<Self, String> {
-        let raw: Raw = serde_json::from_value(config.clone())
-            .map_err(|e| format!("assistant drafter configuration: {e}"))?;
+        let raw: Raw = mlx_spec_plugin_api::parse_settings(config, "assistant")?;
         let checkpoint = PathBuf::from(raw.checkpoint.as_deref().unwrap_or("checkpoint"));
         let checkpoint = if checkpoint.is_absolute() {
             checkpoint

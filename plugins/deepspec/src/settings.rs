@@ -59,8 +59,7 @@ fn check_thresholds(values: Vec<f64>, whence: &str) -> Result<Vec<f32>, String> 
 
 impl Settings {
     pub fn parse(config: &serde_json::Value, plugin_dir: &Path) -> Result<Self, String> {
-        let raw: Raw = serde_json::from_value(config.clone())
-            .map_err(|e| format!("deepspec drafter configuration: {e}"))?;
+        let raw: Raw = mlx_spec_plugin_api::parse_settings(config, "deepspec")?;
         let checkpoint = PathBuf::from(raw.checkpoint.as_deref().unwrap_or("checkpoint"));
         let checkpoint = if checkpoint.is_absolute() {
             checkpoint

@@ -36,8 +36,7 @@ struct Raw {
 
 impl Settings {
     pub fn parse(config: &serde_json::Value, plugin_dir: &Path) -> Result<Self, String> {
-        let raw: Raw = serde_json::from_value(config.clone())
-            .map_err(|e| format!("dflash drafter configuration: {e}"))?;
+        let raw: Raw = mlx_spec_plugin_api::parse_settings(config, "dflash")?;
         let checkpoint = PathBuf::from(raw.checkpoint.as_deref().unwrap_or("checkpoint"));
         let checkpoint = if checkpoint.is_absolute() {
             checkpoint

@@ -6,6 +6,7 @@
 //! | `dtype` | compute dtype: `auto` (the target's activation dtype), `checkpoint`, `float32`, `bfloat16`, `float16` | `auto` |
 //! | `min_draft_probability` | greedy rounds end at the first draft whose probability under the draft model is below this | `0` (never) |
 //! | `sample_drafts` | at temperature > 0, draw drafts from `softmax(logits / T)` and hand the host those distributions (rejection sampling) | `false` |
+//! | `random_weights_seed` | build the draft model from `checkpoint`'s `config.json` (or a config file named by `checkpoint`) with seeded random weights, for measuring what a round costs at a released model's size without downloading it | unset |
 
 use std::path::{Path, PathBuf};
 
@@ -26,6 +27,8 @@ pub struct Settings {
     pub dtype: ComputeDtype,
     pub min_draft_probability: f32,
     pub sample_drafts: bool,
+    /// Set: random weights of this seed for `checkpoint`'s config, no weight files read.
+    pub random_weights_seed: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -35,12 +38,12 @@ struct Raw {
     dtype: Option<String>,
     min_draft_probability: Option<f64>,
     sample_drafts: Option<bool>,
+    random_weights_seed: Option<u64>,
 }
 
 impl Settings {
     pub fn parse(config: &serde_json::Value, plugin_dir: &Path) -> Result<Self, String> {
-        let raw: Raw = serde_json::from_value(config.clone())
-            .map_err(|e| format!("draft-model drafter configuration: {e}"))?;
+        let raw: Raw = mlx_spec_plugin_api::parse_settings(config, "draft-model")?;
         let checkpoint = PathBuf::from(raw.checkpoint.as_deref().unwrap_or("checkpoint"));
         let checkpoint = if checkpoint.is_absolute() {
             checkpoint
@@ -72,6 +75,7 @@ impl Settings {
             dtype,
             min_draft_probability,
             sample_drafts: raw.sample_drafts.unwrap_or(false),
+            random_weights_seed: raw.random_weights_seed,
         })
     }
 }
@@ -89,6 +93,10 @@ mod tests {
         for (bad, needle) in [
             (json!({"model": "x"}), "model"),
             (json!({"dtype": "int4"}), "int4"),
+            (
+                json!({"random_weights_seed": "seven"}),
+                "random_weights_seed",
+            ),
             (
                 json!({"min_draft_probability": -0.5}),
                 "min_draft_probability",

@@ -50,8 +50,7 @@ struct Raw {
 impl Settings {
     /// Reads the configuration; a relative checkpoint resolves against `plugin_dir`.
     pub fn parse(config: &serde_json::Value, plugin_dir: &Path) -> Result<Self, String> {
-        let raw: Raw = serde_json::from_value(config.clone())
-            .map_err(|e| format!("glm-mtp drafter configuration: {e}"))?;
+        let raw: Raw = mlx_spec_plugin_api::parse_settings(config, "glm-mtp")?;
         let checkpoint = PathBuf::from(raw.checkpoint.as_deref().unwrap_or("checkpoint"));
         let checkpoint = if checkpoint.is_absolute() {
             checkpoint

@@ -52,8 +52,7 @@ impl Drafter for NgramDrafter {
     type Session = NgramSession;
 
     fn from_config(config: &serde_json::Value) -> Result<Self, String> {
-        let c: NgramConfig = serde_json::from_value(config.clone())
-            .map_err(|e| format!("ngram configuration: {e}"))?;
+        let c: NgramConfig = mlx_spec_plugin_api::parse_settings(config, "ngram")?;
         NgramDrafter::new(c.max_ngram, c.min_ngram)
     }
 
