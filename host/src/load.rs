@@ -105,12 +105,7 @@ pub fn read_config(path: &Path) -> Result<(PathBuf, PathBuf, Gemma4Config)> {
     } else {
         (path.to_path_buf(), path.join("config.json"))
     };
-    let text = std::fs::read_to_string(&config_path)
-        .with_context(|| format!("cannot read {}", config_path.display()))?;
-    let raw: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not valid JSON", config_path.display()))?;
-    let config = Gemma4Config::from_json(&raw)
-        .with_context(|| format!("invalid config {}", config_path.display()))?;
+    let config = Gemma4Config::from_file(&config_path)?;
     Ok((dir, config_path, config))
 }
 

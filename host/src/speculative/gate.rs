@@ -148,6 +148,12 @@ impl DraftGate {
         }
     }
 
+    /// Starts this gate, its switches kept, from what `memory` holds ([`DraftGate::resumed`]).
+    pub fn resume(&mut self, memory: &GateMemory) {
+        let fitted_length = self.fitted_length;
+        *self = DraftGate::resumed(self.enabled, memory).with_fitted_length(fitted_length);
+    }
+
     /// This gate, sizing rounds by [`DraftGate::fastest_draft_len`] when `on` (off by default:
     /// it waits for a GPU measurement, BENCHMARKS.md).
     pub fn with_fitted_length(mut self, on: bool) -> Self {
@@ -433,8 +439,15 @@ mod tests {
     /// drafted round taking `cost` plain tokens' time; returns the drafted rounds out of 300.
     fn drafted_rounds_at(cost: f64, accepted: usize) -> (u32, DraftGate) {
         let mut gate = DraftGate::new(true);
+        let drafted = run_rounds(&mut gate, 300, cost, accepted);
+        (drafted, gate)
+    }
+
+    /// Runs `rounds` rounds through `gate`: a drafted round of 10 drafts takes `cost` plain
+    /// tokens' time and accepts `accepted`, a plain one a plain token's. Returns the drafted.
+    fn run_rounds(gate: &mut DraftGate, rounds: u32, cost: f64, accepted: usize) -> u32 {
         let mut drafted = 0;
-        for _ in 0..300 {
+        for _ in 0..rounds {
             if gate.should_draft() {
                 drafted += 1;
                 gate.observe_round_time(cost * 1e-3, 10);
@@ -443,7 +456,7 @@ mod tests {
                 gate.observe_plain_time(1e-3, 1);
             }
         }
-        (drafted, gate)
+        drafted
     }
 
     #[test]
@@ -479,16 +492,7 @@ mod tests {
         (0..8)
             .map(|_| {
                 let mut gate = DraftGate::resumed(true, &memory);
-                let mut drafted = 0;
-                for _ in 0..rounds {
-                    if gate.should_draft() {
-                        drafted += 1;
-                        gate.observe_round_time(cost * 1e-3, 10);
-                        gate.observe(10, accepted);
-                    } else {
-                        gate.observe_plain_time(1e-3, 1);
-                    }
-                }
+                let drafted = run_rounds(&mut gate, rounds, cost, accepted);
                 if carry {
                     memory.remember(&gate);
                 }

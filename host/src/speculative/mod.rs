@@ -313,7 +313,6 @@ pub struct SpecStepper<'m> {
     vocab: usize,
     k_max: usize,
     stats: SpecStats,
-    options: SpecOptions,
     gate: DraftGate,
     cache: ModelCache,
     source: Option<ActiveSource>,
@@ -389,7 +388,6 @@ impl<'m> SpecStepper<'m> {
             vocab: model.config.vocab_size,
             k_max,
             stats,
-            options,
             gate,
             cache,
             source,
@@ -413,8 +411,7 @@ impl<'m> SpecStepper<'m> {
     /// Starts this request's gate from what earlier requests of the same drafter learned
     /// ([`GateMemory`]); call it before the first step.
     pub fn resume_gate(&mut self, memory: &GateMemory) {
-        self.gate = DraftGate::resumed(self.options.auto_off, memory)
-            .with_fitted_length(self.options.fitted_draft_length);
+        self.gate.resume(memory);
     }
 
     /// Leaves in `memory` what this request's gate learned, for the next request of the same

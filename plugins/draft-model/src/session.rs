@@ -62,12 +62,8 @@ fn random_model(settings: &Settings, seed: u64, dtype: Dtype) -> Result<Gemma4Mo
     } else {
         path.clone()
     };
-    let text = std::fs::read_to_string(&config_path)
-        .map_err(|e| format!("draft model config {}: {e}", config_path.display()))?;
-    let raw: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| format!("draft model config {}: {e}", config_path.display()))?;
-    let config = Gemma4Config::from_json(&raw)
-        .map_err(|e| format!("draft model config {}: {e:#}", config_path.display()))?;
+    let config =
+        Gemma4Config::from_file(&config_path).map_err(|e| format!("draft model: {e:#}"))?;
     Gemma4Model::random(config, seed, dtype, None)
         .map_err(|e| format!("random draft model for {}: {e:#}", config_path.display()))
 }

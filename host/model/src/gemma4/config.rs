@@ -237,8 +237,12 @@ fn parse_quantization(outer: &Value) -> Result<QuantConfig> {
 impl Gemma4Config {
     /// Reads `config.json` in `dir`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
+        Self::from_file(&dir.join("config.json"))
+    }
+
+    /// Reads a config file (`config.json` or one of `configs/`).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
         let raw: Value = serde_json::from_str(&text)
             .with_context(|| format!("{} is not valid JSON", path.display()))?;
