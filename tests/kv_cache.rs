@@ -366,6 +366,7 @@ fn a_window_handed_over_in_groups_of_layers_equals_one_handed_over_whole() {
             .unwrap();
         model.set_settings(RunSettings {
             handoff_layers: group.unwrap_or(0),
+            ..RunSettings::default()
         });
         let out = model
             .forward_to_read(window, &mut cache, LogitsFor::All, false)

@@ -234,6 +234,38 @@ fn proposals_longer_than_a_window_are_verified_in_parts_that_stop_at_the_first_r
     );
 }
 
+/// Where MLX's operations are not trusted to compute a window as decode steps (a GPU) and no
+/// fast path takes windows, a window verifies a token at a time: the loop drafts nothing,
+/// says why, and gives plain decoding's output; on the CPU the same drafter drafts.
+#[test]
+fn untrusted_operation_windows_leave_drafting_off() {
+    use mlx_spec::model::gemma4::RunSettings;
+    let mut model = load("tiny-ple-kvshare");
+    let golden = Golden::load("tiny-ple-kvshare");
+    let want = golden.ids("greedy_ids");
+    let req = request(golden.ids("prompt_ids"), want.len());
+    assert_eq!(
+        model.verify_window_limit(),
+        None,
+        "the CPU runs windows whole"
+    );
+    let (_, _, _, trusted) = speculate(&model, &req, &want, 1.0, 4);
+    assert!(trusted.drafting_skipped.is_none() && trusted.num_drafts > 0);
+
+    model.set_settings(RunSettings {
+        operation_windows_match_steps: false,
+        ..model.settings()
+    });
+    assert_eq!(model.verify_window_limit(), Some(1));
+    let (tokens, _, _, stats) = speculate(&model, &req, &want, 1.0, 4);
+    assert_eq!(tokens, want);
+    assert!(stats.drafting_skipped.is_some(), "{stats:?}");
+    assert_eq!(stats.num_drafts, 0);
+    // A fast path's window kernels are trusted where MLX's operations are not.
+    model.set_fast_path(Some(Box::new(WindowsOf(4))));
+    assert_eq!(model.verify_window_limit(), Some(4));
+}
+
 /// A stop token among the drafts of a round whose earlier drafts are accepted: the
 /// speculative output ends exactly where plain decoding ends (before the stop token), and
 /// neither the stop token nor anything drafted after it is emitted or streamed.

@@ -349,6 +349,7 @@ fn report_replayed_drafts(model: &mut Gemma4Model, prompt: &[u32], args: &BenchA
             };
             model.set_settings(RunSettings {
                 handoff_layers: case.handoff,
+                ..model.settings()
             });
             let start = Instant::now();
             let spec = generate_speculative(
@@ -1441,6 +1442,12 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
         return dump_kernel_sources(model, &prompt, dir);
     }
     if let Some(k) = args.lab.verify_window {
+        // The check is whether a whole window computes what steps compute, MLX's operations
+        // included: let them take the window whole even where the loop does not trust them.
+        model.set_settings(mlx_spec::model::gemma4::RunSettings {
+            operation_windows_match_steps: true,
+            ..model.settings()
+        });
         return report_verify_window(model, &prompt, k, &args);
     }
     if args.lab.compare_sampling {

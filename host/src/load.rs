@@ -59,19 +59,33 @@ impl LoadOptions {
     }
 }
 
-/// Quantized checkpoints up to this size on disk are dequantized at load on the CPU: their
-/// dense copy stays within a few GB (8× the file at most, 4-bit weights in float32).
-pub const CPU_DEQUANTIZE_MAX_BYTES: u64 = 256 << 20;
+/// Quantized checkpoints up to this size on disk may be dequantized at load
+/// ([`dequantize_here`]): their dense copy stays within a few GB (8× the file at most, 4-bit
+/// weights in float32).
+pub const DEQUANTIZE_MAX_BYTES: u64 = 256 << 20;
 
-/// Whether a quantized checkpoint at `dir` loads dense: on the CPU, where MLX's quantized
-/// products are several times slower than its dense ones (the 8-bit default model decoded 33
-/// tokens/s quantized), when the checkpoint is small enough that its dense copy fits easily.
-fn dequantize_here(device: DeviceKind, dir: &Path) -> Result<bool> {
-    if device != DeviceKind::Cpu {
-        return Ok(false);
-    }
+/// Whether a quantized checkpoint at `dir` loads dense, when it is small enough that its
+/// dense copy fits easily:
+/// - on the CPU, where MLX's quantized products are several times slower than its dense
+///   ones (the 8-bit default model decoded 33 tokens/s quantized);
+/// - on a GPU running the fused kernels, when some of its matrices have a bit width the
+///   kernels do not read (they read dense and 4-bit weights): only the window kernels
+///   compute a verify window as decode steps there, so without them every window would
+///   verify a token at a time and no drafter could gain (the 8-bit default model).
+fn dequantize_here(options: &LoadOptions, dir: &Path) -> Result<bool> {
     let config = Gemma4Config::from_dir(dir)?;
-    if config.quantization.default.is_none() && config.quantization.overrides.is_empty() {
+    let quant = &config.quantization;
+    let specs: Vec<QuantSpec> = quant
+        .default
+        .iter()
+        .chain(quant.overrides.values().flatten())
+        .copied()
+        .collect();
+    let wanted = match options.device {
+        DeviceKind::Cpu => !specs.is_empty(),
+        DeviceKind::Gpu => uses_kernels(options) && specs.iter().any(|q| q.bits != 4),
+    };
+    if !wanted {
         return Ok(false);
     }
     let mut bytes = 0u64;
@@ -81,7 +95,7 @@ fn dequantize_here(device: DeviceKind, dir: &Path) -> Result<bool> {
             bytes += path.metadata()?.len();
         }
     }
-    Ok(bytes <= CPU_DEQUANTIZE_MAX_BYTES)
+    Ok(bytes <= DEQUANTIZE_MAX_BYTES)
 }
 
 /// A loaded model plus what came with it.
@@ -141,8 +155,14 @@ pub fn load(options: &LoadOptions) -> Result<LoadedModel> {
                 );
             }
             let bar = weights_progress_bar();
-            let model = if dequantize_here(options.device, path)? {
-                tracing::info!("dequantizing the weights once at load: MLX's CPU quantized products are several times slower than its dense ones");
+            let model = if dequantize_here(options, path)? {
+                tracing::info!(
+                    "dequantizing the weights once at load: {}",
+                    match options.device {
+                        DeviceKind::Cpu => "MLX's CPU quantized products are several times slower than its dense ones",
+                        DeviceKind::Gpu => "the fused window kernels read dense and 4-bit weights, and only they verify a window as decode steps compute it",
+                    }
+                );
                 Gemma4Model::load_dequantized(path, options.dtype, bar.clone())?
             } else {
                 Gemma4Model::load(path, options.dtype, bar.clone())?
@@ -192,8 +212,9 @@ fn uses_kernels(options: &LoadOptions) -> bool {
         && options.kernels != Fused::default()
 }
 
-/// How a model loaded with `options` hands its forwards to the device: the hand-off asked
-/// for, else the device's.
+/// How a model loaded with `options` runs on its device: the hand-off asked for, else the
+/// device's; and whether a verify window may run whole through MLX's operations (the CPU's
+/// agree with decode steps; a GPU's do not, there only window kernels are trusted).
 fn settings_for(options: &LoadOptions) -> RunSettings {
     let gpu = options.device == DeviceKind::Gpu;
     RunSettings {
@@ -202,6 +223,7 @@ fn settings_for(options: &LoadOptions) -> RunSettings {
         } else {
             0
         }),
+        operation_windows_match_steps: !gpu,
     }
 }
 
@@ -239,5 +261,53 @@ mod tests {
         assert!(!uses_kernels(&options), "none asked for");
         options.handoff_layers = Some(0);
         assert_eq!(settings_for(&options).handoff_layers, 0);
+    }
+
+    /// The CPU trusts a window run whole through MLX's operations; a GPU does not (there
+    /// only window kernels verify a window as decode steps compute it).
+    #[test]
+    fn only_the_cpu_trusts_windows_through_mlx_operations() {
+        let mut options = LoadOptions::new("unused");
+        assert!(settings_for(&options).operation_windows_match_steps);
+        options.device = DeviceKind::Gpu;
+        assert!(!settings_for(&options).operation_windows_match_steps);
+    }
+
+    /// Small quantized checkpoints load dense on the CPU, and on a GPU running the fused
+    /// kernels when a bit width is one the kernels do not read (8-bit), never for 4-bit ones
+    /// there, nor without the kernels.
+    #[test]
+    fn small_checkpoints_load_dense_where_their_quantized_form_would_cost_or_block_drafting() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let eight_bit = root.join("models/gemma4-code-25m");
+        let text = std::fs::read_to_string(eight_bit.join("config.json")).unwrap();
+        assert!(text.contains("\"bits\": 8"), "the default model is 8-bit");
+        let four_bit = tempfile::tempdir().unwrap();
+        std::fs::write(
+            four_bit.path().join("config.json"),
+            text.replace("\"bits\": 8", "\"bits\": 4"),
+        )
+        .unwrap();
+
+        let mut options = LoadOptions::new("unused");
+        assert!(dequantize_here(&options, &eight_bit).unwrap(), "CPU, 8-bit");
+        assert!(
+            dequantize_here(&options, four_bit.path()).unwrap(),
+            "CPU, 4-bit"
+        );
+        options.device = DeviceKind::Gpu;
+        options.kernels = Fused::every();
+        // The kernels run on a Linux build only (Metal has none).
+        let kernels = cfg!(target_os = "linux");
+        assert_eq!(dequantize_here(&options, &eight_bit).unwrap(), kernels);
+        assert!(
+            !dequantize_here(&options, four_bit.path()).unwrap(),
+            "the kernels read 4-bit"
+        );
+        options.kernels = Fused::default();
+        assert!(
+            !dequantize_here(&options, &eight_bit).unwrap(),
+            "no kernels asked for"
+        );
     }
 }

@@ -350,7 +350,7 @@ impl<'m> SpecStepper<'m> {
         ) {
             Some(k) => (k, provider),
             None => {
-                let why = "this target's verify windows run a token at a time on this device (its weights have no window kernels, the kernel set lacks the single-token kernels they match, or no grid-wide barrier is safe here), so a drafted round costs as many steps as it could emit: decoding plainly";
+                let why = "this target's verify windows run a token at a time on this device (no window kernels run: MLX's operations would compute a window otherwise than decode steps on a GPU; its weights have no window kernels, the kernel set lacks the single-token kernels they match, or no grid-wide barrier is safe here), so a drafted round costs as many steps as it could emit: decoding plainly";
                 tracing::info!("{why}");
                 stats.drafting_skipped = Some(why.to_owned());
                 (1, None)

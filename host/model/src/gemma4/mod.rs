@@ -141,12 +141,22 @@ pub struct Gemma4Model {
 pub struct RunSettings {
     /// Layers a group when a forward read at once goes to the device ([`handoff`]; 0: whole).
     pub handoff_layers: usize,
+    /// Whether MLX's operations compute a window of tokens as that many decode steps would,
+    /// so that a verify window may run whole through them. On the CPU they agree to float32
+    /// rounding (every fixture's greedy output is the same either way). On a GPU a window's
+    /// products and attention take other kernels than a step's and round differently in
+    /// bfloat16, enough to flip a near tie between the two likeliest tokens; there only the
+    /// fast path's window kernels compute a window as steps.
+    pub operation_windows_match_steps: bool,
 }
 
 impl Default for RunSettings {
-    /// Forwards handed over whole.
+    /// Forwards handed over whole; windows through MLX's operations trusted (the CPU).
     fn default() -> Self {
-        RunSettings { handoff_layers: 0 }
+        RunSettings {
+            handoff_layers: 0,
+            operation_windows_match_steps: true,
+        }
     }
 }
 
@@ -574,11 +584,19 @@ impl Gemma4Model {
     /// ([`Gemma4Model::forward_in_windows`]): the fast path's, where it computes a window's
     /// tokens exactly as decode steps (on a GPU, the window kernels: 2-8 tokens for the
     /// layouts they take, 1 where they take none, so such a window verifies a token at a
-    /// time). `None` where a window of any length runs whole (MLX's operations).
+    /// time). `None` where a window of any length runs whole through MLX's operations: only
+    /// where those compute it as steps ([`RunSettings::operation_windows_match_steps`]; on a
+    /// GPU without window kernels a window verifies a token at a time, 1).
     pub fn verify_window_limit(&self) -> Option<usize> {
-        self.fast_path
+        let fast = self
+            .fast_path
             .as_ref()
-            .and_then(|fast| fast.verify_window_limit(self))
+            .and_then(|fast| fast.verify_window_limit(self));
+        match fast {
+            Some(limit) => Some(limit),
+            None if self.settings.operation_windows_match_steps => None,
+            None => Some(1),
+        }
     }
 
     /// Lets the fast path finish what it prepares beside the graph building (kernels met for
