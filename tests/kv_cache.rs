@@ -432,3 +432,23 @@ fn the_window_kernels_take_dense_and_4bit_models_but_not_moe() {
     let moe = Gemma4Model::random(wide_heads_of(true), 0, Dtype::Float32, None).unwrap();
     assert_eq!(largest(&moe), 1);
 }
+
+/// The default model's 8-bit weights have no window kernel, so a GPU loads them dense
+/// (`load::dequantize_here`): dense, in its checkpoint's dtype (float32) or in bf16, the window
+/// kernels take its windows, and speculation can gain there.
+#[test]
+fn the_window_kernels_take_the_default_model_once_dense() {
+    use mlx_spec::kernels::{CudaDecode, Fused};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/gemma4-code-25m");
+    let packed = Gemma4Model::load(&dir, DtypeChoice::Auto, None).unwrap();
+    let largest = |model: &Gemma4Model| {
+        CudaDecode::new(model, Fused::every())
+            .unwrap()
+            .largest_exact_window(model)
+    };
+    assert_eq!(largest(&packed), 1, "8-bit: no window kernel");
+    for dtype in [DtypeChoice::Auto, DtypeChoice::Fixed(Dtype::Bfloat16)] {
+        let dense = Gemma4Model::load_dequantized(&dir, dtype, None).unwrap();
+        assert_eq!(largest(&dense), 8, "dense {:?}", dense.dtype);
+    }
+}

@@ -65,6 +65,10 @@
 #   window-spec  ngram speculation (at most 7 drafts: windows the kernels take) vs plain
 #              greedy decoding of the default model, both prompt sets, outputs checked equal;
 #              WINDOW_SPEC_BASELINE=1 also runs it without the fused kernels
+#   window-default  the default model's verify windows of k = 2 4 8 tokens against k decode
+#              steps, with the window kernels (its 8-bit weights loaded dense) and with MLX's
+#              operations (lab --verify-window lets those take the window whole), in the
+#              checkpoint's dtype and in bf16: which windows compute what steps compute
 #   drafters   the five drafters (DRAFTERS) vs plain on the default model, free-text set, with
 #              each --fused-kernels value of DRAFTER_KERNELS (default: none, MLX's operations)
 #   draft-model-cost  a round of E2B (random weights) drafting for the 31B (random weights)
@@ -431,6 +435,22 @@ if want window; then
         2>>"$RES/window.err" | tee -a "$RES/window.md"
     row "verify windows with and without the fused kernels | printed above, kept in window.md"
 fi
+if want window-default; then
+    # Which verify windows compute what decode steps compute on the default model: the loop
+    # runs a window whole on a GPU only through the window kernels (a window through MLX's
+    # operations verifies a token at a time), and this is the check behind that.
+    for dtype in auto bf16; do
+        for fused in default none; do
+            for k in 2 4 8; do
+                line="$(timeout 120 "$BIN" lab --device gpu --model "$ROOT/models/gemma4-code-25m" --dtype "$dtype" \
+                    --fused-kernels "$fused" --prompt-tokens 64 --repeats 3 --verify-window "$k" \
+                    2>>"$RES/window-default.err" | tail -n 1)"
+                row "default model ($dtype), --fused-kernels $fused, window of $k vs steps | ${line:-failed: $(tail -n 1 "$RES/window-default.err")}"
+            done
+        done
+    done
+fi
+
 if want window-spec; then
     # Speculation with windows the kernels take (at most 7 drafts and the last token) on the
     # default model; the bench checks the outputs against plain decoding and fails otherwise.
@@ -656,12 +676,15 @@ if want draft-model-cost; then
     # 31B, both with random bf16 weights (the plugin's `random_weights_seed`), 4 drafts every
     # round. Random drafts are all rejected, so each round emits one token: the spec rate is
     # the price of a round and the drafter column the drafting part of it.
-    line="$(timeout 400 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-31b.json" \
-        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --plugins-dir "$G/bin/plugins" \
-        --drafter draft-model --drafter-set "checkpoint=\"$ROOT/configs/gemma-4-e2b.json\"" \
-        --drafter-set random_weights_seed=1 --num-draft-tokens 4 --no-auto-off \
-        2>"$RES/draft-model-cost.err" | tail -n 1)"
-    row "draft-model E2B (random) for 31B bf16 (random), 4 drafts every round | ${line:-failed: $(tail -n 1 "$RES/draft-model-cost.err")}"
+    # DRAFT_COST_KERNELS: the --fused-kernels values of the target (default: both).
+    for fused in ${DRAFT_COST_KERNELS:-default none}; do
+        line="$(RUST_BACKTRACE=1 timeout 400 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-31b.json" \
+            --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --plugins-dir "$G/bin/plugins" \
+            --fused-kernels "$fused" --drafter draft-model --drafter-set "checkpoint=\"$ROOT/configs/gemma-4-e2b.json\"" \
+            --drafter-set random_weights_seed=1 --num-draft-tokens 4 --no-auto-off \
+            2>"$RES/draft-model-cost-$fused.err" | tail -n 1)"
+        row "draft-model E2B (random) for 31B bf16 (random), 4 drafts every round, kernels $fused | ${line:-failed: $(grep -m1 -E 'panicked|error|what' "$RES/draft-model-cost-$fused.err")}"
+    done
 fi
 
 if want assistant-cost; then
