@@ -117,6 +117,9 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     // What auto-off learned carries from each request to the next, as in a server: the
     // warm-up round teaches it, the measured rounds start from it.
     let mut gate_memory = GateMemory::default();
+    // The window kernels compile before anything is timed (the warm-up round below may not
+    // meet every window length the measured rounds run).
+    mlx_spec::speculative::warm_up_windows(model, k + 1)?;
     for round in 0..=args.repeats {
         let (mut plain_s, mut spec_s, mut generated) = (0.0, 0.0, 0usize);
         let (mut plain_decode_s, mut spec_decode_s) = (0.0, 0.0);

@@ -28,7 +28,7 @@ use crate::load::LoadOptions;
 use crate::plugins::{check_needs, instantiate, Registry, HOST_KEY_NUM_DRAFT_TOKENS};
 use crate::sampler::SamplingParams;
 use crate::speculative::target_port::target_spec;
-use crate::speculative::{GateMemory, SpecOptions, SpecStats, SpecStepper};
+use crate::speculative::{warm_up_windows, GateMemory, SpecOptions, SpecStats, SpecStepper};
 use crate::tokenizer::Tokenizer;
 
 use super::metrics::Metrics;
@@ -369,6 +369,7 @@ fn run(
                 auto_off: false,
                 fitted_draft_length: false,
             };
+            warm_up_windows(&loaded.model, d.info.num_draft_tokens + 1)?;
             let stepper = SpecStepper::new(&loaded.model, &probe, Some(&d.provider), options)?;
             if let Some(e) = &stepper.spec_stats().drafter_error {
                 bail!(

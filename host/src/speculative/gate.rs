@@ -54,9 +54,15 @@ const SLOW_DECAY: f64 = 0.95;
 const MIN_REACHED: f64 = 1.0;
 /// Drafted rounds observed before the rounds' cost can pause a drafter.
 const COST_WARMUP_ROUNDS: u32 = 10;
-/// The longest pause a request starts with when it carries an earlier request's back-off: a
-/// new prompt may suit the drafter better, so it gets a probe every this many rounds at least.
+/// The longest back-off a request starts with when it carries an earlier request's: a new
+/// prompt may suit the drafter better, so it gets a probe every this many rounds at least
+/// (or every [`DraftGate::probe_spacing`] rounds where probes cost more).
 const MAX_CARRIED_PAUSE: u32 = 4 * FIRST_PAUSE;
+/// The share of plain decoding's time that probing a paused drafter may cost: a probe that
+/// fails costs its round's price over a plain token's (the break-even, in plain tokens), so a
+/// pause lasts at least that over this share. On an H200 a round of the default model costs
+/// about five plain tokens, and probes every 16-64 tokens cost 5-8 % (BENCHMARKS.md).
+const PROBE_SHARE: f64 = 0.02;
 
 /// What a gate learned about its drafter that outlives one request: the costs of drafted and
 /// plain rounds on this machine, the long-memory acceptance by draft position, and the
@@ -106,6 +112,10 @@ pub struct DraftGate {
     plain_seconds: Option<f64>,
     /// Rounds decoded plainly because the gate was closed.
     pub paused_rounds: u64,
+    /// Whether the next drafted round ends a pause: it asks for the full length, so that a
+    /// drafter right in streaks can show that a round pays (a probe of a few drafts cannot
+    /// accept more than the break-even of a dear round).
+    probe_next: bool,
     /// Whether [`DraftGate::draft_len`] follows [`DraftGate::fastest_draft_len`].
     fitted_length: bool,
 }
@@ -127,24 +137,38 @@ impl DraftGate {
             round_cost: CostLine::default(),
             plain_seconds: None,
             paused_rounds: 0,
+            probe_next: false,
             fitted_length: false,
         }
     }
 
     /// A gate for a new request that starts from what `memory` holds: the warm-ups done, the
-    /// costs and acceptance rates known, no pause running (the request's first round drafts:
-    /// acceptance depends on the prompt), and the back-off kept up to [`MAX_CARRIED_PAUSE`].
-    /// With an empty memory, [`DraftGate::new`].
+    /// costs and acceptance rates known, the pause that was running carried on, and the
+    /// back-off kept. Both are capped at [`MAX_CARRIED_PAUSE`] or the probe spacing, whichever
+    /// is longer: acceptance depends on the prompt, so a new one gets a probe soon, but no
+    /// sooner than probes pay for ([`DraftGate::probe_spacing`]). With an empty memory,
+    /// [`DraftGate::new`].
     pub fn resumed(enabled: bool, memory: &GateMemory) -> Self {
         let Some(learned) = &memory.0 else {
             return DraftGate::new(enabled);
         };
+        let cap = MAX_CARRIED_PAUSE.max(learned.probe_spacing());
         DraftGate {
             enabled,
-            paused_for: 0,
+            paused_for: learned.paused_for.min(cap),
             paused_rounds: 0,
-            next_pause: learned.next_pause.min(MAX_CARRIED_PAUSE),
+            next_pause: learned.next_pause.min(cap),
             ..learned.clone()
+        }
+    }
+
+    /// The fewest plain rounds between two probes of a paused drafter, so that failed probes
+    /// cost at most [`PROBE_SHARE`] of the plain rounds' time: the break-even over the share,
+    /// once the rounds' costs are known (at most [`MAX_PAUSE`]).
+    pub fn probe_spacing(&self) -> u32 {
+        match self.break_even() {
+            Some(b) if b > 0.0 => ((b / PROBE_SHARE).ceil() as u32).min(MAX_PAUSE),
+            _ => 0,
         }
     }
 
@@ -209,7 +233,7 @@ impl DraftGate {
 
     /// How many tokens to ask for this round, at most `k_max`.
     pub fn draft_len(&self, k_max: usize) -> usize {
-        if !self.enabled || self.observed < WARMUP_ROUNDS || self.rounds <= 0.0 {
+        if !self.enabled || self.observed < WARMUP_ROUNDS || self.rounds <= 0.0 || self.probe_next {
             return k_max;
         }
         if let Some(best) = self
@@ -278,6 +302,7 @@ impl DraftGate {
             }
         }
         self.observed += 1;
+        self.probe_next = false;
         if !self.enabled || self.observed < WARMUP_ROUNDS {
             return;
         }
@@ -287,7 +312,8 @@ impl DraftGate {
                 .break_even()
                 .is_some_and(|b| self.slow_accepted / self.slow_rounds < b);
         if self.accepted / self.rounds < threshold || costs_more {
-            self.paused_for = self.next_pause;
+            self.paused_for = self.next_pause.max(self.probe_spacing());
+            self.probe_next = true;
             self.next_pause = (self.next_pause * 2).min(MAX_PAUSE);
             // The memory is kept: the probe after the pause drafts few tokens, and one good
             // probe lifts the decayed rate over the threshold again.
@@ -398,18 +424,38 @@ mod tests {
         for i in 0..200 {
             if gate.should_draft() {
                 let n = gate.draft_len(10);
-                asked.push(n);
+                asked.push((n, gate.probe_next));
                 // One accepted token every third round.
                 gate.observe(n, usize::from(i % 3 == 0));
             }
         }
-        // After the warm-up rounds (full length), drafts stay short.
+        // After the warm-up rounds (full length), drafts stay short but for the probes that
+        // end a pause.
         let after_warmup = &asked[WARMUP_ROUNDS as usize..];
-        assert!(!after_warmup.is_empty());
+        assert!(after_warmup.iter().any(|&(_, probe)| !probe));
         assert!(
-            after_warmup.iter().all(|&n| n <= 2),
-            "draft lengths stay long: {asked:?}"
+            after_warmup
+                .iter()
+                .all(|&(n, probe)| if probe { n == 10 } else { n <= 2 }),
+            "draft lengths: {asked:?}"
         );
+    }
+
+    #[test]
+    fn the_probe_after_a_pause_asks_for_the_full_length() {
+        let mut gate = DraftGate::new(true);
+        for _ in 0..WARMUP_ROUNDS {
+            assert_eq!(gate.draft_len(10), 10);
+            gate.observe(10, 0);
+        }
+        assert!(gate.paused_remaining() > 0);
+        gate.spend_pause(gate.paused_remaining() as usize);
+        assert!(gate.should_draft());
+        assert_eq!(gate.draft_len(10), 10, "the probe");
+        // A probe that finds a streak: drafting goes on at the recent acceptance's length.
+        gate.observe(10, 9);
+        assert_eq!(gate.paused_remaining(), 0);
+        assert!(gate.draft_len(10) < 10);
     }
 
     #[test]
@@ -514,9 +560,56 @@ mod tests {
             "the first request has nothing to start from"
         );
         assert!(
-            carried[1..].iter().all(|&d| (1..=3).contains(&d)),
+            carried[1..].iter().all(|&d| d <= 3),
             "drafted rounds per request: {carried:?}"
         );
+        assert!(carried[1..].iter().any(|&d| d > 0), "never probed again");
+    }
+
+    /// Plain-token times per emitted token over requests of `tokens` tokens each, one memory
+    /// carried across them, for a drafter accepting `accepted` of 10 drafts in rounds costing
+    /// `cost` plain tokens: 1.0 is plain decoding's pace.
+    fn relative_time(cost: f64, accepted: usize, tokens: u32, requests: u32) -> f64 {
+        let mut memory = GateMemory::default();
+        let (mut time, mut emitted) = (0.0, 0u32);
+        for _ in 0..requests {
+            let mut gate = DraftGate::resumed(true, &memory);
+            let mut left = tokens;
+            while left > 0 {
+                if gate.should_draft() {
+                    gate.observe_round_time(cost * 1e-3, 10);
+                    gate.observe(10, accepted);
+                    time += cost;
+                    left = left.saturating_sub(1 + accepted as u32);
+                } else {
+                    gate.observe_plain_time(1e-3, 1);
+                    time += 1.0;
+                    left -= 1;
+                }
+            }
+            emitted += tokens;
+            memory.remember(&gate);
+        }
+        time / emitted as f64
+    }
+
+    #[test]
+    fn probing_a_losing_drafter_costs_little_where_rounds_are_dear() {
+        // A GPU-like round of five plain tokens' time accepting one token: each probe loses
+        // three plain tokens. Over twenty requests of 128 tokens (the bench's free-text set)
+        // the warm-up of the first request and the probes stay within the 3 % auto-off allows.
+        let slowdown = relative_time(5.0, 1, 128, 20);
+        assert!(slowdown < 1.03, "{slowdown:.3} of plain decoding's time");
+        // The spacing follows the break-even: four plain tokens over 2 %.
+        let mut gate = DraftGate::new(true);
+        run_rounds(&mut gate, 40, 5.0, 1);
+        assert_eq!(gate.probe_spacing(), 200);
+        // A CPU-like round of two plain tokens: probes every 50 tokens at least.
+        let mut gate = DraftGate::new(true);
+        run_rounds(&mut gate, 40, 2.0, 0);
+        assert_eq!(gate.probe_spacing(), 50);
+        // Untimed rounds set no spacing.
+        assert_eq!(DraftGate::new(true).probe_spacing(), 0);
     }
 
     #[test]
@@ -529,7 +622,7 @@ mod tests {
     }
 
     #[test]
-    fn a_resumed_gate_drafts_first_and_caps_the_carried_back_off() {
+    fn a_resumed_gate_carries_its_pause_and_caps_the_carried_back_off() {
         let mut gate = DraftGate::new(true);
         // Always wrong: the back-off grows to its longest.
         for _ in 0..5000 {
@@ -538,12 +631,18 @@ mod tests {
             }
         }
         assert_eq!(gate.next_pause, MAX_PAUSE);
+        // Mid-pause when the request ends.
+        gate.spend_pause(10);
+        assert!(gate.paused_remaining() > MAX_CARRIED_PAUSE);
         let mut memory = GateMemory::default();
         assert!(memory.is_empty());
         memory.remember(&gate);
         let mut next = DraftGate::resumed(true, &memory);
         assert_eq!(next.paused_rounds, 0);
-        assert!(next.should_draft(), "a new prompt gets a probe first");
+        // Untimed rounds: the pause runs on, cut to the carried cap, and so does the back-off.
+        assert_eq!(next.paused_remaining(), MAX_CARRIED_PAUSE);
+        next.spend_pause(MAX_CARRIED_PAUSE as usize);
+        assert!(next.should_draft(), "a new prompt gets a probe soon");
         next.observe(10, 0);
         assert_eq!(next.paused_remaining(), MAX_CARRIED_PAUSE);
         // A request that never drafted leaves the memory as it was.

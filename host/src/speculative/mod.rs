@@ -219,6 +219,26 @@ pub fn most_drafts(requested: usize, window_limit: Option<usize>) -> Option<usiz
     }
 }
 
+/// Runs one verify window of every length the loop may run on this device (2 to the window
+/// kernels' limit, at most `longest`) on a scratch cache, so that kernels met for the first
+/// time compile now rather than inside a request's first rounds of each length: on an H200 a
+/// window kernel's first compile costs seconds, and a bench or a server's first requests would
+/// pay it. Nothing to do where windows run through MLX's operations (the CPU).
+pub fn warm_up_windows(model: &Gemma4Model, longest: usize) -> Result<()> {
+    let Some(limit) = model.verify_window_limit() else {
+        return Ok(());
+    };
+    let bos = model.config.bos_token_id.unwrap_or(0);
+    for len in 2..=limit.min(longest) {
+        let mut cache = model.new_cache();
+        model.forward(&[bos], &mut cache, LogitsFor::Last, false)?;
+        let window = vec![bos; len];
+        let out = model.forward(&window, &mut cache, LogitsFor::All, false)?;
+        out.logits.eval()?;
+    }
+    Ok(())
+}
+
 /// Generates with speculative decoding. The drafter comes from `provider`; without one (or
 /// once it faults, or where drafting cannot pay: [`most_drafts`]) this is plain decoding
 /// through the same loop. A loop over [`SpecStepper`] to the end. The gate starts from
