@@ -676,14 +676,16 @@ if want draft-model-cost; then
     # 31B, both with random bf16 weights (the plugin's `random_weights_seed`), 4 drafts every
     # round. Random drafts are all rejected, so each round emits one token: the spec rate is
     # the price of a round and the drafter column the drafting part of it.
-    # DRAFT_COST_KERNELS: the --fused-kernels values of the target (default: both).
+    # DRAFT_COST_KERNELS: the --fused-kernels values of the target (default: both);
+    # DRAFT_COST_TARGET: the target's config (default: 31b; e4b is one the window kernels take).
+    target="${DRAFT_COST_TARGET:-31b}"
     for fused in ${DRAFT_COST_KERNELS:-default none}; do
-        line="$(RUST_BACKTRACE=1 timeout 400 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-31b.json" \
+        line="$(RUST_BACKTRACE=1 timeout 400 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-$target.json" \
             --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --plugins-dir "$G/bin/plugins" \
             --fused-kernels "$fused" --drafter draft-model --drafter-set "checkpoint=\"$ROOT/configs/gemma-4-e2b.json\"" \
             --drafter-set random_weights_seed=1 --num-draft-tokens 4 --no-auto-off \
             2>"$RES/draft-model-cost-$fused.err" | tail -n 1)"
-        row "draft-model E2B (random) for 31B bf16 (random), 4 drafts every round, kernels $fused | ${line:-failed: $(grep -m1 -E 'panicked|error|what' "$RES/draft-model-cost-$fused.err")}"
+        row "draft-model E2B (random) for $target bf16 (random), 4 drafts every round, kernels $fused | ${line:-failed: $(grep -m1 -E 'panicked|error|what' "$RES/draft-model-cost-$fused.err")}"
     done
 fi
 
