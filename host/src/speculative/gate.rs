@@ -143,19 +143,25 @@ impl DraftGate {
     }
 
     /// A gate for a new request that starts from what `memory` holds: the warm-ups done, the
-    /// costs and acceptance rates known, the pause that was running carried on, and the
-    /// back-off kept. Both are capped at [`MAX_CARRIED_PAUSE`] or the probe spacing, whichever
-    /// is longer: acceptance depends on the prompt, so a new one gets a probe soon, but no
-    /// sooner than probes pay for ([`DraftGate::probe_spacing`]). With an empty memory,
-    /// [`DraftGate::new`].
+    /// costs and acceptance rates known, and the back-off kept up to [`MAX_CARRIED_PAUSE`] or
+    /// the probe spacing, whichever is longer. Acceptance depends on the prompt, so a new
+    /// request's first round drafts, unless probes are so dear that one a request would cost
+    /// more than their share ([`DraftGate::probe_spacing`] longer than [`MAX_CARRIED_PAUSE`]):
+    /// then the pause that was running carries on. With an empty memory, [`DraftGate::new`].
     pub fn resumed(enabled: bool, memory: &GateMemory) -> Self {
         let Some(learned) = &memory.0 else {
             return DraftGate::new(enabled);
         };
-        let cap = MAX_CARRIED_PAUSE.max(learned.probe_spacing());
+        let spacing = learned.probe_spacing();
+        let cap = MAX_CARRIED_PAUSE.max(spacing);
+        let dear_probes = spacing > MAX_CARRIED_PAUSE;
         DraftGate {
             enabled,
-            paused_for: learned.paused_for.min(cap),
+            paused_for: if dear_probes {
+                learned.paused_for.min(cap)
+            } else {
+                0
+            },
             paused_rounds: 0,
             next_pause: learned.next_pause.min(cap),
             ..learned.clone()
@@ -622,7 +628,7 @@ mod tests {
     }
 
     #[test]
-    fn a_resumed_gate_carries_its_pause_and_caps_the_carried_back_off() {
+    fn a_resumed_gate_probes_first_unless_probes_are_dear() {
         let mut gate = DraftGate::new(true);
         // Always wrong: the back-off grows to its longest.
         for _ in 0..5000 {
@@ -639,12 +645,21 @@ mod tests {
         memory.remember(&gate);
         let mut next = DraftGate::resumed(true, &memory);
         assert_eq!(next.paused_rounds, 0);
-        // Untimed rounds: the pause runs on, cut to the carried cap, and so does the back-off.
-        assert_eq!(next.paused_remaining(), MAX_CARRIED_PAUSE);
-        next.spend_pause(MAX_CARRIED_PAUSE as usize);
-        assert!(next.should_draft(), "a new prompt gets a probe soon");
+        // Untimed rounds (probes cost nothing known): a new prompt gets a probe first, and the
+        // back-off is cut to the carried cap.
+        assert!(next.should_draft(), "a new prompt gets a probe first");
         next.observe(10, 0);
         assert_eq!(next.paused_remaining(), MAX_CARRIED_PAUSE);
+        // Dear rounds (five plain tokens: a probe every 200 tokens at most): the running pause
+        // carries on into the next request instead.
+        let mut dear = DraftGate::new(true);
+        run_rounds(&mut dear, 300, 5.0, 1);
+        assert!(dear.probe_spacing() > MAX_CARRIED_PAUSE);
+        assert!(dear.paused_remaining() > 0);
+        let mut dear_memory = GateMemory::default();
+        dear_memory.remember(&dear);
+        let resumed = DraftGate::resumed(true, &dear_memory);
+        assert_eq!(resumed.paused_remaining(), dear.paused_remaining());
         // A request that never drafted leaves the memory as it was.
         memory.remember(&DraftGate::new(true));
         assert_eq!(DraftGate::resumed(true, &memory).observed, gate.observed);
