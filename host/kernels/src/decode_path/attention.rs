@@ -48,11 +48,7 @@ impl CudaDecode {
         let att = &layer.attention;
         let input_norm = &layer.input_norm;
         let t = x.shape()[0];
-        let whole_window = t as usize <= state.whole_window;
-        if let Some(weights) = whole_window
-            .then(|| self.window_head_weights(att, state, x, cache.is_some()))
-            .flatten()
-        {
+        if let Some(weights) = self.window_head_weights(att, state, x, cache.is_some()) {
             return self.window_forward(
                 att,
                 state,

@@ -54,16 +54,10 @@ struct LayerState {
     post_attention_barrier: Array,
     /// The barrier state of the one-kernel path for windows of several tokens.
     window_barrier: Array,
-    /// The most tokens a window may hold for the window kernels to take this whole layer
-    /// ([`layer::largest_window`]; 1: none). A window kernel runs only for windows they take
-    /// whole: where the heads kernel would serve a layer whose rest it cannot (the 31B's
-    /// 21 504-wide feed-forward), its shapes are ones it was never checked on, and on an
-    /// H200 its launch failed for the 31B.
-    whole_window: usize,
 }
 
 impl LayerState {
-    fn new(layer: &DecoderLayer, per_layer_width: usize, dtype: mlx_rs::Dtype) -> Result<Self> {
+    fn new(layer: &DecoderLayer, per_layer_width: usize) -> Result<Self> {
         let att: &Attention = &layer.attention;
         let (heads, kv_heads) = (att.num_heads as usize, att.num_kv_heads as usize);
         let periods = att.rope.periods();
@@ -87,7 +81,6 @@ impl LayerState {
             counters: [new_counter()?, new_counter()?, new_counter()?],
             post_attention_barrier: post_attention::new_barrier()?,
             window_barrier: post_attention::new_barrier()?,
-            whole_window: layer::largest_window(layer, dtype),
         })
     }
 }
@@ -109,7 +102,7 @@ impl CudaDecode {
         let layers = model
             .layers()
             .iter()
-            .map(|l| LayerState::new(l, width, model.dtype))
+            .map(|l| LayerState::new(l, width))
             .collect::<Result<Vec<_>>>()?;
         Ok(CudaDecode {
             kernels,
