@@ -431,6 +431,15 @@ fn the_window_kernels_take_dense_and_4bit_models_but_not_moe() {
     assert_eq!(largest(&packed8), 1);
     let moe = Gemma4Model::random(wide_heads_of(true), 0, Dtype::Float32, None).unwrap();
     assert_eq!(largest(&moe), 1);
+    // A feed-forward wider than the single-token kernel takes (as the 31B's 21 504 beside its
+    // hidden 5 376): the window kernel would take it, but decode steps run the three products,
+    // so no window computes what steps compute.
+    let mut wide_ff = wide_heads();
+    for plan in wide_ff.layers.iter_mut() {
+        plan.mlp_width = 32_768;
+    }
+    let wide_ff = Gemma4Model::random(wide_ff, 0, Dtype::Bfloat16, None).unwrap();
+    assert_eq!(largest(&wide_ff), 1);
 }
 
 /// The default model's 8-bit weights have no window kernel, so a GPU loads them dense

@@ -225,7 +225,8 @@ impl CudaDecode {
         let (h, zw, n, p) = (h as usize, zw as usize, n as usize, p as usize);
         let serves = if tokens > 1 {
             let bits = if all_dense { 0 } else { 4 };
-            window_post_attention::serves(h, zw, n, p, tokens, x.dtype(), bits)
+            post_attention::serves(h, zw, n, p, x.dtype())
+                && window_post_attention::serves(h, zw, n, p, tokens, x.dtype(), bits)
         } else {
             post_attention::serves(h, zw, n, p, x.dtype())
         };
@@ -322,6 +323,12 @@ pub(super) fn largest_window(layer: &DecoderLayer, dtype: mlx_rs::Dtype) -> usiz
         return 1;
     }
     let (hidden, width, n) = (hidden as usize, width as usize, n as usize);
+    // A window kernel gives the values of the single-token kernel it matches, so a layer too
+    // wide for that one (the 31B's 21 504-wide feed-forward input: its decode steps run the
+    // three products) takes no window.
+    if !post_attention::serves(hidden, width, n, per_layer, dtype) {
+        return 1;
+    }
     let heads = super::attention::largest_window(&layer.attention, hidden, dtype);
     (2..=heads)
         .rev()
