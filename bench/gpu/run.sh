@@ -71,7 +71,7 @@
 #              checkpoint's dtype and in bf16: which windows compute what steps compute
 #   drafters   the five drafters (DRAFTERS) vs plain on the default model, free-text set, with
 #              each --fused-kernels value of DRAFTER_KERNELS (default: none, MLX's operations)
-#   draft-model-cost  a round of E2B (random weights) drafting for the 31B (random weights)
+#   draft-model-cost  a round of E2B (random weights) drafting for E4B (DRAFT_COST_TARGET; random weights)
 #   assistant-cost  a round of an E4B-size assistant (random weights) beside E4B's verify
 #   assistant  the assistant drafter on the two oracle pairs: `draft` against transformers'
 #              first round, and greedy speculation against plain decoding
@@ -672,15 +672,16 @@ if want drafters; then
 fi
 
 if want draft-model-cost; then
-    # What a round of the draft-model drafter costs at released sizes: E2B drafting for the
-    # 31B, both with random bf16 weights (the plugin's `random_weights_seed`), 4 drafts every
+    # What a round of the draft-model drafter costs at released sizes: E2B drafting for a
+    # larger target, both with random bf16 weights (the plugin's `random_weights_seed`), 4 drafts every
     # round. Random drafts are all rejected, so each round emits one token: the spec rate is
     # the price of a round and the drafter column the drafting part of it.
-    # DRAFT_COST_KERNELS: the --fused-kernels values of the target (default: both);
-    # DRAFT_COST_TARGET: the target's config (default: 31b; e4b is one the window kernels take).
-    target="${DRAFT_COST_TARGET:-31b}"
-    for fused in ${DRAFT_COST_KERNELS:-default none}; do
-        line="$(RUST_BACKTRACE=1 timeout 400 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-$target.json" \
+    # DRAFT_COST_KERNELS: the --fused-kernels values of the target (default: the default set;
+    # with `none` a GPU drafts nothing); DRAFT_COST_TARGET: the target's config (default: e4b;
+    # the 31B's windows verify a token at a time, so it drafts nothing today).
+    target="${DRAFT_COST_TARGET:-e4b}"
+    for fused in ${DRAFT_COST_KERNELS:-default}; do
+        line="$(timeout 400 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-$target.json" \
             --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --plugins-dir "$G/bin/plugins" \
             --fused-kernels "$fused" --drafter draft-model --drafter-set "checkpoint=\"$ROOT/configs/gemma-4-e2b.json\"" \
             --drafter-set random_weights_seed=1 --num-draft-tokens 4 --no-auto-off \

@@ -119,7 +119,7 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     let mut gate_memory = GateMemory::default();
     // The window kernels compile before anything is timed (the warm-up round below may not
     // meet every window length the measured rounds run).
-    mlx_spec::speculative::warm_up_windows(model, k + 1)?;
+    mlx_spec::speculative::warm_up_windows(model)?;
     for round in 0..=args.repeats {
         let (mut plain_s, mut spec_s, mut generated) = (0.0, 0.0, 0usize);
         let (mut plain_decode_s, mut spec_decode_s) = (0.0, 0.0);

@@ -352,6 +352,11 @@ fn run(
                 config.load.path.display()
             )
         })?;
+        // The window kernels compile before the first request, which would otherwise wait
+        // for them (once for every drafter: the lengths are the model's, not a drafter's).
+        if !drafters.is_empty() {
+            warm_up_windows(&loaded.model)?;
+        }
         // Every drafter is checked against this target and opens a session on it once, so
         // one that cannot serve it stops the start rather than every request.
         for d in &drafters {
@@ -369,7 +374,6 @@ fn run(
                 auto_off: false,
                 fitted_draft_length: false,
             };
-            warm_up_windows(&loaded.model, d.info.num_draft_tokens + 1)?;
             let stepper = SpecStepper::new(&loaded.model, &probe, Some(&d.provider), options)?;
             if let Some(e) = &stepper.spec_stats().drafter_error {
                 bail!(

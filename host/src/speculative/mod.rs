@@ -219,17 +219,18 @@ pub fn most_drafts(requested: usize, window_limit: Option<usize>) -> Option<usiz
     }
 }
 
-/// Runs one verify window of every length the loop may run on this device (2 to the window
-/// kernels' limit, at most `longest`) on a scratch cache, so that kernels met for the first
-/// time compile now rather than inside a request's first rounds of each length: on an H200 a
-/// window kernel's first compile costs seconds, and a bench or a server's first requests would
-/// pay it. Nothing to do where windows run through MLX's operations (the CPU).
-pub fn warm_up_windows(model: &Gemma4Model, longest: usize) -> Result<()> {
+/// Runs one verify window of every length the window kernels take (2 to the model's limit;
+/// longer proposals are verified in parts of those lengths) on a scratch cache, so that
+/// kernels met for the first time compile now rather than inside a request's first rounds of
+/// each length: on an H200 a window kernel's first compile costs seconds, and a bench or a
+/// server's first requests would pay it. Nothing to do where windows run through MLX's
+/// operations (the CPU).
+pub fn warm_up_windows(model: &Gemma4Model) -> Result<()> {
     let Some(limit) = model.verify_window_limit() else {
         return Ok(());
     };
     let bos = model.config.bos_token_id.unwrap_or(0);
-    for len in 2..=limit.min(longest) {
+    for len in 2..=limit {
         let mut cache = model.new_cache();
         model.forward(&[bos], &mut cache, LogitsFor::Last, false)?;
         let window = vec![bos; len];
