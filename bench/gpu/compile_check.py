@@ -7,7 +7,7 @@ resident than a grid-wide barrier needs, otherwise shows up only on the GPU mach
 costs a lease. The sources are those MLX 0.32 would compile (its signature typed by the
 arrays' dtypes, the template arguments as constants), so a wrongly typed input fails here as
 it would there. MLX's own device header is replaced by the stand-in that mlx-spec's kernel
-cache compiles against (host/kernels/src/mlx_device_stand_in.cuh).
+cache compiles against (host/kernels/src/cuda/mlx_device_stand_in.cuh).
 
 Usage: compile_check.py --cuda NVIDIA_DIR DUMP_DIR [DUMP_DIR ...]
 NVIDIA_DIR holds the unpacked `nvidia/` tree of the cuda-nvrtc, cuda-nvcc (ptxas),
@@ -38,7 +38,7 @@ GRID_BARRIER_KERNELS = (
 # Stands in for MLX's mlx/backend/cuda/device/utils.cuh: the types and names our kernels use
 # (the same file mlx-spec's kernel cache compiles against).
 MLX_DEVICE_HEADER = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "host", "kernels",
-                                      "src", "mlx_device_stand_in.cuh")).read()
+                                      "src", "cuda", "mlx_device_stand_in.cuh")).read()
 
 
 def resident_blocks(registers, shared, threads):

@@ -37,7 +37,7 @@ use anyhow::{anyhow, bail, Context, Result};
 pub const KERNEL_CACHE_SWITCH: &str = "MLX_SPEC_KERNEL_CACHE";
 
 /// Our stand-in for MLX's device header (see the file for why it suffices).
-pub const STAND_IN_HEADER: &str = include_str!("mlx_device_stand_in.cuh");
+pub const STAND_IN_HEADER: &str = include_str!("cuda/mlx_device_stand_in.cuh");
 
 /// The name MLX includes its device header by, first in every custom kernel's source.
 const MLX_DEVICE_HEADER_NAME: &str = "mlx/backend/cuda/device/utils.cuh";
