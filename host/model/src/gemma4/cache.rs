@@ -17,8 +17,7 @@ use anyhow::Result;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::{Array, Dtype};
-use std::cell::RefCell;
-use std::rc::Rc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::config::{AttentionKind, Gemma4Config};
 
@@ -84,7 +83,10 @@ struct MaskKey {
     capacity: usize,
 }
 
-type MaskMemo = Rc<RefCell<Option<(MaskKey, Array)>>>;
+/// The last mask built, shared by the layers of one kind of a cache (they see the same slots,
+/// so one build serves them all within a forward). Behind a mutex so that a cache, like a
+/// request holding it, can move to another thread.
+type MaskMemo = Arc<Mutex<Option<(MaskKey, Array)>>>;
 
 /// An additive `[rows, capacity]` mask: row `i` is 0 inside `visible(i)`, -inf elsewhere.
 fn mask_array(
@@ -330,7 +332,11 @@ impl LayerKv {
             len: self.len,
             capacity: self.capacity(),
         };
-        if let Some((k, mask)) = self.mask_memo.borrow().as_ref() {
+        let mut memo = self
+            .mask_memo
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some((k, mask)) = memo.as_ref() {
             if *k == key {
                 return Ok(mask.clone());
             }
@@ -338,7 +344,7 @@ impl LayerKv {
         let offset = self.end_position() - t;
         let visible = |i: usize| self.query_visible(offset, i);
         let mask = mask_array(t, self.capacity(), visible, dtype)?;
-        *self.mask_memo.borrow_mut() = Some((key, mask.clone()));
+        *memo = Some((key, mask.clone()));
         Ok(mask)
     }
 
@@ -552,6 +558,29 @@ mod tests {
                 assert!(compactions >= 2, "the buffer compacted {compactions} times");
             }
         }
+    }
+
+    #[test]
+    fn a_cache_filled_on_one_thread_serves_steps_on_another() {
+        // A server may hand a request, cache and all, to another thread between rounds.
+        let memo = MaskMemo::default();
+        let mut layer = LayerKv::new(AttentionKind::Sliding, 4, 2, memo.clone());
+        let prompt = Array::zeros::<f32>(&[1, 1, 3, 2]).unwrap();
+        layer.append(&prompt, &prompt).unwrap();
+        let seen = std::thread::spawn(move || {
+            let token = Array::ones::<f32>(&[1, 1, 1, 2]).unwrap();
+            let view = layer.append(&token, &token).unwrap();
+            (
+                view.first_query_slots.clone().collect::<Vec<_>>(),
+                visible_in_mask(&view),
+            )
+        })
+        .join()
+        .unwrap();
+        assert_eq!(seen.0, seen.1);
+        assert_eq!(seen.0.len(), 4, "the new token sees a window of four");
+        // The mask the other thread built is the one the memo now holds.
+        assert!(memo.lock().unwrap().is_some());
     }
 
     #[test]
