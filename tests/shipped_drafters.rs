@@ -55,3 +55,107 @@ fn each_shipped_drafter_is_lossless_and_accepted() {
         );
     }
 }
+
+/// Copies a folder's files (not its subfolders) into `to`.
+fn copy_files(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+#[test]
+fn calibrated_thresholds_cut_the_deepspec_blocks_and_stay_lossless() {
+    let tmp = std::env::temp_dir().join(format!("mlx-spec-calibrate-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let checkpoint = tmp.join("checkpoint");
+    copy_files(
+        &repo_root().join("plugins/deepspec/checkpoint"),
+        &checkpoint,
+    );
+    assert!(!checkpoint.join("confidence_thresholds.json").exists());
+    // Three prompts of the free-text set: enough drafted rounds to fit the first rows.
+    let text = std::fs::read_to_string(repo_root().join("bench/prompts/free_text.jsonl")).unwrap();
+    let set = tmp.join("set.jsonl");
+    std::fs::write(&set, text.lines().take(3).collect::<Vec<_>>().join("\n")).unwrap();
+    let model = repo_root().join("models/gemma4-code-25m");
+    let plugins = repo_root().join("plugins");
+    let checkpoint_setting = format!("checkpoint={:?}", checkpoint.to_str().unwrap());
+    let out = mlx_spec(&[
+        "calibrate",
+        "--model",
+        model.to_str().unwrap(),
+        "--plugins-dir",
+        plugins.to_str().unwrap(),
+        "--drafter",
+        "deepspec",
+        "--drafter-set",
+        &checkpoint_setting,
+        "--prompt-set",
+        set.to_str().unwrap(),
+        "--gen-tokens",
+        "48",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Written beside the checkpoint the drafter loaded, one threshold a block row.
+    let written = checkpoint.join("confidence_thresholds.json");
+    assert!(stdout.contains(&written.display().to_string()), "{stdout}");
+    let fit: Value = serde_json::from_str(&std::fs::read_to_string(&written).unwrap()).unwrap();
+    let thresholds: Vec<f64> = fit["thresholds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_f64().unwrap())
+        .collect();
+    assert_eq!(thresholds.len(), 7, "{fit}");
+    assert!(thresholds.iter().all(|t| (0.0..1.0).contains(t)), "{fit}");
+    let rows = fit["rows"].as_array().unwrap();
+    assert!(rows[0]["samples"].as_u64().unwrap() >= 30, "{fit}");
+    assert_eq!(
+        rows[0]["samples"], fit["rounds"],
+        "every round reaches row 0"
+    );
+    // On the recorded rounds the cut proposes fewer drafts a round than whole blocks.
+    assert!(
+        fit["cut"]["proposed"].as_u64() < fit["uncut"]["proposed"].as_u64(),
+        "{fit}"
+    );
+
+    // The plugin reads the file: its blocks are cut, and the output is plain decoding's.
+    let plain = generate(&[]);
+    let uncut = generate(&[
+        "--drafter",
+        "deepspec",
+        "--no-auto-off",
+        "--drafter-set",
+        "confidence_threshold=0.0",
+    ]);
+    let cut = generate(&[
+        "--drafter",
+        "deepspec",
+        "--no-auto-off",
+        "--drafter-set",
+        &checkpoint_setting,
+    ]);
+    assert_eq!(cut["tokens"], plain["tokens"]);
+    assert_eq!(uncut["tokens"], plain["tokens"]);
+    let per_round = |v: &Value| {
+        v["stats"]["num_draft_tokens"].as_f64().unwrap()
+            / v["stats"]["num_drafts"].as_f64().unwrap().max(1.0)
+    };
+    assert!(
+        per_round(&cut) < per_round(&uncut),
+        "drafts a round: {} cut, {} whole blocks",
+        per_round(&cut),
+        per_round(&uncut)
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+}

@@ -2,6 +2,7 @@
 //! the decode path (fused-kernel comparisons, CPU cross-checks, repeatability, host time per
 //! operation, kernel checks). Part of the command line; the measured work lives in the library.
 
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -14,7 +15,7 @@ use mlx_spec::model::gemma4::{Gemma4Model, LogitsFor};
 use mlx_spec::plugins::{self, instantiate, Registry};
 use mlx_spec::sampler::SamplingParams;
 use mlx_spec::speculative::{generate_speculative, GateMemory, SpecOptions};
-use mlx_spec::tokenizer::ChatMessage;
+use mlx_spec::tokenizer::{ChatMessage, Tokenizer};
 
 use crate::{load_model, parse_overrides, BenchArgs};
 use mlx_spec::load::read_config;
@@ -30,6 +31,36 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Plain and speculative greedy decoding of the same prompt, alternated, in one process.
+/// The chat turns of a prompt set (JSON lines of `{"messages": [{"role", "content"}, ...]}`,
+/// as `bench/prompts/*.jsonl`), each encoded as Gemma 4 chat.
+pub(crate) fn read_prompt_set(path: &Path, tokenizer: &Tokenizer) -> Result<Vec<Vec<u32>>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut prompts = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}: not JSON", path.display(), i + 1))?;
+        let messages = v["messages"]
+            .as_array()
+            .with_context(|| format!("{} line {}: no `messages` list", path.display(), i + 1))?
+            .iter()
+            .map(|m| ChatMessage {
+                role: m["role"].as_str().unwrap_or("user").to_owned(),
+                content: m["content"].as_str().unwrap_or_default().to_owned(),
+            })
+            .collect::<Vec<_>>();
+        prompts.push(tokenizer.encode_chat(&messages)?);
+    }
+    if prompts.is_empty() {
+        bail!("the prompt set {} is empty", path.display());
+    }
+    Ok(prompts)
+}
+
 fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
     let registry = Registry::scan(&args.spec.plugins_dirs)?;
     let plugin = registry.get(drafter)?;
@@ -59,28 +90,7 @@ fn run_bench_spec(args: &BenchArgs, drafter: &str) -> Result<()> {
             .context("--prompt-file/--prompt-set need a model with tokenizer.json")
     };
     let prompts: Vec<Vec<u32>> = if let Some(path) = &args.prompt_set {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let mut prompts = Vec::new();
-        for (i, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
-            let v: serde_json::Value = serde_json::from_str(line)
-                .with_context(|| format!("{} line {}: not JSON", path.display(), i + 1))?;
-            let messages = v["messages"]
-                .as_array()
-                .with_context(|| format!("{} line {}: no `messages` list", path.display(), i + 1))?
-                .iter()
-                .map(|m| ChatMessage {
-                    role: m["role"].as_str().unwrap_or("user").to_owned(),
-                    content: m["content"].as_str().unwrap_or_default().to_owned(),
-                })
-                .collect::<Vec<_>>();
-            prompts.push(need_tokenizer()?.encode_chat(&messages)?);
-        }
-        prompts
+        read_prompt_set(path, need_tokenizer()?)?
     } else if let Some(path) = &args.prompt_file {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;

@@ -7,6 +7,7 @@
 //! loop ([`speculative`]), mlx-spec's own CUDA kernels for the decode step ([`kernels`], from
 //! the `mlx-spec-kernels` crate), and the OpenAI-compatible server ([`server`]).
 
+pub mod calibrate;
 pub mod deploy;
 pub mod device;
 pub mod diagnostics;

@@ -63,6 +63,42 @@ enum Command {
     Perplexity(PerplexityArgs),
     /// Quantize a drafter checkpoint (assistant, glm-mtp, deepspec) to affine 4 or 8 bits.
     QuantizeDrafter(mlx_spec::quantize_drafter::QuantizeDrafterArgs),
+    /// Fit a block drafter's confidence thresholds from its rounds over a prompt set.
+    Calibrate(CalibrateArgs),
+}
+
+/// `mlx-spec calibrate`: runs the drafter with its whole block every round over a prompt set,
+/// records each round's confidences and outcome, and writes the fitted per-row thresholds
+/// beside its checkpoint (`confidence_thresholds.json`), where the plugin reads them.
+#[derive(Args)]
+struct CalibrateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The drafter plugin (one with a confidence head and a `calibration_log` setting:
+    /// `deepspec`).
+    #[arg(long)]
+    drafter: String,
+    /// Directory holding drafter plugin folders (repeatable).
+    #[arg(long = "plugins-dir", value_name = "DIR", default_values_os_t = vec![mlx_spec::default_plugins_dir()])]
+    plugins_dirs: Vec<PathBuf>,
+    /// Override a setting of the drafter's manifest [defaults] (TOML value; repeatable).
+    #[arg(long = "drafter-set", value_name = "KEY=VALUE")]
+    drafter_set: Vec<String>,
+    /// Chat prompts to calibrate on, one JSON object a line (`bench/prompts/*.jsonl`).
+    #[arg(long, value_name = "FILE")]
+    prompt_set: PathBuf,
+    /// Tokens generated a prompt (greedy).
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// The least chance of being accepted a draft needs to be proposed: rows whose drafts are
+    /// less likely than this at their confidence are cut. Higher suits devices where a verify
+    /// window's extra token costs more.
+    #[arg(long, default_value_t = 0.2)]
+    min_acceptance: f64,
+    /// Where to write the thresholds (default: confidence_thresholds.json in the drafter's
+    /// checkpoint folder).
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -1044,6 +1080,145 @@ fn run_draft(args: DraftArgs) -> Result<()> {
     Ok(())
 }
 
+/// Rows with fewer samples than this take the threshold of the row before them.
+const CALIBRATION_MIN_SAMPLES: usize = 30;
+
+fn run_calibrate(args: CalibrateArgs) -> Result<()> {
+    use mlx_spec::calibrate::{fit_thresholds, read_rounds, replay};
+
+    let registry = Registry::scan(&args.plugins_dirs)?;
+    let plugin = registry.get(&args.drafter)?;
+    let mut overrides = parse_overrides(&args.drafter_set)?;
+    // Where the thresholds go: beside the checkpoint the drafter will load.
+    let out = match &args.out {
+        Some(path) => path.clone(),
+        None => {
+            let checkpoint = overrides
+                .get("checkpoint")
+                .or_else(|| plugin.manifest.defaults.get("checkpoint"))
+                .and_then(|v| v.as_str())
+                .with_context(|| {
+                    format!(
+                        "the {} drafter names no checkpoint folder; pass --out",
+                        args.drafter
+                    )
+                })?;
+            plugin
+                .dir
+                .join(checkpoint)
+                .join("confidence_thresholds.json")
+        }
+    };
+    let log = std::env::temp_dir().join(format!(
+        "mlx-spec-calibration-{}-{}.jsonl",
+        args.drafter,
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&log);
+    // The whole block every round, its rounds logged: what the fit needs to see.
+    overrides.insert("confidence_threshold".into(), toml::Value::Float(0.0));
+    overrides.insert(
+        "calibration_log".into(),
+        toml::Value::String(log.to_string_lossy().into_owned()),
+    );
+    let provider = instantiate(plugin, &overrides)?;
+    let loaded = load_model(&args.model, &RandomArgs::none())?;
+    plugins::check_needs(plugin.manifest, &target_spec(&loaded.model))?;
+    let tokenizer = loaded.tokenizer.as_ref().with_context(|| {
+        format!(
+            "{} has no tokenizer.json to encode the prompt set",
+            args.model.model.display()
+        )
+    })?;
+    let prompts = bench::read_prompt_set(&args.prompt_set, tokenizer)?;
+    let options = SpecOptions {
+        num_draft_tokens: 64,
+        auto_off: false,
+        fitted_draft_length: false,
+    };
+    let bar = indicatif::ProgressBar::new(prompts.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "calibrating {bar:30} {pos}/{len} prompts {elapsed}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let run = (|| -> Result<()> {
+        for prompt in &prompts {
+            let request = GenerateRequest {
+                prompt_ids: prompt.clone(),
+                max_tokens: args.gen_tokens,
+                sampling: SamplingParams::default(),
+                stop_ids: Vec::new(),
+                ignore_eos: true,
+            };
+            let (_, _, stats) = generate_speculative(
+                &loaded.model,
+                &request,
+                Some(&provider),
+                options,
+                &mut GateMemory::default(),
+                |_| Ok(()),
+            )?;
+            if let Some(e) = stats.drafter_error {
+                bail!("the {} drafter failed: {e}", args.drafter);
+            }
+            bar.inc(1);
+        }
+        Ok(())
+    })();
+    bar.finish_and_clear();
+    drop(provider);
+    let rounds = run.and_then(|()| {
+        read_rounds(&log).with_context(|| {
+            format!(
+                "the {} drafter wrote no calibration log: does it take a `calibration_log` setting?",
+                args.drafter
+            )
+        })
+    });
+    let _ = std::fs::remove_file(&log);
+    let rounds = rounds?;
+    let fit = fit_thresholds(&rounds, args.min_acceptance, CALIBRATION_MIN_SAMPLES)?;
+    let (before, after) = (replay(&rounds, &[]), replay(&rounds, &fit.thresholds));
+    let file = json!({
+        "thresholds": fit.thresholds,
+        "min_acceptance": args.min_acceptance,
+        "prompt_set": args.prompt_set.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "rounds": rounds.len(),
+        "rows": fit.rows,
+        "uncut": before,
+        "cut": after,
+    });
+    std::fs::write(&out, serde_json::to_string_pretty(&file)? + "\n")
+        .with_context(|| format!("cannot write {}", out.display()))?;
+    println!("row  samples  accepted  threshold");
+    for r in &fit.rows {
+        let note = if r.inherited {
+            " (too few samples: the row before's)"
+        } else {
+            ""
+        };
+        println!(
+            "{:>3}  {:>7}  {:>8}  {:>9.3}{note}",
+            r.row, r.samples, r.accepted, r.threshold
+        );
+    }
+    let per_round = |r: mlx_spec::calibrate::Replayed| {
+        (
+            r.proposed as f64 / r.rounds as f64,
+            r.accepted as f64 / r.rounds as f64,
+        )
+    };
+    let ((p0, a0), (p1, a1)) = (per_round(before), per_round(after));
+    println!(
+        "{} rounds: uncut {p0:.2} drafts proposed, {a0:.2} accepted a round; with these thresholds {p1:.2} proposed, {a1:.2} accepted",
+        rounds.len()
+    );
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
 fn run_plugins(cmd: PluginsCommand) -> Result<()> {
     match cmd {
         PluginsCommand::List { plugins_dirs } => {
@@ -1227,6 +1402,7 @@ fn main() -> ExitCode {
         Command::Plugins(cmd) => run_plugins(cmd),
         Command::Perplexity(args) => run_perplexity(args),
         Command::QuantizeDrafter(args) => mlx_spec::quantize_drafter::run(&args),
+        Command::Calibrate(args) => run_calibrate(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,6 +10,9 @@
 //!   `target.embed` and `target.logits_from_hidden` once a block for a shared-vocabulary
 //!   checkpoint. One block forward, one read of the block's tokens and confidences.
 
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use mlx_spec_plugin_api::mlx_rs::ops::concatenate;
@@ -43,6 +46,12 @@ impl DeepSpecDrafter {
             Some(t) => t.clone(),
             None => calibrated_thresholds(&settings.checkpoint)?,
         };
+        if settings.calibration_log.is_some() && !model.config.confidence_head {
+            return Err(format!(
+                "a calibration log is asked for, but the checkpoint in {} has no confidence head to calibrate",
+                settings.checkpoint.display()
+            ));
+        }
         if !thresholds.is_empty() && !model.config.confidence_head {
             return Err(format!(
                 "confidence thresholds are set, but the checkpoint in {} has no confidence head",
@@ -107,6 +116,10 @@ impl Drafter for DeepSpecDrafter {
             sampling: (self.settings.sample_drafts && sampling.temperature > 0.0)
                 .then_some((sampling.temperature, sampling.seed)),
             vocab: spec.vocab_size as u32,
+            log: match &self.settings.calibration_log {
+                Some(path) => Some(CalibrationLog::open(path)?),
+                None => None,
+            },
         })
     }
 }
@@ -150,6 +163,57 @@ pub struct DeepSpecSession {
     thresholds: Vec<f32>,
     sampling: Option<(f32, u64)>,
     vocab: u32,
+    log: Option<CalibrationLog>,
+}
+
+/// Where a session records its rounds for `mlx-spec calibrate`: the confidences of each
+/// proposed block, written with the round's outcome when it is committed.
+struct CalibrationLog {
+    file: File,
+    path: PathBuf,
+    /// The confidences of every row of the block last proposed.
+    pending: Option<Vec<f32>>,
+}
+
+impl CalibrationLog {
+    fn open(path: &PathBuf) -> Result<Self, String> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| {
+                format!(
+                    "deepspec drafter: cannot open the calibration log {}: {e}",
+                    path.display()
+                )
+            })?;
+        Ok(CalibrationLog {
+            file,
+            path: path.clone(),
+            pending: None,
+        })
+    }
+
+    /// One JSON line a verified round: `{"confidence": [..], "proposed": n, "accepted": a}`.
+    fn record(&mut self, proposed: usize, accepted: usize) -> Result<(), String> {
+        let Some(confidence) = self.pending.take() else {
+            return Ok(());
+        };
+        if proposed == 0 {
+            return Ok(());
+        }
+        let line = serde_json::json!({
+            "confidence": confidence,
+            "proposed": proposed,
+            "accepted": accepted,
+        });
+        writeln!(self.file, "{line}").map_err(|e| {
+            format!(
+                "deepspec drafter: cannot write the calibration log {}: {e}",
+                self.path.display()
+            )
+        })
+    }
 }
 
 impl DrafterSession for DeepSpecSession {
@@ -237,6 +301,16 @@ impl DrafterSession for DeepSpecSession {
             Some(q) if keep > 0 => Some(q.index(..keep as i32)),
             _ => None,
         };
+        if let Some(log) = &mut self.log {
+            log.pending = (keep > 0).then(|| block.confidence.clone());
+        }
         Ok(Proposal { tokens, probs })
+    }
+
+    fn commit(&mut self, drafted: usize, accepted: usize, _emitted: &[u32]) -> Result<(), String> {
+        match &mut self.log {
+            Some(log) => log.record(drafted, accepted),
+            None => Ok(()),
+        }
     }
 }

@@ -6,6 +6,7 @@
 //! | `dtype` | compute dtype: `auto` (the target's activation dtype), `checkpoint`, `float32`, `bfloat16`, `float16` | `auto` |
 //! | `confidence_threshold` | a number, or one per block row (the last repeating): a block is proposed up to its first row whose confidence is below it | the checkpoint's `confidence_thresholds.json`, else none (the whole block) |
 //! | `sample_drafts` | at temperature > 0, draw the block from `softmax(Z / T)` and hand the host those distributions (rejection sampling) | `false` |
+//! | `calibration_log` | an absolute path: each verified round appends a JSON line, its block's confidences and how many drafts were proposed and accepted (what `mlx-spec calibrate` fits thresholds from) | none |
 
 use std::path::{Path, PathBuf};
 
@@ -27,6 +28,7 @@ pub struct Settings {
     /// `None`: as the checkpoint's calibration file says (see [`calibrated_thresholds`]).
     pub thresholds: Option<Vec<f32>>,
     pub sample_drafts: bool,
+    pub calibration_log: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -43,6 +45,7 @@ struct Raw {
     dtype: Option<String>,
     confidence_threshold: Option<Thresholds>,
     sample_drafts: Option<bool>,
+    calibration_log: Option<String>,
 }
 
 fn check_thresholds(values: Vec<f64>, whence: &str) -> Result<Vec<f32>, String> {
@@ -84,11 +87,21 @@ impl Settings {
             Some(Thresholds::One(t)) => Some(check_thresholds(vec![t], whence)?),
             Some(Thresholds::PerRow(v)) => Some(check_thresholds(v, whence)?),
         };
+        let calibration_log = match raw.calibration_log.map(PathBuf::from) {
+            Some(path) if !path.is_absolute() => {
+                return Err(format!(
+                    "deepspec drafter: `calibration_log` must be an absolute path, got {}",
+                    path.display()
+                ))
+            }
+            other => other,
+        };
         Ok(Settings {
             checkpoint,
             dtype,
             thresholds,
             sample_drafts: raw.sample_drafts.unwrap_or(false),
+            calibration_log,
         })
     }
 }
@@ -135,6 +148,7 @@ mod tests {
             (json!({"confidence_threshold": []}), "at least one"),
             (json!({"threshold": 0.2}), "threshold"),
             (json!({"dtype": "f8"}), "f8"),
+            (json!({"calibration_log": "rounds.jsonl"}), "absolute"),
         ] {
             let e = Settings::parse(&bad, Path::new("/p")).unwrap_err();
             assert!(e.contains(needle), "{bad}: {e}");
