@@ -91,9 +91,6 @@
 #   window-q4  verify windows of 4-bit E4B through the 4-bit window kernels: forwards over
 #              k = VERIFY_KS tokens (default 2 4 8), each window's logits compared with k
 #              single-token steps (they must be identical), then the 4-bit verify cost curve
-#   stage-times the post-attention kernel's stages (attention output, gate/up, down, the
-#              per-layer input's gate and projection) timed on the device during pipelined
-#              decode, E4B bf16 and 4-bit, 12B bf16 (`lab --stage-times`)
 #   stalls     the post-attention kernel (bf16, and 4-bit with affine4) and the default's
 #              feed-forward kernels in Nsight Compute's occupancy, scheduler and warp-state
 #              sections: why they run at the speed they do
@@ -328,25 +325,6 @@ if want repeat; then
             | tee -a "$RES/repeat.txt" | grep -v "reference tokens" || tail -n 2 "$RES/repeat.err"
     done
     row "repeatability of E4B decode | printed above, kept in repeat.txt"
-fi
-
-if want stage-times; then
-    # Where the largest kernel of a step spends its time: the device clock as each of its
-    # stages finishes across the grid, in the pipelined decode itself (no profiler).
-    # STAGE_TIMES_MODELS: the labels to run (default all three); STAGE_TIMES_ARGS: more
-    # mlx-spec options (such as --handoff-layers ...).
-    for spec in "E4B bf16|gemma-4-e4b.json|" "E4B 4-bit g64|gemma-4-e4b.json|--random-bits 4" "12B bf16|gemma-4-12b.json|"; do
-        IFS='|' read -r label config extra <<<"$spec"
-        [[ -z "${STAGE_TIMES_MODELS:-}" || ";$STAGE_TIMES_MODELS;" == *";$label;"* ]] || continue
-        extra="$extra ${STAGE_TIMES_ARGS:-}"
-        label="$label${STAGE_TIMES_ARGS:+ ($STAGE_TIMES_ARGS)}"
-        echo "## $label: post-attention stages, µs a call (mean)" | tee -a "$RES/stage-times.md"
-        # shellcheck disable=SC2086 # $extra is empty or one option with its value
-        timeout 300 "$BIN" lab --device gpu --random-weights --model "$ROOT/configs/$config" --dtype bf16 $extra \
-            --prompt-tokens 512 --gen-tokens 64 --repeats 2 --stage-times 2>"$RES/stage-times.err" | tee -a "$RES/stage-times.md" \
-            || tail -n 3 "$RES/stage-times.err"
-    done
-    row "post-attention stage times | printed above, kept in stage-times.md"
 fi
 
 if want profile; then

@@ -1147,19 +1147,14 @@ fn dump_kernel_sources(
     let mut run = || -> Result<()> {
         for kernels in sets {
             install(model, kernels)?;
-            for timed in [false, true] {
-                mlx_spec::kernels::post_attention::set_stage_times(timed);
-                let (_, calls) = capture_kernels(|| {
-                    model.forward_ids(&token, &mut cache, LogitsFor::Last, false)
-                })?;
-                mlx_spec::kernels::post_attention::take_stage_times();
-                cache
-                    .trim(1)
-                    .map_err(|e| anyhow::anyhow!("cannot rewind the cache: {e:?}"))?;
-                for call in calls {
-                    if !written.iter().any(|w| w.source == call.source) {
-                        written.push(call);
-                    }
+            let (_, calls) =
+                capture_kernels(|| model.forward_ids(&token, &mut cache, LogitsFor::Last, false))?;
+            cache
+                .trim(1)
+                .map_err(|e| anyhow::anyhow!("cannot rewind the cache: {e:?}"))?;
+            for call in calls {
+                if !written.iter().any(|w| w.source == call.source) {
+                    written.push(call);
                 }
             }
         }
@@ -1181,7 +1176,6 @@ fn dump_kernel_sources(
         Ok(())
     };
     let result = run();
-    mlx_spec::kernels::post_attention::set_stage_times(false);
     model.set_fast_path(None);
     result?;
     let mut list = String::from("file\tkernel\tblock\tblocks\tdynamic_shared\n");
@@ -1206,107 +1200,6 @@ fn dump_kernel_sources(
     Ok(())
 }
 
-/// `bench --stage-times`: the post-attention kernel's stages, timed on the device during
-/// pipelined decode, by kind of layer (attention width, per-layer input or not).
-fn report_stage_times(model: &Gemma4Model, prompt: &[u32], args: &BenchArgs) -> Result<()> {
-    use mlx_spec::kernels::post_attention::{set_stage_times, take_stage_times, STAGES};
-    if !on_cuda() {
-        bail!("--stage-times: the post-attention kernel runs on a CUDA GPU only (--device gpu with the CUDA libmlx)");
-    }
-    /// One kind of layer (attention width, per-layer input or not): its timed calls, the sum
-    /// of each stage's microseconds and of the grid's ramps (first block's start to last's).
-    struct Kind {
-        key: (i32, bool),
-        calls: usize,
-        stage_sums: Vec<f64>,
-        ramp_sum: f64,
-    }
-    let mut kinds: Vec<Kind> = Vec::new();
-    for round in 0..=args.repeats {
-        let mut cache = model.new_cache();
-        let logits = prefill(model, &mut cache, prompt)?;
-        set_stage_times(true);
-        let decoded = decode_pipelined(model, &mut cache, &logits, args.gen_tokens);
-        set_stage_times(false);
-        decoded?;
-        let clocks = take_stage_times();
-        // The warm-up compiles the timed kernel.
-        if round == 0 {
-            continue;
-        }
-        for clock in clocks {
-            let key = (clock.attention_width, clock.per_layer_input);
-            let us = clock.stage_us()?;
-            let ramp = clock.start_spread_us()?;
-            match kinds.iter_mut().find(|k| k.key == key) {
-                Some(kind) => {
-                    kind.calls += 1;
-                    kind.stage_sums
-                        .iter_mut()
-                        .zip(&us)
-                        .for_each(|(s, u)| *s += u);
-                    kind.ramp_sum += ramp;
-                }
-                None => kinds.push(Kind {
-                    key,
-                    calls: 1,
-                    stage_sums: us,
-                    ramp_sum: ramp,
-                }),
-            }
-        }
-    }
-    if kinds.is_empty() {
-        bail!(
-            "--stage-times: no decode step ran the post-attention kernel (it needs the default \
-             --fused-kernels, and layers without MoE)"
-        );
-    }
-    let rows: Vec<_> = kinds
-        .iter()
-        .map(|kind| {
-            let calls = kind.calls as f64;
-            let means: Vec<f64> = kind.stage_sums.iter().map(|s| s / calls).collect();
-            (kind.key, kind.calls, means, kind.ramp_sum / calls)
-        })
-        .collect();
-    if args.json {
-        let kinds: Vec<_> = rows
-            .iter()
-            .map(|((width, ple), calls, means, spread)| {
-                let stages: serde_json::Map<String, serde_json::Value> = STAGES
-                    .iter()
-                    .zip(means)
-                    .map(|(name, us)| (name.to_string(), json!(us)))
-                    .collect();
-                json!({"attention_width": width, "per_layer_input": ple, "calls": calls,
-                       "stage_us": stages, "total_us": means.iter().sum::<f64>(),
-                       "block_start_spread_us": spread})
-            })
-            .collect();
-        println!("{}", json!({ "post_attention_stage_times": kinds }));
-    } else {
-        println!(
-            "| layer (attention width) | calls | {} | all stages | last block starts after the first |",
-            STAGES.join(" | ")
-        );
-        println!("|---|---|{}---|---|", "---|".repeat(STAGES.len()));
-        for ((width, ple), calls, means, spread) in &rows {
-            let cells: Vec<String> = (0..STAGES.len())
-                .map(|i| means.get(i).map_or("-".into(), |us| format!("{us:.1} µs")))
-                .collect();
-            println!(
-                "| {width}{} | {calls} | {} | {:.1} µs | {spread:.1} µs |",
-                if *ple { ", per-layer input" } else { "" },
-                cells.join(" | "),
-                means.iter().sum::<f64>()
-            );
-        }
-    }
-    Ok(())
-}
-
-/// `bench --op-cost`: host time per operation, by kind.
 fn run_op_cost(args: &BenchArgs) -> Result<()> {
     device::select(args.model.device)?;
     let costs =
@@ -1447,9 +1340,6 @@ pub(crate) fn run_bench(args: BenchArgs) -> Result<()> {
     let model = &mut loaded.model;
     if let Some(runs) = args.lab.repeatability {
         return report_repeatability(model, &prompt, runs, args.gen_tokens);
-    }
-    if args.lab.stage_times {
-        return report_stage_times(model, &prompt, &args);
     }
     if let Some(dir) = &args.lab.dump_kernel_sources {
         return dump_kernel_sources(model, &prompt, dir);

@@ -491,26 +491,19 @@ struct LabArgs {
     /// from a pipelining fault when pipelined and step-by-step decoding disagree.
     #[arg(long, value_name = "RUNS", conflicts_with = "drafter")]
     repeatability: Option<usize>,
-    /// Instead of the decode measurements: pipelined greedy decode (after --prompt-tokens,
-    /// --gen-tokens a round, --repeats rounds after a warm-up) with the post-attention kernel
-    /// reading the device clock at its start and as each of its stages finishes across the
-    /// grid; prints each stage's mean microseconds by kind of layer. Says where the largest
-    /// kernel of a step spends its time (CUDA GPU only).
-    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability"])]
-    stage_times: bool,
     /// Instead of the decode measurements: write the full CUDA source of every fused kernel a
     /// decode step and verify window of this model calls, with the default kernels (and the
     /// product and attention-input kernels that serve the layers they do not), into this folder
     /// as MLX 0.32 would compile it (`<kernel>-<hash>.cu`, listed in `kernels.tsv` with block
     /// and grid sizes). Runs on the CPU: the calls are recorded, not run.
     /// `bench/gpu/compile_check.py` then compiles them with NVRTC for sm_90a, with no GPU.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability"])]
     dump_kernel_sources: Option<PathBuf>,
     /// Instead of the decode measurements: time forwards over this many new tokens after the
     /// prompt (a verify window; one warm-up, then --repeats), each split into the host's graph
     /// building and the rest. With MLX_SPEC_PROFILE_DECODE set, a CUDA profiler's capture
     /// starts after the warm-up (`bench/gpu/run.sh verify-profile`).
-    #[arg(long, value_name = "K", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times", "dump_kernel_sources"])]
+    #[arg(long, value_name = "K", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "dump_kernel_sources"])]
     verify_window: Option<usize>,
     /// Instead of the decode measurements: speculative against plain greedy decoding with
     /// drafts replayed from the plain run's own output, each draft right with this probability
@@ -519,13 +512,13 @@ struct LabArgs {
     /// A measuring instrument for shapes no drafter can accept on (random weights): what the
     /// verify loop gives at a known acceptance. The outputs are checked equal, as with a
     /// drafter.
-    #[arg(long, value_name = "P", value_delimiter = ',', conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times", "dump_kernel_sources", "verify_window"])]
+    #[arg(long, value_name = "P", value_delimiter = ',', conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "dump_kernel_sources", "verify_window"])]
     replay_drafts: Vec<f64>,
     /// Instead of the decode measurements: plain decoding greedy and with four sampling
     /// settings (temperature 0.8; with top-p 0.95; with top-k 64, top-p 0.95 and min-p 0.05;
     /// temperature 1.0), each drawn on the device and on the host (`--sampler`),
     /// alternated in one process, `--repeats` rounds each: what drawing tokens costs a step.
-    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "stage_times", "dump_kernel_sources", "verify_window", "replay_drafts"])]
+    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "dump_kernel_sources", "verify_window", "replay_drafts"])]
     compare_sampling: bool,
     /// With --replay-drafts: the most drafts a round, a list (one measurement each).
     #[arg(long, value_name = "K", value_delimiter = ',', default_value = "3,7")]

@@ -50,7 +50,6 @@
 //! in flight a lane, three blocks a multiprocessor.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{anyhow, bail, Result};
 use mlx_rs::{Array, Dtype};
@@ -109,91 +108,17 @@ pub(crate) const INPUTS: &[&str] = &[
     "pp_b",
 ];
 
-/// The kernel's header, with or without its stage clock (`STAGE_TIMES`).
-pub(crate) fn header(stage_times: bool) -> &'static str {
-    Box::leak(
-        format!(
-            "#define STAGE_TIMES {}\n{PRODUCTS_HEADER}{AFFINE4_HEADER}{BARRIER_HEADER}",
-            stage_times as i32
-        )
-        .into_boxed_str(),
-    )
+/// The kernel's header: the product helpers, the 4-bit dots and the grid-wide barrier.
+pub(crate) fn header() -> &'static str {
+    static HEADER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HEADER.get_or_init(|| format!("{PRODUCTS_HEADER}{AFFINE4_HEADER}{BARRIER_HEADER}"))
 }
 
 thread_local! {
     static KERNELS: RefCell<PerEpsilon> = RefCell::new(
         PerEpsilon::new("post_attention", INPUTS, &["out", "o0", "a", "o", "g", "o2"], SOURCE)
-            .with_header(header(false)),
+            .with_header(header()),
     );
-    // Its own name: MLX finds compiled kernels by name and template arguments.
-    static KERNELS_TIMED: RefCell<PerEpsilon> = RefCell::new(
-        PerEpsilon::new(
-            "post_attention_timed",
-            INPUTS,
-            &["out", "o0", "a", "o", "g", "o2", "stage_ns"],
-            SOURCE,
-        )
-        .with_header(header(true)),
-    );
-    // The stage clocks of the timed calls since the last `take_stage_times`.
-    static STAGE_CLOCKS: RefCell<Vec<StageClock>> = const { RefCell::new(Vec::new()) };
-}
-
-static STAGE_TIMES: AtomicBool = AtomicBool::new(false);
-
-/// Sets whether the kernel also records the device clock as it starts and as each stage
-/// finishes across the grid (`bench --stage-times`), for [`take_stage_times`]. A diagnostic:
-/// one more output a call; the values are the same.
-pub fn set_stage_times(on: bool) {
-    STAGE_TIMES.store(on, Ordering::Relaxed);
-}
-
-/// The stages of the kernel, in order, as [`StageClock::stage_us`] reports them.
-pub const STAGES: [&str; 5] = [
-    "attention output product",
-    "gate and up products",
-    "down product",
-    "per-layer input gate",
-    "per-layer input projection",
-];
-
-/// One timed call's clock: its attention width (which kind of layer), whether it has a
-/// per-layer input, and its array of device times (ns: block 0's start, then the end of each
-/// stage, two unused slots, then each block's start).
-pub struct StageClock {
-    pub attention_width: i32,
-    pub per_layer_input: bool,
-    clock: Array,
-}
-
-impl StageClock {
-    /// Microseconds each stage of [`STAGES`] took across the grid (the first from block 0's
-    /// start; each later one from the end of the one before, so it includes leaving the
-    /// barrier). Evaluates the call's clock.
-    pub fn stage_us(&self) -> Result<Vec<f64>> {
-        self.clock.eval()?;
-        let ns = self.clock.as_slice::<u64>();
-        let stages = if self.per_layer_input { 5 } else { 3 };
-        Ok((1..=stages)
-            .map(|i| ns[i].saturating_sub(ns[i - 1]) as f64 / 1e3)
-            .collect())
-    }
-
-    /// Microseconds from the first block's start to the last one's: the grid's ramp, part of
-    /// the first stage's time. Evaluates the call's clock.
-    pub fn start_spread_us(&self) -> Result<f64> {
-        self.clock.eval()?;
-        let starts = self.clock.as_slice::<u64>().get(8..).unwrap_or(&[]);
-        match (starts.iter().min(), starts.iter().max()) {
-            (Some(first), Some(last)) => Ok(last.saturating_sub(*first) as f64 / 1e3),
-            _ => bail!("the stage clock holds no block's start"),
-        }
-    }
-}
-
-/// The clocks of the calls made with [`set_stage_times`] on since the last take.
-pub fn take_stage_times() -> Vec<StageClock> {
-    STAGE_CLOCKS.with(|c| std::mem::take(&mut *c.borrow_mut()))
 }
 
 /// A weight matrix `[rows, K]` as the kernel reads it.
@@ -495,22 +420,16 @@ pub fn post_attention(
     let [wd, wd_s, wd_b] = w.down.inputs();
     let [pg, pg_s, pg_b] = pg.inputs();
     let [pp, pp_s, pp_b] = pp.inputs();
-    let timed = STAGE_TIMES.load(Ordering::Relaxed);
     let (row, hidden, width, per_layer_width) = ([1, h], [h], [n], [p.max(1)]);
-    let clock = [8 + blocks];
-    // The timed kernel's extra output last (no allocation a call).
-    let all_outputs = [
+    let outputs = [
         (&row[..], dtype),
         (&hidden[..], Dtype::Float32),
         (&width[..], dtype),
         (&hidden[..], Dtype::Float32),
         (&per_layer_width[..], dtype),
         (&hidden[..], Dtype::Float32),
-        (&clock[..], Dtype::Uint64),
     ];
-    let outputs = &all_outputs[..if timed { 7 } else { 6 }];
-    let kernels = if timed { &KERNELS_TIMED } else { &KERNELS };
-    kernels.with(|cell| {
+    KERNELS.with(|cell| {
         let mut kernels = cell.borrow_mut();
         let kernel = kernels.get(eps)?;
         let mut out = kernel.apply(
@@ -544,7 +463,7 @@ pub fn post_attention(
                 pp_s,
                 pp_b,
             ],
-            outputs,
+            &outputs,
             (blocks * THREADS, 1, 1),
             (THREADS, 1, 1),
             &[
@@ -560,17 +479,6 @@ pub fn post_attention(
                 (c"EARLY", TemplateArg::Bool(true)),
             ],
         )?;
-        if timed {
-            if let Some(clock) = out.pop() {
-                STAGE_CLOCKS.with(|c| {
-                    c.borrow_mut().push(StageClock {
-                        attention_width: zw,
-                        per_layer_input: p > 0,
-                        clock,
-                    })
-                });
-            }
-        }
         Ok(out.swap_remove(0))
     })
 }
@@ -578,29 +486,6 @@ pub fn post_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stage_times_are_the_differences_of_the_clock() {
-        // Start, then the ends of the five stages, in ns (two unused slots).
-        // Then three blocks' starts.
-        let ns = [
-            1_000u64, 4_500, 30_500, 43_000, 46_000, 48_500, 0, 0, 1_000, 2_250, 1_500,
-        ];
-        let clock = |per_layer_input| StageClock {
-            attention_width: 2048,
-            per_layer_input,
-            clock: Array::from_slice(&ns, &[11]),
-        };
-        assert_eq!(
-            clock(true).stage_us().unwrap(),
-            vec![3.5, 26.0, 12.5, 3.0, 2.5]
-        );
-        // Without a per-layer input the kernel has three stages.
-        assert_eq!(clock(false).stage_us().unwrap(), vec![3.5, 26.0, 12.5]);
-        // The last block started 1.25 µs after the first.
-        assert_eq!(clock(true).start_spread_us().unwrap(), 1.25);
-        assert_eq!(STAGES.len(), 5);
-    }
 
     #[test]
     fn a_dense_weight_hands_its_kernel_4_bytes_for_the_scales_it_has_not() {

@@ -124,7 +124,7 @@ thread_local! {
         Box::leak(
             format!(
                 "{}{ROWS_DOT_WINDOW}{AFFINE4_WINDOW_HEADER}{WINDOW_HEADER}",
-                header(false)
+                header()
             )
             .into_boxed_str()
         ),

@@ -16,27 +16,13 @@
   const int warps = gridDim.x * WARPS;
   const int first = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const float s = static_cast<float>(scale[0]);
-  // STAGE_TIMES (`bench --stage-times`): the device clock as block 0 starts, then as each
-  // stage finishes across the grid (written by the last block at each barrier); from slot 8
-  // on, as each block starts (how long the grid takes to get going).
-#if STAGE_TIMES
-  unsigned long long* const stamps = reinterpret_cast<unsigned long long*>(stage_ns);
-  if (threadIdx.x == 0) {
-    const unsigned long long now = device_ns();
-    stamps[8 + blockIdx.x] = now;
-    if (blockIdx.x == 0) stamps[0] = now;
-  }
-#define STAGE_STAMP(i) (stamps + (i))
-#else
-#define STAGE_STAMP(i) nullptr
-#endif
 
   // 0. x1 = x + rms_norm(W_o z, post_attention_norm), kept whole by every block.
   stage_input<T, Z, false>(z, z, buf, red);
   chunk_sums<T, Z, BITS>(buf, sums);
   product_rows<T, Z, BITS, G, IN_PLACE, PAIRS>(wo, wo_s, wo_b, buf, sums, o0, H, first, warps);
   __threadfence();
-  grid_barrier(bar, STAGE_STAMP(1));
+  grid_barrier(bar);
   const float r0 = product_rms<H>(o0, red);
   for (int i = threadIdx.x; i < H; i += BLOCK_THREADS) {
     x1s[i] = closed<T, false>(__ldcg(o0 + i), r0, x[i], post_attention_norm[i], s);
@@ -59,7 +45,7 @@
     }
   }
   __threadfence();
-  grid_barrier(bar, STAGE_STAMP(2));
+  grid_barrier(bar);
 
   // 2. o = W_down a.
   stage_written<T, N>(a, buf);
@@ -77,7 +63,7 @@
                                reinterpret_cast<const T*>(pp));
     }
   }
-  grid_barrier(bar, STAGE_STAMP(3));
+  grid_barrier(bar);
 
   // 3. h = x1 + rms_norm(o, post_norm): the output without a per-layer input (times the
   // layer scalar; the blocks write it in turns), else every block keeps all of h.
@@ -97,6 +83,5 @@
     // times the layer scalar.
     per_layer_block<T, H, P, BITS, G, IN_PLACE, PAIRS>(
         hs, buf, sums, red, pg, pg_s, pg_b, per_layer, ple_offset[0], pp, pp_s, pp_b,
-        post_norm_2, s, bar, g, o2, out, early, buf, early_proj, STAGE_STAMP(4));
+        post_norm_2, s, bar, g, o2, out, early, buf, early_proj);
   }
-#undef STAGE_STAMP

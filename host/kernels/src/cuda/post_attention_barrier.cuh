@@ -2,21 +2,13 @@
 // Grid-wide barrier of a grid whose blocks are all resident. bar[0] counts the blocks that
 // arrived, bar[1] is the barrier's generation: the last block to arrive resets the count and
 // opens the next generation, which the others wait for, reading it atomically every 64 ns.
-// With `stamp`, the last block to arrive writes the device clock there (ns): when the stage
-// before the barrier finished across the grid (the stage timing of `bench --stage-times`).
-__device__ inline unsigned long long device_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ inline void grid_barrier(unsigned int* bar, unsigned long long* stamp = nullptr) {
+__device__ inline void grid_barrier(unsigned int* bar) {
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned int* generation = bar + 1;
     const unsigned int mine = atomicAdd(generation, 0u);
     __threadfence();
     if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      if (stamp != nullptr) *stamp = device_ns();
       atomicExch(bar, 0u);
       __threadfence();
       atomicAdd(generation, 1u);
@@ -212,8 +204,7 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
                                        const T* pp_s, const T* pp_b, const T* pn, float s,
                                        unsigned int* bar, T* g, float* o2, T* out,
                                        bool loaded, const T* early_gate,
-                                       const T* early_proj,
-                                       unsigned long long* stamps = nullptr) {
+                                       const T* early_proj) {
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * (BLOCK_THREADS / 32);
   const int first = blockIdx.x * (BLOCK_THREADS / 32) + (threadIdx.x >> 5);
@@ -245,7 +236,7 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
     }
   }
   __threadfence();
-  grid_barrier(bar, stamps);
+  grid_barrier(bar);
 
   stage_written<T, P>(g, buf);
   chunk_sums<T, P, BITS>(buf, sums);
@@ -265,7 +256,7 @@ __device__ inline void per_layer_block(const T* hs, T* buf, float* sums, float* 
     product_rows<T, P, BITS, G, IN_PLACE, PAIRS>(pp, pp_s, pp_b, buf, sums, o2, H, first, warps);
   }
   __threadfence();
-  grid_barrier(bar, stamps != nullptr ? stamps + 1 : nullptr);
+  grid_barrier(bar);
 
   if (blockIdx.x * BLOCK_THREADS >= H) return;
   const float r2 = product_rms<H>(o2, red);
