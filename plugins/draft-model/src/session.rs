@@ -19,17 +19,6 @@ use mlx_spec_plugin_api::{
 
 use crate::settings::{ComputeDtype, Settings};
 
-/// Owns a value the model crate made for one thread: the model (an optional `Box<dyn
-/// FastPath>`, never set here) and its caches (their layers share one mask memo through an
-/// `Rc`). Neither is `Send`, yet moving either whole to another thread is sound: every `Rc`
-/// inside was made by the value itself and never leaves it, MLX arrays may move between
-/// threads, and the host uses a drafter's sessions from one thread at a time and reaches the
-/// shared model only under its lock.
-pub struct OneThread<T>(pub T);
-
-// SAFETY: see above; nothing inside is reachable from outside the wrapper.
-unsafe impl<T> Send for OneThread<T> {}
-
 fn load(settings: &Settings, dtype: Option<Dtype>) -> Result<Gemma4Model, String> {
     if let Some(seed) = settings.random_weights_seed {
         return random_model(settings, seed, dtype.unwrap_or(Dtype::Bfloat16));
@@ -70,7 +59,7 @@ fn random_model(settings: &Settings, seed: u64, dtype: Dtype) -> Result<Gemma4Mo
 
 /// The loaded draft model; sessions reach it through a lock (held for one `draft`).
 pub struct DraftModelDrafter {
-    model: Arc<Mutex<OneThread<Gemma4Model>>>,
+    model: Arc<Mutex<Gemma4Model>>,
     /// The dtype the model was loaded for (`None`: the checkpoint's, its matrices as stored).
     loaded_for: Mutex<Option<Dtype>>,
     settings: Settings,
@@ -85,7 +74,7 @@ impl DraftModelDrafter {
             ComputeDtype::Target | ComputeDtype::Checkpoint => None,
         };
         Ok(DraftModelDrafter {
-            model: Arc::new(Mutex::new(OneThread(load(&settings, fixed)?))),
+            model: Arc::new(Mutex::new(load(&settings, fixed)?)),
             loaded_for: Mutex::new(fixed),
             settings,
         })
@@ -121,7 +110,7 @@ impl Drafter for DraftModelDrafter {
             .model
             .lock()
             .map_err(|_| "the draft model is poisoned by an earlier panic")?;
-        let model = &mut guard.0;
+        let model = &mut *guard;
         check_pairing(model, &spec)?;
         if self.settings.dtype == ComputeDtype::Target {
             // Loaded once more for the target's dtype, even when the checkpoint's dtype is the
@@ -139,7 +128,7 @@ impl Drafter for DraftModelDrafter {
         }
         Ok(DraftModelSession {
             model: Arc::clone(&self.model),
-            cache: OneThread(model.new_cache()),
+            cache: model.new_cache(),
             fed: Vec::new(),
             min_draft_probability: self.settings.min_draft_probability,
             sampling: (self.settings.sample_drafts && sampling.temperature > 0.0)
@@ -162,8 +151,8 @@ pub fn check_pairing(model: &Gemma4Model, spec: &TargetSpec) -> Result<(), Strin
 
 /// Per-request state: the draft model's cache and the tokens it holds.
 pub struct DraftModelSession {
-    model: Arc<Mutex<OneThread<Gemma4Model>>>,
-    cache: OneThread<ModelCache>,
+    model: Arc<Mutex<Gemma4Model>>,
+    cache: ModelCache,
     fed: Vec<u32>,
     min_draft_probability: f32,
     sampling: Option<(f32, u64)>,
@@ -184,8 +173,8 @@ impl DrafterSession for DraftModelSession {
             .model
             .lock()
             .map_err(|_| "the draft model is poisoned by an earlier panic")?;
-        let model = &guard.0;
-        let cache = &mut self.cache.0;
+        let model = &*guard;
+        let cache = &mut self.cache;
         let e =
             |what: &'static str| move |err: anyhow::Error| format!("draft model, {what}: {err:#}");
         // Keep what the history still agrees with, always feeding at least the anchor.

@@ -25,7 +25,7 @@ pub struct LayerCall<'a> {
     pub per_layer: Option<&'a Array>,
 }
 
-pub trait FastPath {
+pub trait FastPath: Send {
     /// Runs `layer` as [`DecoderLayer::forward`] does: the new hidden state, and for a
     /// KV-owning layer the view its sharers read. Parts it has no faster way for run through
     /// the layer's own blocks.

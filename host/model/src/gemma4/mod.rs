@@ -713,3 +713,11 @@ impl Gemma4Model {
         Ok(logits)
     }
 }
+
+// A model and its caches may move to another thread (a plugin's session, a server's request):
+// this fails to compile if either stops being `Send`.
+const _: fn() = || {
+    fn send<T: Send>() {}
+    send::<Gemma4Model>();
+    send::<ModelCache>();
+};
