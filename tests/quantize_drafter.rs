@@ -126,7 +126,7 @@ fn check_layout(src: &Path, dst: &Path, bits: usize, group: usize, kept_by_rule:
 
 #[test]
 fn each_format_is_written_in_mlx_layout() {
-    let cases: [(&str, PathBuf, &str, &[&str]); 4] = [
+    let cases: [(&str, PathBuf, &str, &[&str]); 5] = [
         (
             "assistant-e",
             fixture("assistant-oracle/e/assistant"),
@@ -146,6 +146,7 @@ fn each_format_is_written_in_mlx_layout() {
             "32",
             &["confidence_head"],
         ),
+        ("dflash", fixture("dflash-oracle"), "32", &[]),
     ];
     for (name, src, group, rule) in cases {
         for bits in ["8", "4"] {

@@ -15,7 +15,7 @@
 //!
 //! The format is recognised from `config.json`: the Gemma 4 assistant
 //! (`gemma4_assistant` / `gemma4_unified_assistant`), a GLM-style MTP row (`glm4_moe` with an
-//! `mlx_spec_mtp` block) and DeepSpec's `Gemma4DSparkModel`. Other files of the source folder
+//! `mlx_spec_mtp` block), DeepSpec's `Gemma4DSparkModel` and z-lab's `DFlashDraftModel`. Other files of the source folder
 //! are copied, except the model card (`README.md`: a quantized checkpoint needs its own) and
 //! safetensors files (the weights are written anew as one `model.safetensors`).
 
@@ -57,6 +57,8 @@ pub enum Format {
     GlmMtp,
     /// DeepSpec's `Gemma4DSparkModel` (DSpark, DeepSpec DFlash).
     DeepSpec,
+    /// z-lab's `DFlashDraftModel` (no embedding or head of its own: the target's are used).
+    DFlash,
 }
 
 impl Format {
@@ -65,6 +67,7 @@ impl Format {
             Format::Assistant => "Gemma 4 assistant",
             Format::GlmMtp => "GLM MTP row",
             Format::DeepSpec => "DeepSpec Gemma4DSparkModel",
+            Format::DFlash => "z-lab DFlashDraftModel",
         }
     }
 
@@ -79,6 +82,8 @@ impl Format {
         let has_arch = |name: &str| architectures.contains(&name);
         if has_arch("Gemma4DSparkModel") {
             Some(Format::DeepSpec)
+        } else if has_arch("DFlashDraftModel") {
+            Some(Format::DFlash)
         } else if matches!(
             model_type,
             Some("gemma4_assistant" | "gemma4_unified_assistant")
@@ -171,7 +176,7 @@ pub fn quantize_drafter(src: &Path, dst: &Path, bits: i32, group_size: i32) -> R
     }
     let format = Format::detect(&config).with_context(|| {
         format!(
-            "{}: not a drafter format quantize-drafter knows (model_type {}, architectures {}); it reads the Gemma 4 assistant (gemma4_assistant, gemma4_unified_assistant), a GLM MTP row (glm4_moe with mlx_spec_mtp) and DeepSpec's Gemma4DSparkModel",
+            "{}: not a drafter format quantize-drafter knows (model_type {}, architectures {}); it reads the Gemma 4 assistant (gemma4_assistant, gemma4_unified_assistant), a GLM MTP row (glm4_moe with mlx_spec_mtp), DeepSpec's Gemma4DSparkModel and z-lab's DFlashDraftModel",
             config_path.display(),
             config.get("model_type").unwrap_or(&Value::Null),
             config.get("architectures").unwrap_or(&Value::Null)
@@ -422,6 +427,12 @@ mod tests {
                 r#"{"model_type": "gemma4_text", "architectures": ["Gemma4DSparkModel"]}"#
             )),
             Some(Format::DeepSpec)
+        );
+        assert_eq!(
+            Format::detect(&json(
+                r#"{"model_type": "qwen3", "architectures": ["DFlashDraftModel"]}"#
+            )),
+            Some(Format::DFlash)
         );
         assert_eq!(
             Format::detect(&json(r#"{"model_type": "gemma4_text"}"#)),

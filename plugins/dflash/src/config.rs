@@ -6,6 +6,7 @@
 //! wrongly.
 
 use serde_json::Value;
+use mlx_spec_plugin_api::quant::QuantConfig;
 
 /// The MLP's gate activation (`hidden_act`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +41,8 @@ pub struct DFlashConfig {
     /// Per draft layer: `Some(w)` for `sliding_attention` (causal, each row sees the `w`
     /// positions ending at its own), `None` for `full_attention` (every context and block row).
     pub layer_windows: Vec<Option<usize>>,
+    /// The `quantization` block (empty for a float checkpoint): which matrices are packed.
+    pub quantization: QuantConfig,
 }
 
 fn usize_of(v: &Value, key: &str, whence: &str) -> Result<usize, String> {
@@ -269,6 +272,7 @@ impl DFlashConfig {
             attention_scale: (head_dim as f32).powf(-0.5),
             activation,
             layer_windows,
+            quantization: QuantConfig::from_config(&v, whence)?,
         };
         let c = &config;
         if c.num_kv_heads == 0

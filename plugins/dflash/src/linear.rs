@@ -1,9 +1,11 @@
-//! Float weight matrices (with an optional bias) and the loader that reads them, shapes
+//! Weight matrices (with an optional bias), float or affine-quantized in MLX's layout
+//! (`mlx-spec quantize-drafter`, mlx-community), and the loader that reads them, shapes
 //! checked, from the drafter's checkpoint.
 
 use mlx_spec_plugin_api::checkpoint::Checkpoint;
 use mlx_spec_plugin_api::mlx_rs::ops::matmul;
 use mlx_spec_plugin_api::mlx_rs::{Array, Dtype};
+use mlx_spec_plugin_api::quant::{Packed, QuantConfig};
 
 /// An MLX error as a message naming what was being computed.
 pub fn mlx_err(
@@ -12,24 +14,45 @@ pub fn mlx_err(
     move |e| format!("{what}: {e}")
 }
 
-/// `x @ W.T (+ b)` for a torch-layout `[out, in]` weight.
-pub struct Linear {
+/// A torch-layout `[out, in]` weight.
+enum Weight {
     /// `W.T`, made once so that a forward is one product.
-    transposed: Array,
+    Dense(Array),
+    /// Packed values, scales and biases; multiplied without dequantizing.
+    Packed(Packed),
+}
+
+/// `x @ W.T (+ b)`.
+pub struct Linear {
+    weight: Weight,
     bias: Option<Array>,
 }
 
 impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array, String> {
-        let y = matmul(x, &self.transposed).map_err(mlx_err("matrix product"))?;
+        let y = match &self.weight {
+            Weight::Dense(transposed) => {
+                matmul(x, transposed).map_err(mlx_err("matrix product"))?
+            }
+            Weight::Packed(p) => p.forward(x)?,
+        };
         match &self.bias {
             Some(b) => y.add(b).map_err(mlx_err("adding a bias")),
             None => Ok(y),
         }
     }
 
+    /// Whether the weight is held packed.
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.weight, Weight::Packed(_))
+    }
+
     pub fn nbytes(&self) -> usize {
-        self.transposed.nbytes() + self.bias.as_ref().map_or(0, Array::nbytes)
+        let weight = match &self.weight {
+            Weight::Dense(transposed) => transposed.nbytes(),
+            Weight::Packed(p) => p.nbytes(),
+        };
+        weight + self.bias.as_ref().map_or(0, Array::nbytes)
     }
 }
 
@@ -37,6 +60,8 @@ impl Linear {
 pub struct Loader<'a> {
     pub checkpoint: &'a Checkpoint,
     pub dtype: Dtype,
+    /// config.json's `quantization` block (empty for a float checkpoint).
+    pub quant: &'a QuantConfig,
 }
 
 impl Loader<'_> {
@@ -45,7 +70,7 @@ impl Loader<'_> {
         let a = self.checkpoint.tensor(name, shape)?;
         if !is_float(a.dtype()) {
             return Err(format!(
-                "tensor {name} in {}: expected a float tensor, found {:?} (quantized drafters are not supported yet)",
+                "tensor {name} in {}: expected a float tensor, found {:?}",
                 self.checkpoint.file_of(name),
                 a.dtype()
             ));
@@ -54,7 +79,8 @@ impl Loader<'_> {
             .map_err(mlx_err(&format!("casting {name}")))
     }
 
-    /// The `[out, in]` matrix `<module>.weight`, with `<module>.bias` when `bias`.
+    /// The `[out, in]` matrix `<module>.weight` (packed when `<module>.scales` exists), with
+    /// `<module>.bias` (float) when `bias`.
     pub fn linear(
         &self,
         module: &str,
@@ -62,16 +88,25 @@ impl Loader<'_> {
         in_dim: usize,
         bias: bool,
     ) -> Result<Linear, String> {
-        let weight = self.float(&format!("{module}.weight"), &[out_dim, in_dim])?;
-        let transposed = weight
-            .swap_axes(-1, -2)
-            .map_err(mlx_err("transposing a weight"))?;
+        let weight = match Packed::load(
+            self.checkpoint,
+            self.quant,
+            module,
+            (out_dim, in_dim),
+            self.dtype,
+        )? {
+            Some(p) => Weight::Packed(p),
+            None => {
+                let w = self.float(&format!("{module}.weight"), &[out_dim, in_dim])?;
+                Weight::Dense(w.swap_axes(-1, -2).map_err(mlx_err("transposing a weight"))?)
+            }
+        };
         let bias = if bias {
             Some(self.float(&format!("{module}.bias"), &[out_dim])?)
         } else {
             None
         };
-        Ok(Linear { transposed, bias })
+        Ok(Linear { weight, bias })
     }
 }
 

@@ -121,6 +121,7 @@ impl DFlashModel {
         let loader = Loader {
             checkpoint: &checkpoint,
             dtype: dtype.unwrap_or(stored),
+            quant: &config.quantization,
         };
         let h = config.hidden_size;
         let taps = config.target_layer_ids.len();
