@@ -1,12 +1,14 @@
 //! The neural drafters as they ship, each with the default checkpoint in its plugin folder,
 //! trained for the default model (model cards beside them): the `glm-mtp` row
-//! (`train/train_mtp.py`), the `deepspec` DSpark drafter (`train/train_dspark.py`) and the
-//! `draft-model` 3-layer Gemma 4 (`train/train_model.py --shape draft3`). Each loads from its
+//! (`train/train_mtp.py`), the `deepspec` DSpark drafter (`train/train_dspark.py`), the
+//! `dflash` z-lab DFlash drafter (`train/train_dflash.py`) and the `draft-model` 3-layer
+//! Gemma 4 (`train/train_model.py --shape draft3`). Each loads from its
 //! folder with no setting, leaves greedy output exactly as plain decoding makes it, and is
 //! worth its place: on a code prompt a share of its drafts is accepted that a broken load
 //! (random-looking drafts accept next to none) cannot reach. Their drafts' parity with the
 //! reference implementations is tested on the oracle fixtures (`tests/glm_mtp_drafter.rs`,
-//! `tests/deepspec_drafter.rs`, `tests/draft_model_drafter.rs`).
+//! `tests/deepspec_drafter.rs`, `tests/dflash_drafter.rs`, `tests/draft_model_drafter.rs`); the
+//! shipped `dflash` checkpoint's first block is also checked against z-lab's own module.
 
 mod common;
 
@@ -39,8 +41,13 @@ fn generate(extra: &[&str]) -> Value {
 fn each_shipped_drafter_is_lossless_and_accepted() {
     let plain = generate(&[]);
     // (drafter, the least share of drafts accepted; measured on this prompt when they shipped:
-    // glm-mtp 0.72, deepspec 0.16 with whole blocks, draft-model 0.44)
-    for (drafter, floor) in [("glm-mtp", 0.4), ("deepspec", 0.1), ("draft-model", 0.3)] {
+    // glm-mtp 0.72, deepspec 0.16 and dflash 0.20 with whole blocks, draft-model 0.44)
+    for (drafter, floor) in [
+        ("glm-mtp", 0.4),
+        ("deepspec", 0.1),
+        ("dflash", 0.1),
+        ("draft-model", 0.3),
+    ] {
         let spec = generate(&["--drafter", drafter, "--no-auto-off"]);
         assert_eq!(spec["tokens"], plain["tokens"], "{drafter}");
         let stats = &spec["stats"];
@@ -54,6 +61,45 @@ fn each_shipped_drafter_is_lossless_and_accepted() {
             "{drafter}: {accepted} of {drafted} drafts accepted, below {floor}"
         );
     }
+}
+
+/// The shipped `dflash` checkpoint drafts, through the host's own target and taps, the block
+/// z-lab's `DFlashDraftModel` (github.com/z-lab/dflash at 44947fb) drafts with the same weights
+/// in PyTorch for the same context: the first 48 tokens of the held-out corpus, all of them
+/// as context rows, the target's greedy next token as anchor. Recorded by
+/// `train/train_dflash.py --verify-only plugins/dflash/checkpoint --zlab-src ...` (model card).
+#[test]
+fn the_shipped_dflash_block_is_zlabs() {
+    let model = repo_root().join("models/gemma4-code-25m");
+    let plugins = repo_root().join("plugins");
+    const PROMPT: [u32; 48] = [
+        2, 109, 755, 132, 2291, 121, 7596, 6150, 947, 3251, 525, 305, 567, 1216, 1421, 564, 5420,
+        5077, 305, 567, 1216, 4080, 564, 995, 816, 305, 305, 579, 528, 579, 381, 975, 4786, 5077,
+        428, 393, 7596, 753, 305, 1, 2, 109, 755, 132, 2291, 121, 3360, 121,
+    ];
+    let prompt: Vec<String> = PROMPT.iter().map(u32::to_string).collect();
+    let prompt = prompt.join(",");
+    let out = mlx_spec(&[
+        "draft",
+        "--model",
+        model.to_str().unwrap(),
+        "--plugins-dir",
+        plugins.to_str().unwrap(),
+        "--drafter",
+        "dflash",
+        "--prompt-ids",
+        &prompt,
+        "--num-draft-tokens",
+        "7",
+        "--json",
+    ]);
+    let v = json_of(&out);
+    assert_eq!(v["anchor"], 7596, "{v}");
+    assert_eq!(
+        v["drafts"],
+        serde_json::json!([121, 525, 305, 305, 305, 305, 305]),
+        "{v}"
+    );
 }
 
 /// Copies a folder's files (not its subfolders) into `to`.

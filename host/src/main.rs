@@ -61,7 +61,7 @@ enum Command {
     Plugins(PluginsCommand),
     /// Perplexity of text files: nats per token, BOS first, in chunks of the model's context.
     Perplexity(PerplexityArgs),
-    /// Quantize a drafter checkpoint (assistant, glm-mtp, deepspec) to affine 4 or 8 bits.
+    /// Quantize a drafter checkpoint (assistant, glm-mtp, deepspec, dflash) to affine 4 or 8 bits.
     QuantizeDrafter(mlx_spec::quantize_drafter::QuantizeDrafterArgs),
     /// Fit a block drafter's confidence thresholds from its rounds over a prompt set.
     Calibrate(CalibrateArgs),

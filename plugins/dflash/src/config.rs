@@ -5,8 +5,8 @@
 //! RoPE, another activation, another attention scale) is refused by name rather than computed
 //! wrongly.
 
-use serde_json::Value;
 use mlx_spec_plugin_api::quant::QuantConfig;
+use serde_json::Value;
 
 /// The MLP's gate activation (`hidden_act`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -98,7 +98,10 @@ impl Loader<'_> {
             Some(p) => Weight::Packed(p),
             None => {
                 let w = self.float(&format!("{module}.weight"), &[out_dim, in_dim])?;
-                Weight::Dense(w.swap_axes(-1, -2).map_err(mlx_err("transposing a weight"))?)
+                Weight::Dense(
+                    w.swap_axes(-1, -2)
+                        .map_err(mlx_err("transposing a weight"))?,
+                )
             }
         };
         let bias = if bias {

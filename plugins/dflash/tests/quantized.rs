@@ -208,7 +208,10 @@ fn quantized_checkpoints_compute_as_the_float_one() {
         quantize(&src, &dir, bits, 64);
         let ck = Checkpoint::open_dir(&dir).unwrap();
         for module in ["fc", "layers.0.self_attn.q_proj", "layers.2.mlp.down_proj"] {
-            assert!(ck.contains(&format!("{module}.scales")), "{module} is packed");
+            assert!(
+                ck.contains(&format!("{module}.scales")),
+                "{module} is packed"
+            );
         }
         let model = DFlashModel::load(&dir, None).unwrap();
         let (d, same) = compare(&float, &model, &target);
