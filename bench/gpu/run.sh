@@ -69,10 +69,13 @@
 #              steps, with the window kernels (its 8-bit weights loaded dense) and with MLX's
 #              operations (lab --verify-window lets those take the window whole), in the
 #              checkpoint's dtype and in bf16: which windows compute what steps compute
-#   drafters   the five drafters (DRAFTERS) vs plain on the default model, free-text set, with
-#              each --fused-kernels value of DRAFTER_KERNELS (default: none, MLX's operations)
+#   drafters   the drafters (DRAFTERS) vs plain on the default model, free-text set, with
+#              each --fused-kernels value of DRAFTER_KERNELS (default: none, MLX's operations);
+#              DRAFTER_ARGS: more bench options (e.g. --no-auto-off to draft every round)
 #   draft-model-cost  a round of E2B (random weights) drafting for E4B (DRAFT_COST_TARGET; random weights)
 #   assistant-cost  a round of an E4B-size assistant (random weights) beside E4B's verify
+#   block-cost  a round of a block drafter of a released size (random weights): DSpark for the
+#              12B and DFlash for the 31B (BLOCK_COST), beside the target's verify
 #   assistant  the assistant drafter on the two oracle pairs: `draft` against transformers'
 #              first round, and greedy speculation against plain decoding
 #   replay     speculation with replayed drafts (`lab --replay-drafts`: the plain output's own
@@ -643,8 +646,8 @@ if want drafters; then
             [[ "$drafter" != ngram ]] && extra=(--drafter-set "checkpoint=\"$ROOT/plugins/$drafter/checkpoint\"")
             line="$(timeout 280 "$BIN" bench --device gpu --fused-kernels "$kernels" --drafter "$drafter" \
                 --plugins-dir "$G/bin/plugins" "${extra[@]}" --prompt-set "$ROOT/bench/prompts/free_text.jsonl" \
-                --gen-tokens 128 --repeats 1 2>"$RES/drafters.err" | tail -n 1)"
-            row "$drafter vs plain, default model, free_text set, kernels $kernels | ${line:-failed: $(tail -n 1 "$RES/drafters.err")}"
+                --gen-tokens 128 --repeats 1 ${DRAFTER_ARGS:-} 2>"$RES/drafters.err" | tail -n 1)"
+            row "$drafter vs plain, default model, free_text set, kernels $kernels ${DRAFTER_ARGS:-}| ${line:-failed: $(tail -n 1 "$RES/drafters.err")}"
         done
     done
 fi
@@ -665,6 +668,28 @@ if want draft-model-cost; then
             --drafter-set random_weights_seed=1 --num-draft-tokens 4 --no-auto-off \
             2>"$RES/draft-model-cost-$fused.err" | tail -n 1)"
         row "draft-model E2B (random) for $target bf16 (random), 4 drafts every round, kernels $fused | ${line:-failed: $(grep -m1 -E 'panicked|error|what' "$RES/draft-model-cost-$fused.err")}"
+    done
+fi
+
+if want block-cost; then
+    # What a round of a block drafter of a released size costs beside its target: DeepSeek's
+    # DSpark for the 12B (3.4 B parameters, blocks of 7) and z-lab's DFlash for the 31B (1.5 B,
+    # blocks of 16), random bf16 weights for drafter and target (random_block_drafter.py), every
+    # round drafting with --no-auto-off. Random drafts are all rejected, so each round emits one
+    # token: the spec rate is the price of a round and the drafter column the block's part.
+    # BLOCK_COST: the pairs to run (default "dspark:12b dflash:31b").
+    for pair in ${BLOCK_COST:-dspark:12b dflash:31b}; do
+        format="${pair%%:*}"; target="${pair##*:}"; plugin=deepspec
+        [[ "$format" == dflash ]] && plugin=dflash
+        dir="$G/$format-$target"
+        python3 "$ROOT/bench/gpu/random_block_drafter.py" "$format" "$ROOT/configs/gemma-4-$target.json" "$dir" \
+            >"$RES/block-cost-$format.err" 2>&1
+        line="$(timeout 300 "$BIN" bench --device gpu --random-weights --model "$ROOT/configs/gemma-4-$target.json" \
+            --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 1 --plugins-dir "$G/bin/plugins" \
+            --drafter "$plugin" --drafter-set "checkpoint=\"$dir\"" --no-auto-off \
+            2>>"$RES/block-cost-$format.err" | tail -n 1)"
+        row "$format block drafter of released size (random) on $target bf16 (random), drafting every round | ${line:-failed: $(grep -m1 -E 'panicked|error|what|Error' "$RES/block-cost-$format.err")}"
+        rm -rf "$dir"
     done
 fi
 
