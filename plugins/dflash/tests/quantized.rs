@@ -93,7 +93,7 @@ impl TargetPorts for RandomTarget {
         let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
         let n = ids.len() as i32;
         self.table
-            .take_axis(&Array::from_slice(&ids, &[n]), 0)
+            .take_axis(Array::from_slice(&ids, &[n]), 0)
             .and_then(|x| x.multiply(Array::from_f32((WIDTH as f32).sqrt())))
             .map_err(|e| e.to_string())
     }
