@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compiles the CUDA kernel sources `mlx-spec lab --dump-kernel-sources` wrote, with NVRTC
+"""Compiles the CUDA kernel sources `mlx-spec-lab --dump-kernel-sources` wrote, with NVRTC
 and ptxas for the H200 (sm_90a), on a machine with no GPU.
 
 Why: a kernel that does not compile, or whose registers or shared memory leave fewer blocks
@@ -105,7 +105,7 @@ def compile_one(nvrtc, nvidia, include_dir, path, work):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cuda", required=True, help="folder holding the unpacked nvidia/ wheels")
-    parser.add_argument("dumps", nargs="+", help="folders written by lab --dump-kernel-sources")
+    parser.add_argument("dumps", nargs="+", help="folders written by mlx-spec-lab --dump-kernel-sources")
     args = parser.parse_args()
     nvidia = os.path.join(args.cuda, "nvidia")
     nvrtc = ctypes.CDLL(os.path.join(nvidia, "cuda_nvrtc", "lib", "libnvrtc.so.12"))

@@ -13,10 +13,10 @@
 # is only a loop bound of the output head. Sources and the table go to .gpu/kernel-sources.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-BIN="$ROOT/target/release/mlx-spec"
+LAB="$ROOT/target/release/mlx-spec-lab"
 NV="$ROOT/.gpu/nvrtc"
 OUT="$ROOT/.gpu/kernel-sources"
-[[ -x "$BIN" ]] || { echo "build the host first: ./scripts/setup.sh"; exit 2; }
+[[ -x "$LAB" ]] || { echo "build the host first: ./scripts/setup.sh"; exit 2; }
 
 if [[ ! -f "$NV/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" ]]; then
     mkdir -p "$NV/dl"
@@ -59,7 +59,7 @@ EOF
         dir="$OUT/$model-$([[ $bits == 4 ]] && echo 4bit || echo bf16)"
         extra=()
         [[ $bits == 4 ]] && extra=(--random-bits 4)
-        "$BIN" lab --random-weights --model "$config" --dtype bf16 "${extra[@]}" \
+        "$LAB" --random-weights --model "$config" --dtype bf16 "${extra[@]}" \
             --prompt-tokens 4 --gen-tokens 1 --dump-kernel-sources "$dir"
         dumps+=("$dir")
     done

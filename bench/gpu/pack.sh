@@ -2,7 +2,9 @@
 # Prepares what an H200 (CUDA) run needs, on a Linux build machine with registry access:
 #   .gpu/bin/mlx-spec           the host built against the CPU wheel's headers, without the
 #                               OpenBLAS link (the CUDA libmlx brings its own BLAS)
-#   .gpu/bin/*.so               the drafter plugins
+#   .gpu/bin/mlx-spec-lab       the developer lab, built the same way
+#   .gpu/bin/plugins/           the drafter plugins
+#   .gpu/bin.tar.xz             all of .gpu/bin packed (~7 MB): the file a call carries
 #   .gpu/part-0 ... part-4      mlx-cuda-13==0.32.2's libmlx, JIT headers (cccl, cute,
 #                               cutlass) and bundled libraries, xz-compressed (~73 MB) and split
 #                               in five, because one transfer to the GPU machine carries 64 MiB
@@ -17,8 +19,8 @@ mkdir -p "$OUTDIR/bin"
 cd "$ROOT"
 ./scripts/setup.sh --no-build
 MLX_SPEC_BLAS=none cargo build --release --quiet --workspace
-cp target/release/mlx-spec "$OUTDIR/bin/"
-strip "$OUTDIR/bin/mlx-spec"
+cp target/release/mlx-spec target/release/mlx-spec-lab "$OUTDIR/bin/"
+strip "$OUTDIR/bin/mlx-spec" "$OUTDIR/bin/mlx-spec-lab"
 # Every drafter plugin, each in its folder as in plugins/ (--plugins-dir "$G/bin/plugins").
 rm -rf "$OUTDIR/bin/plugins"
 source scripts/plugin-library.sh
@@ -30,6 +32,8 @@ for manifest in plugins/*/plugin.toml; do
     cp "target/release/$library" "$OUTDIR/bin/plugins/$name/"
     strip "$OUTDIR/bin/plugins/$name/$library"
 done
+# One file to carry: the binaries compress to about a quarter (run.sh unpacks it).
+tar -C "$OUTDIR" -cf - bin | xz -T0 -6 >"$OUTDIR/bin.tar.xz"
 # Restore the normal (OpenBLAS) build for this machine.
 cargo build --release --quiet --workspace
 

@@ -67,7 +67,7 @@
 #              WINDOW_SPEC_BASELINE=1 also runs it without the fused kernels
 #   window-default  the default model's verify windows of k = 2 4 8 tokens against k decode
 #              steps, with the window kernels (its 8-bit weights loaded dense) and with MLX's
-#              operations (lab --verify-window lets those take the window whole), in the
+#              operations (mlx-spec-lab --verify-window lets those take the window whole), in the
 #              checkpoint's dtype and in bf16: which windows compute what steps compute
 #   drafters   the drafters (DRAFTERS) vs plain on the default model, free-text set, with
 #              each --fused-kernels value of DRAFTER_KERNELS (default: none, MLX's operations);
@@ -78,7 +78,7 @@
 #              12B and DFlash for the 31B (BLOCK_COST), beside the target's verify
 #   assistant  the assistant drafter on the two oracle pairs: `draft` against transformers'
 #              first round, and greedy speculation against plain decoding
-#   replay     speculation with replayed drafts (`lab --replay-drafts`: the plain output's own
+#   replay     speculation with replayed drafts (`mlx-spec-lab --replay-drafts`: the plain output's own
 #              tokens, each right with a set probability) vs plain greedy decoding, E4B bf16
 #              and 4-bit (REPLAY_MODELS), drafts of 3 and 7: what the verify loop gives at a
 #              known acceptance on a shape no drafter accepts on with random weights;
@@ -86,7 +86,7 @@
 #              --replay-handoffs 0,3,6: verify windows handed to the device whole or in groups
 #              of layers, side by side)
 #   sampling   E4B bf16 plain decoding greedy and with four sampling settings, each drawn on
-#              the device and on the host (`lab --compare-sampling`), alternated in one
+#              the device and on the host (`mlx-spec-lab --compare-sampling`), alternated in one
 #              process
 #   verify-curve  the E4B bf16 verify cost curve alone (k = 1 ... 32), each window handed to
 #              the device whole and in groups of --handoff-layers (VERIFY_CURVE_ARGS: more
@@ -149,11 +149,18 @@ elif [[ -f "$G/kernel-cache.part-0" && ! -d "$MLX_PTX_CACHE_DIR" ]]; then
     cat "$G"/kernel-cache.part-[0-9] | xz -dc | tar -C "$G" -xf - && echo "kernel cache unpacked from pieces"
 fi
 STARTED=$SECONDS
+# The binaries and plugins travel packed (bench/gpu/pack.sh): both binaries compress to a
+# quarter, which leaves a call room for them beside the working tree.
+if [[ -f "$G/bin.tar.xz" ]]; then
+    xz -dc "$G/bin.tar.xz" | tar -C "$G" -xf -
+fi
 BIN="$G/bin/mlx-spec"
+# The developer lab: the instruments most steps run (host/lab).
+LAB="$G/bin/mlx-spec-lab"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "CUDA_HOME=${CUDA_HOME:-unset}"
 if [[ "$NVCC_ONLY" == 0 ]]; then
-    chmod +x "$BIN"
+    chmod +x "$BIN" "$LAB"
     ldd "$BIN" | grep -E "mlx|not found"
 fi
 
@@ -246,7 +253,7 @@ bench() {
     local json
     # BENCH_ENV: extra VAR=value settings for this one run; BENCH_TIMEOUT: its limit in
     # seconds (default 240).
-    if json="$(env ${BENCH_ENV:-} timeout "${BENCH_TIMEOUT:-240}" "$BIN" lab --device gpu --random-weights --json "$@" 2>"$RES/bench.err")"; then
+    if json="$(env ${BENCH_ENV:-} timeout "${BENCH_TIMEOUT:-240}" "$LAB" --device gpu --random-weights --json "$@" 2>"$RES/bench.err")"; then
         echo "$json" >>"$RES/bench.jsonl"
         row "$label | $(python3 -c 'import json, sys
 j, bw = json.loads(sys.argv[1]), sys.argv[2]
@@ -276,7 +283,7 @@ fi
 
 if want sampling; then
     echo "## sampled decoding, E4B bf16, prompt 512, 128 tokens" | tee -a "$RES/sampling.md"
-    timeout 300 "$BIN" lab --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+    timeout 300 "$LAB" --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
         --prompt-tokens 512 --gen-tokens 128 --repeats 3 --compare-sampling 2>>"$RES/sampling.err" \
         | tee -a "$RES/sampling.md" || tail -n 3 "$RES/sampling.err"
     row "sampled decoding, drawn on the device and on the host, E4B | printed above, kept in sampling.md"
@@ -293,7 +300,7 @@ if want window-q4; then
     # "identical" or how many differ), then what a window costs against a step.
     for k in ${VERIFY_KS:-2 4 8}; do
         echo "## 4-bit verify window k=$k" | tee -a "$RES/window-q4.md"
-        timeout 200 "$BIN" lab --device gpu --random-weights --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
+        timeout 200 "$LAB" --device gpu --random-weights --random-bits 4 --model "$ROOT/configs/gemma-4-e4b.json" \
             --dtype bf16 --prompt-tokens 512 --repeats 5 --verify-window "$k" \
             2>>"$RES/window-q4.err" | tee -a "$RES/window-q4.md" || tail -n 3 "$RES/window-q4.err"
     done
@@ -323,7 +330,7 @@ if want repeat; then
         read -r kind fused <<<"$spec"
         quant=(); [[ "$kind" == 4-bit ]] && quant=(--random-bits 4)
         echo "## repeatability: E4B $kind, --fused-kernels $fused"
-        timeout 240 "$BIN" lab --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+        timeout 240 "$LAB" --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             "${quant[@]}" --prompt-tokens 512 --gen-tokens 48 --repeatability 3 --fused-kernels "$fused" 2>"$RES/repeat.err" \
             | tee -a "$RES/repeat.txt" | grep -v "reference tokens" || tail -n 2 "$RES/repeat.err"
     done
@@ -375,7 +382,7 @@ if want verify-profile; then
     for k in ${VERIFY_KS:-1 2 4}; do
         for fused in default none; do
             echo "## verify window k=$k, --fused-kernels $fused" | tee -a "$RES/verify-profile.md"
-            timeout 200 "$BIN" lab --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
+            timeout 200 "$LAB" --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
                 --dtype bf16 --prompt-tokens 512 --repeats 5 --fused-kernels "$fused" --verify-window "$k" \
                 2>>"$RES/verify-profile.err" | tee -a "$RES/verify-profile.md"
         done
@@ -384,7 +391,7 @@ if want verify-profile; then
         tag="verify-profile-k$k"
         MLX_SPEC_PROFILE_DECODE=1 timeout 240 "$NCU" --csv --profile-from-start off --clock-control none \
             --cache-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
-            "$BIN" lab --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
+            "$LAB" --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 \
             --prompt-tokens 512 --repeats 2 --fused-kernels none --verify-window "$k" \
             >"$RES/$tag.csv" 2>"$RES/$tag.err"
         python3 "$ROOT/bench/gpu/profile_step.py" "$RES/$tag.csv" "E4B bf16, verify window k=$k, --fused-kernels none" \
@@ -398,11 +405,11 @@ if want window; then
     # bits against the single-token kernel's, token by token; then E4B forwards over k tokens
     # with and without the fused kernels, each in its own process, each window's logits
     # compared with k single-token steps from the same cache.
-    timeout 300 "$BIN" lab --device gpu --check-kernels 2>"$RES/window.err" | tee -a "$RES/window.md"
+    timeout 300 "$LAB" --device gpu --check-kernels 2>"$RES/window.err" | tee -a "$RES/window.md"
     for k in ${VERIFY_KS:-2 4 8}; do
         for fused in default none; do
             echo "## verify window k=$k, --fused-kernels $fused" | tee -a "$RES/window.md"
-            timeout 200 "$BIN" lab --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
+            timeout 200 "$LAB" --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
                 --dtype bf16 --prompt-tokens 512 --repeats 5 --fused-kernels "$fused" --verify-window "$k" \
                 2>>"$RES/window.err" | tee -a "$RES/window.md"
         done
@@ -411,7 +418,7 @@ if want window; then
     # window of 4 past the 768 slots prefill leaves): with aligned shares its queries must
     # group their slots as decode steps do.
     echo "## verify window k=4 across a buffer growth" | tee -a "$RES/window.md"
-    timeout 200 "$BIN" lab --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
+    timeout 200 "$LAB" --device gpu --random-weights --model "$ROOT/configs/gemma-4-e4b.json" \
         --dtype bf16 --prompt-tokens 765 --repeats 2 --verify-window 4 \
         2>>"$RES/window.err" | tee -a "$RES/window.md"
     row "verify windows with and without the fused kernels | printed above, kept in window.md"
@@ -423,7 +430,7 @@ if want window-default; then
     for dtype in auto bf16; do
         for fused in default none; do
             for k in 2 4 8; do
-                line="$(timeout 120 "$BIN" lab --device gpu --model "$ROOT/models/gemma4-code-25m" --dtype "$dtype" \
+                line="$(timeout 120 "$LAB" --device gpu --model "$ROOT/models/gemma4-code-25m" --dtype "$dtype" \
                     --fused-kernels "$fused" --prompt-tokens 64 --repeats 3 --verify-window "$k" \
                     2>>"$RES/window-default.err" | tail -n 1)"
                 row "default model ($dtype), --fused-kernels $fused, window of $k vs steps | ${line:-failed: $(tail -n 1 "$RES/window-default.err")}"
@@ -439,7 +446,7 @@ if want window-spec; then
     [[ "${WINDOW_SPEC_BASELINE:-0}" == 1 ]] && SETS+=(none)
     for set in free_text code_edit; do
         for fused in "${SETS[@]}"; do
-            line="$(timeout 240 "$BIN" lab --device gpu --drafter ngram --plugins-dir "$G/bin/plugins" --num-draft-tokens 7 \
+            line="$(timeout 240 "$LAB" --device gpu --drafter ngram --plugins-dir "$G/bin/plugins" --num-draft-tokens 7 \
                 --fused-kernels "$fused" --prompt-set "$ROOT/bench/prompts/$set.jsonl" --gen-tokens 128 --repeats 1 \
                 2>>"$RES/window.err" | tail -n 1)"
             how="window kernels"
@@ -457,7 +464,7 @@ if want replay; then
     for model in "${REPLAY_PICKED[@]}"; do
         quant=(); [[ "$model" == *4-bit* ]] && quant=(--random-bits 4)
         echo "## replayed drafts, $model, prompt 512, 128 tokens" | tee -a "$RES/replay.md"
-        timeout 280 "$BIN" lab --device gpu --random-weights "${quant[@]}" --model "$ROOT/configs/gemma-4-e4b.json" \
+        timeout 280 "$LAB" --device gpu --random-weights "${quant[@]}" --model "$ROOT/configs/gemma-4-e4b.json" \
             --dtype bf16 --prompt-tokens 512 --gen-tokens 128 --repeats "${REPLAY_REPEATS:-2}" \
             --replay-drafts "${REPLAY_RATES:-1,0.8,0.6,0.4,0}" --replay-draft-lengths "${REPLAY_KS:-3,7}" ${REPLAY_ARGS:-} \
             2>>"$RES/replay.err" | tee -a "$RES/replay.md" || tail -n 3 "$RES/replay.err"
@@ -710,7 +717,7 @@ fi
 
 if want spec; then
     for set in free_text code_edit; do
-        line="$(timeout 240 "$BIN" lab --device gpu --drafter ngram --plugins-dir "$G/bin/plugins" \
+        line="$(timeout 240 "$LAB" --device gpu --drafter ngram --plugins-dir "$G/bin/plugins" \
             --prompt-set "$ROOT/bench/prompts/$set.jsonl" --gen-tokens 128 --repeats 1 2>"$RES/spec.err" | tail -n 1)"
         row "ngram vs plain, default model, $set set | ${line:-failed: $(tail -n 1 "$RES/spec.err")}"
     done
@@ -733,15 +740,15 @@ peer() {
 }
 # 6. Where a decode step's time goes: its operations, and MLX's CUDA graph batching.
 if want graph; then
-    line="$(timeout 240 "$BIN" lab --device gpu --random-weights --dtype bf16 --model "$ROOT/configs/gemma-4-e4b.json" \
+    line="$(timeout 240 "$LAB" --device gpu --random-weights --dtype bf16 --model "$ROOT/configs/gemma-4-e4b.json" \
         --prompt-tokens 512 --gen-tokens 8 --repeats 1 --dump-step-graph "$RES/e4b-step.dot" 2>"$RES/graph.err" | tail -n 1)"
     row "E4B bf16, graph of one decode step | ${line:-failed: $(tail -n 1 "$RES/graph.err")}"
 fi
 if want opcost; then
     # Also with one CUDA graph per chain, so async_eval never waits for the device.
     for env in "" "MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000"; do
-        echo "## lab --op-cost ${env:-(default graph sizes)}"
-        env $env timeout 240 "$BIN" lab --device gpu --op-cost --repeats 3 2>"$RES/opcost.err" | tee -a "$RES/opcost.md"
+        echo "## mlx-spec-lab --op-cost ${env:-(default graph sizes)}"
+        env $env timeout 240 "$LAB" --device gpu --op-cost --repeats 3 2>"$RES/opcost.err" | tee -a "$RES/opcost.md"
         row "host µs per operation${env:+ ($env)} | printed above, kept in opcost.md"
     done
 fi
@@ -750,8 +757,8 @@ if want ffspeed; then
     # the fused products at 1, 2 and 4 rows per warp, then with the attention output product
     # as three fused products vs the one post-attention kernel; E4B and 12B shapes.
     for m in gemma-4-e4b gemma-4-12b; do
-        echo "## lab --feed-forward-speed ($m)"
-        timeout 240 "$BIN" lab --device gpu --feed-forward-speed --model "$ROOT/configs/$m.json" --repeats 3 \
+        echo "## mlx-spec-lab --feed-forward-speed ($m)"
+        timeout 240 "$LAB" --device gpu --feed-forward-speed --model "$ROOT/configs/$m.json" --repeats 3 \
             2>"$RES/ffspeed.err" | tee -a "$RES/ffspeed.md"
         row "feed-forward GB/s ($m) | printed above, kept in ffspeed.md"
     done
@@ -774,13 +781,13 @@ fi
 # 5. The GPU path computes the function the CPU path computes at the E4B shape: the same
 #    random f32 weights (one process), greedy on the GPU with TF32 off, then on the CPU.
 if want kernel-check; then
-    # Fused kernels on random bf16 data (lab --check-kernels): decode attention against MLX's
+    # Fused kernels on random bf16 data (mlx-spec-lab --check-kernels): decode attention against MLX's
     # operations (float32 reference; heads of 256 and 512, buffers of 40 to 4096 slots, wide
     # and narrow rounds), and the 4-bit feed-forward products with integer dots against float
     # unpacking.
-    timeout 300 "$BIN" lab --device gpu --check-kernels >"$RES/kernel-check.md" 2>"$RES/kernel-check.err"
+    timeout 300 "$LAB" --device gpu --check-kernels >"$RES/kernel-check.md" 2>"$RES/kernel-check.err"
     cat "$RES/kernel-check.md"
-    row "fused kernels on random bf16 data (lab --check-kernels) | $(tail -n 1 "$RES/kernel-check.md" 2>/dev/null || true) $(tail -n 1 "$RES/kernel-check.err")"
+    row "fused kernels on random bf16 data (mlx-spec-lab --check-kernels) | $(tail -n 1 "$RES/kernel-check.md" 2>/dev/null || true) $(tail -n 1 "$RES/kernel-check.err")"
 fi
 
 if want kernel-cache; then
@@ -814,7 +821,7 @@ if want kernel-cache; then
         for switch in off on on; do
             dir="$KC_DIR/$switch"
             t0=$SECONDS
-            digest="$(MLX_PTX_CACHE_DIR="$dir" MLX_SPEC_KERNEL_CACHE=$switch timeout 300 "$BIN" lab --device gpu \
+            digest="$(MLX_PTX_CACHE_DIR="$dir" MLX_SPEC_KERNEL_CACHE=$switch timeout 300 "$LAB" --device gpu \
                 --random-weights --model "$ROOT/configs/gemma-4-e4b.json" --dtype bf16 "${quant[@]}" --prompt-tokens 6 \
                 --gen-tokens 8 --repeatability 2 2>"$RES/kernel-cache-e4b.err" | grep -o 'logits digest [0-9a-f]*')"
             digests+=("${digest:-failed: $(tail -n 1 "$RES/kernel-cache-e4b.err")}")
@@ -827,7 +834,7 @@ if want kernel-cache; then
 fi
 
 if want cpu-check; then
-    line="$(MLX_ENABLE_TF32=0 timeout 500 "$BIN" lab --device gpu --random-weights --dtype f32 \
+    line="$(MLX_ENABLE_TF32=0 timeout 500 "$LAB" --device gpu --random-weights --dtype f32 \
         --model "$ROOT/configs/gemma-4-e4b.json" --prompt-tokens 16 --gen-tokens 2 --repeats 1 --check-cpu 8 \
         2>"$RES/cpu-check.err" | tail -n 1)"
     row "E4B shape, f32 random weights: GPU (TF32 off) vs CPU | ${line:-failed: $(tail -n 1 "$RES/cpu-check.err")}"
@@ -838,7 +845,7 @@ if want cpu-check-q4; then
     # activations, greedy on the GPU with the 4-bit kernels == greedy on the CPU
     # (MLX's quantized products there), the same weight arrays.
     for fused in ${CPU_Q4_SETS:-default}; do
-        line="$(MLX_ENABLE_TF32=0 timeout 300 "$BIN" lab --device gpu --random-weights --random-bits 4 --dtype f32 \
+        line="$(MLX_ENABLE_TF32=0 timeout 300 "$LAB" --device gpu --random-weights --random-bits 4 --dtype f32 \
             --model "$ROOT/configs/gemma-4-e4b.json" --prompt-tokens 16 --gen-tokens 2 --repeats 1 --check-cpu 8 \
             --fused-kernels "$fused" 2>"$RES/cpu-check-q4.err" | tail -n 1)"
         row "E4B shape, 4-bit weights, f32: GPU (TF32 off, --fused-kernels $fused) vs CPU | ${line:-failed: $(tail -n 1 "$RES/cpu-check-q4.err")}"

@@ -7,10 +7,11 @@
 //! loop ([`speculative`]), mlx-spec's own CUDA kernels for the decode step ([`kernels`], from
 //! the `mlx-spec-kernels` crate), and the OpenAI-compatible server ([`server`]).
 
+pub mod bench;
 pub mod calibrate;
+pub mod command_line;
 pub mod deploy;
 pub mod device;
-pub mod diagnostics;
 pub mod generate;
 pub mod load;
 pub mod perplexity;

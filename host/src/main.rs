@@ -6,15 +6,14 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use mlx_rs::Dtype;
 use serde_json::json;
 
+use mlx_spec::command_line::{
+    init_logging, load_model, parse_overrides, BenchArgs, DtypeArg, FusedKernelsArg, ModelArgs,
+    RandomArgs, SpecArgs,
+};
 use mlx_spec::deploy::{DeployConfig, DrawnOn};
-use mlx_spec::device::DeviceKind;
 use mlx_spec::generate::{generate, GenerateRequest};
-use mlx_spec::load::{LoadOptions, LoadedModel, RandomWeights};
-use mlx_spec::model::gemma4::config::QuantSpec;
-use mlx_spec::model::gemma4::DtypeChoice;
 use mlx_spec::plugins::{self, instantiate, read_manifest, Registry};
 use mlx_spec::sampler::{DrawPlace, SamplingParams};
 use mlx_spec::server::engine::{DrafterSpec, EngineConfig};
@@ -22,8 +21,6 @@ use mlx_spec::server::{Defaults, Limits, ServeOptions};
 use mlx_spec::speculative::target_port::target_spec;
 use mlx_spec::speculative::{generate_speculative, GateMemory, SpecOptions};
 use mlx_spec::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
-
-mod bench;
 
 #[derive(Parser)]
 #[command(
@@ -50,10 +47,7 @@ enum Command {
     /// Serve the OpenAI HTTP API (completions, chat, streaming) as a deploy config says.
     Serve(ServeArgs),
     /// Measure prefill and decode speed (tokens/s), plain or speculative side by side.
-    Bench(UserBenchArgs),
-    /// Developer measurements and checks of the fast path (bench/gpu/README.md).
-    #[command(hide = true)]
-    Lab(BenchArgs),
+    Bench(BenchArgs),
     /// Show a drafter's first proposal after a prompt (for drafter authors and tests).
     Draft(DraftArgs),
     /// Inspect drafter plugins, or start a new one.
@@ -176,30 +170,6 @@ enum PluginsCommand {
 }
 
 #[derive(Args)]
-struct SpecArgs {
-    /// Speculate with this drafter plugin (by its manifest name).
-    #[arg(long)]
-    drafter: Option<String>,
-    /// Directory holding drafter plugin folders (repeatable).
-    #[arg(long = "plugins-dir", value_name = "DIR", default_values_os_t = vec![mlx_spec::default_plugins_dir()])]
-    plugins_dirs: Vec<PathBuf>,
-    /// Most tokens drafted per round (default: the drafter's `num_draft_tokens`, else 10).
-    #[arg(long, requires = "drafter")]
-    num_draft_tokens: Option<usize>,
-    /// Override a setting of the drafter's manifest [defaults] (TOML value; repeatable).
-    #[arg(long = "drafter-set", value_name = "KEY=VALUE", requires = "drafter")]
-    drafter_set: Vec<String>,
-    /// Keep drafting even when acceptance stays near zero.
-    #[arg(long, requires = "drafter")]
-    no_auto_off: bool,
-    /// Size rounds by recent acceptance alone rather than by the measured cost of windows and
-    /// the acceptance at each draft position (the default, ahead or even in every case
-    /// measured); for the lab's comparisons.
-    #[arg(long, requires = "drafter", hide = true)]
-    recent_draft_length: bool,
-}
-
-#[derive(Args)]
 struct RunArgs {
     /// The deploy config.
     #[arg(long, value_name = "FILE")]
@@ -233,73 +203,6 @@ struct ServeArgs {
     drafter: Option<String>,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum DtypeArg {
-    Auto,
-    F32,
-    Bf16,
-    F16,
-}
-
-impl DtypeArg {
-    fn choice(self) -> DtypeChoice {
-        match self {
-            DtypeArg::Auto => DtypeChoice::Auto,
-            DtypeArg::F32 => DtypeChoice::Fixed(Dtype::Float32),
-            DtypeArg::Bf16 => DtypeChoice::Fixed(Dtype::Bfloat16),
-            DtypeArg::F16 => DtypeChoice::Fixed(Dtype::Float16),
-        }
-    }
-}
-
-#[derive(Args)]
-struct ModelArgs {
-    /// Model folder (config.json + safetensors [+ tokenizer.json]).
-    #[arg(long, env = "MLX_SPEC_MODEL", value_name = "PATH", default_value_os_t = mlx_spec::default_model_path())]
-    model: PathBuf,
-    /// Device: `gpu` needs a GPU build of libmlx (CUDA on Linux, Metal on macOS).
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: DeviceKind,
-    /// Compute dtype (`auto`: the checkpoint's).
-    #[arg(long, value_enum, default_value = "auto")]
-    dtype: DtypeArg,
-    /// mlx-spec's fused CUDA kernels on a CUDA GPU, or `none` for MLX's operations alone.
-    #[arg(long, value_enum, default_value = "default")]
-    fused_kernels: FusedKernelsArg,
-    /// Layers a group when a verify window goes to the device (0: whole; default 3 on a GPU).
-    #[arg(long, value_name = "N", hide = true)]
-    handoff_layers: Option<usize>,
-}
-
-/// Seeded random weights of a config's shapes, for measuring released sizes without their
-/// checkpoints.
-#[derive(Args)]
-struct RandomArgs {
-    /// Ignore the checkpoint: seeded random weights of the --model config's shapes.
-    #[arg(long)]
-    random_weights: bool,
-    /// Seed of --random-weights.
-    #[arg(long, default_value_t = 0, requires = "random_weights")]
-    weights_seed: u64,
-    /// Quantize --random-weights to this many bits (affine, mlx-community layout).
-    #[arg(long, value_parser = ["4", "8"], requires = "random_weights")]
-    random_bits: Option<String>,
-    /// Group size of --random-bits.
-    #[arg(long, default_value_t = 64, requires = "random_bits")]
-    random_group_size: i32,
-}
-
-impl RandomArgs {
-    fn none() -> RandomArgs {
-        RandomArgs {
-            random_weights: false,
-            weights_seed: 0,
-            random_bits: None,
-            random_group_size: 64,
-        }
-    }
-}
-
 /// Where sampled tokens are drawn (hidden `--sampler`; the deploy config's `drawn_on`).
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum SamplerArg {
@@ -314,33 +217,6 @@ impl SamplerArg {
             SamplerArg::Auto => DrawPlace::Auto,
             SamplerArg::Device => DrawPlace::Device,
             SamplerArg::Host => DrawPlace::Host,
-        }
-    }
-}
-
-/// `--fused-kernels`: the default set (also that of config-driven runs, `mlx-spec run`) or
-/// none.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
-enum FusedKernelsArg {
-    Default,
-    None,
-}
-
-impl ModelArgs {
-    fn fused(&self) -> mlx_spec::kernels::Fused {
-        match self.fused_kernels {
-            FusedKernelsArg::Default => mlx_spec::kernels::Fused::every(),
-            FusedKernelsArg::None => mlx_spec::kernels::Fused::default(),
-        }
-    }
-
-    /// The kernels `--fused-kernels` allows where they can run (a CUDA GPU), none elsewhere:
-    /// for the lab's measurements outside a model.
-    fn fused_here(&self) -> mlx_spec::kernels::Fused {
-        if mlx_spec::kernels::on_cuda_gpu() {
-            self.fused()
-        } else {
-            mlx_spec::kernels::Fused::default()
         }
     }
 }
@@ -409,198 +285,6 @@ struct GenerateArgs {
     json: bool,
 }
 
-#[derive(Args)]
-struct BenchCommon {
-    #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    random: RandomArgs,
-    /// Prompt length of the prefill measurement.
-    #[arg(long, default_value_t = 128)]
-    prompt_tokens: usize,
-    /// Tokens generated in the decode measurement.
-    #[arg(long, default_value_t = 64)]
-    gen_tokens: usize,
-    /// Measured repetitions (after one warm-up); the median is reported.
-    #[arg(long, default_value_t = 3)]
-    repeats: usize,
-    /// With --drafter: measure speculative against plain decoding side by side.
-    #[command(flatten)]
-    spec: SpecArgs,
-    /// With --drafter: the prompt, from a text file (default: synthetic ids).
-    #[arg(long, value_name = "FILE", requires = "drafter")]
-    prompt_file: Option<PathBuf>,
-    /// With --prompt-file: wrap the text as a chat turn.
-    #[arg(long, requires = "prompt_file")]
-    chat: bool,
-    /// With --drafter: a JSONL prompt set of chat turns (e.g. bench/prompts/code_edit.jsonl).
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires = "drafter",
-        conflicts_with = "prompt_file"
-    )]
-    prompt_set: Option<PathBuf>,
-    /// Also time one forward over k = 1 ... 32 tokens: the verify cost curve.
-    #[arg(long, conflicts_with = "drafter")]
-    verify_curve: bool,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-/// The lab's measurements and checks (`mlx-spec lab`, hidden): everything `bench` does, and
-/// the instruments behind BENCHMARKS.md and bench/gpu/run.sh.
-#[derive(Args, Default)]
-struct LabArgs {
-    /// Also compare pipelined decode with the default set of fused CUDA kernels and with none,
-    /// alternating between them round by round in this process.
-    #[arg(long)]
-    compare_fused: bool,
-    /// Also decode this many greedy tokens after a 16-token prompt on the chosen device and on
-    /// the CPU, with the same weights in one process, and fail unless the tokens agree (use
-    /// `--dtype f32`, and `MLX_ENABLE_TF32=0` on CUDA).
-    #[arg(long, value_name = "N", conflicts_with = "drafter")]
-    check_cpu: Option<usize>,
-    /// Write the graph of one decode step (after the prompt) to this file in Graphviz DOT
-    /// format and print its operations by kind: on a GPU a step costs roughly a fixed host
-    /// time per operation.
-    #[arg(long, value_name = "PATH", conflicts_with = "drafter")]
-    dump_step_graph: Option<PathBuf>,
-    /// Instead of a model: the host time one operation of each kind costs (MLX's addition,
-    /// RMSNorm and matrix product, and on a CUDA GPU each fused product kernel), from chains
-    /// of 400 operations on a 1024-wide bf16 vector. Says which operations to fuse next.
-    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph"])]
-    op_cost: bool,
-    /// Instead of decoding: how fast a decode token's feed-forward block streams its weights
-    /// (GB/s), with MLX's operations and, on a CUDA GPU, with the fused product kernels at
-    /// each row count per warp; then the attention output product and the feed-forward block
-    /// as three fused products and as one post-attention kernel (with `--fused-kernels
-    /// ...,post-attention`); shapes from the --model config, 16 layers of bf16 weights.
-    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost"])]
-    feed_forward_speed: bool,
-    /// Instead of a model: check fused CUDA kernels on random bf16 data. Decode attention
-    /// against MLX's operations in float32 (heads of 256 and 512, buffers of 40 to 4 096 slots;
-    /// fails beyond 1e-2); the window post-attention kernel against the single-token one
-    /// (fails on any difference).
-    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed"])]
-    check_kernels: bool,
-    /// Also decode greedily this many times from fresh caches and report whether the logits
-    /// repeat bit for bit: the prefill's last logits, each step-by-step step fed the first
-    /// run's tokens, and the tokens of pipelined runs. Tells a non-deterministic operation
-    /// from a pipelining fault when pipelined and step-by-step decoding disagree.
-    #[arg(long, value_name = "RUNS", conflicts_with = "drafter")]
-    repeatability: Option<usize>,
-    /// Instead of the decode measurements: write the full CUDA source of every fused kernel a
-    /// decode step and verify window of this model calls, with the default kernels (and the
-    /// product and attention-input kernels that serve the layers they do not), into this folder
-    /// as MLX 0.32 would compile it (`<kernel>-<hash>.cu`, listed in `kernels.tsv` with block
-    /// and grid sizes). Runs on the CPU: the calls are recorded, not run.
-    /// `bench/gpu/compile_check.py` then compiles them with NVRTC for sm_90a, with no GPU.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability"])]
-    dump_kernel_sources: Option<PathBuf>,
-    /// Instead of the decode measurements: time forwards over this many new tokens after the
-    /// prompt (a verify window; one warm-up, then --repeats), each split into the host's graph
-    /// building and the rest. With MLX_SPEC_PROFILE_DECODE set, a CUDA profiler's capture
-    /// starts after the warm-up (`bench/gpu/run.sh verify-profile`).
-    #[arg(long, value_name = "K", conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "dump_kernel_sources"])]
-    verify_window: Option<usize>,
-    /// Instead of the decode measurements: speculative against plain greedy decoding with
-    /// drafts replayed from the plain run's own output, each draft right with this probability
-    /// (a list, one measurement each: `1,0.8,0.5,0`), for each draft length, way of sizing
-    /// rounds and hand-off (`--replay-draft-lengths`, `--replay-sizings`, `--replay-handoffs`).
-    /// A measuring instrument for shapes no drafter can accept on (random weights): what the
-    /// verify loop gives at a known acceptance. The outputs are checked equal, as with a
-    /// drafter.
-    #[arg(long, value_name = "P", value_delimiter = ',', conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "dump_kernel_sources", "verify_window"])]
-    replay_drafts: Vec<f64>,
-    /// Instead of the decode measurements: plain decoding greedy and with four sampling
-    /// settings (temperature 0.8; with top-p 0.95; with top-k 64, top-p 0.95 and min-p 0.05;
-    /// temperature 1.0), each drawn on the device and on the host (`--sampler`),
-    /// alternated in one process, `--repeats` rounds each: what drawing tokens costs a step.
-    #[arg(long, conflicts_with_all = ["drafter", "verify_curve", "compare_fused", "check_cpu", "dump_step_graph", "op_cost", "feed_forward_speed", "check_kernels", "repeatability", "dump_kernel_sources", "verify_window", "replay_drafts"])]
-    compare_sampling: bool,
-    /// With --replay-drafts: the most drafts a round, a list (one measurement each).
-    #[arg(long, value_name = "K", value_delimiter = ',', default_value = "3,7")]
-    replay_draft_lengths: Vec<usize>,
-    /// With --replay-drafts: how rounds are sized, a list (one measurement each): `recent`
-    /// (about twice the recent accepted tokens, plus one) and/or `fitted` (by the measured
-    /// window costs and the acceptance at each draft position).
-    #[arg(long, value_name = "WAY", value_delimiter = ',', default_value = "recent,fitted", value_parser = ["recent", "fitted"])]
-    replay_sizings: Vec<String>,
-    /// With --replay-drafts: layers a group when a verify window goes to the device, a list
-    /// (one measurement each; 0: whole). Default: the process's `--handoff-layers`.
-    #[arg(long, value_name = "N", value_delimiter = ',')]
-    replay_handoffs: Vec<usize>,
-}
-
-/// What `bench.rs` runs: a user's `bench`, or the lab's.
-#[derive(Args)]
-struct BenchArgs {
-    #[command(flatten)]
-    common: BenchCommon,
-    #[command(flatten)]
-    lab: LabArgs,
-}
-
-impl std::ops::Deref for BenchArgs {
-    type Target = BenchCommon;
-    fn deref(&self) -> &BenchCommon {
-        &self.common
-    }
-}
-
-/// `mlx-spec bench`'s arguments.
-type UserBenchArgs = BenchCommon;
-
-fn init_logging(verbose: u8) {
-    let default = match verbose {
-        0 => "warn",
-        1 => "info",
-        _ => "debug",
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-}
-
-impl ModelArgs {
-    /// The load these flags describe.
-    fn load_options(&self, random: &RandomArgs) -> Result<LoadOptions> {
-        let random_weights = if random.random_weights {
-            Some(RandomWeights {
-                seed: random.weights_seed,
-                quant: match &random.random_bits {
-                    Some(bits) => Some(QuantSpec {
-                        bits: bits.parse()?,
-                        group_size: random.random_group_size,
-                    }),
-                    None => None,
-                },
-            })
-        } else {
-            None
-        };
-        Ok(LoadOptions {
-            path: self.model.clone(),
-            device: self.device,
-            dtype: self.dtype.choice(),
-            random_weights,
-            kernels: self.fused(),
-            handoff_layers: self.handoff_layers,
-        })
-    }
-}
-
-/// Loads the model `args` describe (the library's [`mlx_spec::load::load`]).
-fn load_model(args: &ModelArgs, random: &RandomArgs) -> Result<LoadedModel> {
-    mlx_spec::load::load(&args.load_options(random)?)
-}
-
 /// Which drafter to use and how.
 struct DrafterChoice {
     name: String,
@@ -621,21 +305,6 @@ struct Job<'a> {
     ignore_eos: bool,
     drafter: Option<DrafterChoice>,
     json: bool,
-}
-
-/// Parses `KEY=VALUE` pairs, each VALUE a TOML value (bare words are taken as strings).
-fn parse_overrides(pairs: &[String]) -> Result<toml::Table> {
-    let mut table = toml::Table::new();
-    for pair in pairs {
-        let (key, value) = pair
-            .split_once('=')
-            .with_context(|| format!("--drafter-set {pair:?}: expected KEY=VALUE"))?;
-        let parsed: toml::Table = toml::from_str(&format!("v = {value}")).unwrap_or_else(|_| {
-            toml::Table::from_iter([("v".to_owned(), toml::Value::String(value.to_owned()))])
-        });
-        table.insert(key.trim().to_owned(), parsed["v"].clone());
-    }
-    Ok(table)
 }
 
 fn prompt_ids(input: &PromptArgs, tok: Option<&Tokenizer>, model_path: &Path) -> Result<Vec<u32>> {
@@ -1123,7 +792,7 @@ fn run_calibrate(args: CalibrateArgs) -> Result<()> {
             args.model.model.display()
         )
     })?;
-    let prompts = bench::read_prompt_set(&args.prompt_set, tokenizer)?;
+    let prompts = mlx_spec::bench::read_prompt_set(&args.prompt_set, tokenizer)?;
     let options = SpecOptions {
         num_draft_tokens: 64,
         auto_off: false,
@@ -1386,11 +1055,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => run_generate(args),
         Command::Run(args) => run_deploy(args),
         Command::Serve(args) => serve_options(args).and_then(mlx_spec::server::serve),
-        Command::Bench(common) => bench::run_bench(BenchArgs {
-            common,
-            lab: LabArgs::default(),
-        }),
-        Command::Lab(args) => bench::run_bench(args),
+        Command::Bench(args) => mlx_spec::bench::run(&args),
         Command::Draft(args) => run_draft(args),
         Command::Plugins(cmd) => run_plugins(cmd),
         Command::Perplexity(args) => run_perplexity(args),

@@ -13,15 +13,15 @@ use mlx_rs::random;
 use mlx_rs::transforms::async_eval;
 use mlx_rs::{Array, Dtype};
 
-use crate::kernels::post_attention::{self, PostAttention, Weight};
-use crate::kernels::products::device_array;
-use crate::kernels::products::{
+use mlx_spec::kernels::post_attention::{self, PostAttention, Weight};
+use mlx_spec::kernels::products::device_array;
+use mlx_spec::kernels::products::{
     gated_product, gated_product_rows, new_counter, new_counters, normed_products,
     product_residual, product_residual_rows, GateUp, ROWS_PER_WARP_CHOICES,
 };
-use crate::kernels::{CudaKernel, Fused, TemplateArg};
-use crate::model::gemma4::activation::gated_gelu;
-pub use mlx_spec_model::graph::{count_operations, export_dot};
+use mlx_spec::kernels::{CudaKernel, Fused, TemplateArg};
+use mlx_spec::model::gemma4::activation::gated_gelu;
+pub use mlx_spec::model::graph::{count_operations, export_dot};
 
 /// Body of the op-cost kernel: one multiply per element.
 const SCALE_SOURCE: &str = "
@@ -436,7 +436,7 @@ pub struct AttentionCheck {
 /// kernel's device).
 /// Fails if an error exceeds `tolerance`.
 pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<AttentionCheck>> {
-    use crate::kernels::decode_attention::{decode_attention, splits_for};
+    use mlx_spec::kernels::decode_attention::{decode_attention, splits_for};
     let (heads, kv_heads) = (8, 2);
     let cases: [(i32, i32, std::ops::Range<usize>); 6] = [
         (256, 768, 0..700),
@@ -494,7 +494,7 @@ pub fn decode_attention_errors(dtype: Dtype, tolerance: f32) -> Result<Vec<Atten
             // The visible range read from device memory (as the attention-heads kernel hands
             // it on) must give the same bits as from host memory.
             let range = Array::from_slice(&[visible.start as i32, visible.end as i32], &[2]);
-            let on_device = crate::kernels::products::padded(&range, 4)?;
+            let on_device = mlx_spec::kernels::products::padded(&range, 4)?;
             let from_device = decode_attention(
                 &q,
                 &k,
@@ -541,15 +541,15 @@ pub struct WindowCheck {
     pub elements: usize,
 }
 
-/// The window kernel ([`crate::kernels::window_post_attention`]) against the single-token
+/// The window kernel ([`mlx_spec::kernels::window_post_attention`]) against the single-token
 /// post-attention kernel run token by token, on E4B's shapes (sliding and full attention
 /// widths, with the per-layer input, and one shape without it) with random bf16 weights and
 /// inputs, for windows of 2, 4 and 8 tokens: each token's row must be the same bits. CUDA
 /// only. Fails on the first difference.
 pub fn window_post_attention_differences() -> Result<Vec<WindowCheck>> {
-    use crate::kernels::post_attention::{new_barrier, post_attention, PerLayerInput};
-    use crate::kernels::window_post_attention::window_post_attention;
     use mlx_rs::ops::indexing::IndexOp;
+    use mlx_spec::kernels::post_attention::{new_barrier, post_attention, PerLayerInput};
+    use mlx_spec::kernels::window_post_attention::window_post_attention;
     let (hidden, intermediate, per_layer, layers) = (2560, 10240, 256, 42);
     let normal = |seed: u64, shape: &[i32], spread: f32| -> Result<Array> {
         Ok(
