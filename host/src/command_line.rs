@@ -32,11 +32,6 @@ pub struct SpecArgs {
     /// Keep drafting even when acceptance stays near zero.
     #[arg(long, requires = "drafter")]
     pub no_auto_off: bool,
-    /// Size rounds by recent acceptance alone rather than by the measured cost of windows and
-    /// the acceptance at each draft position (the default, ahead or even in every case
-    /// measured); for the lab's comparisons.
-    #[arg(long, requires = "drafter", hide = true)]
-    pub recent_draft_length: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]

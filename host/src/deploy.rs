@@ -220,7 +220,7 @@ pub struct DrafterSection {
     #[serde(default = "default_true")]
     pub auto_off: bool,
     /// Size rounds by measured window costs and acceptance by draft position (the default;
-    /// `false` is `--recent-draft-length`).
+    /// `false` sizes them by recent acceptance alone).
     #[serde(default = "default_true")]
     pub fitted_draft_length: bool,
     #[serde(default)]

@@ -485,7 +485,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             num_draft_tokens: args.spec.num_draft_tokens,
             overrides: parse_overrides(&args.spec.drafter_set)?,
             auto_off: !args.spec.no_auto_off,
-            fitted_draft_length: !args.spec.recent_draft_length,
+            fitted_draft_length: true,
         }),
         None => None,
     };

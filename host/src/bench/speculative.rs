@@ -70,7 +70,7 @@ pub fn run(args: &BenchArgs, drafter: &str) -> Result<()> {
     let options = SpecOptions {
         num_draft_tokens: k,
         auto_off: !args.spec.no_auto_off,
-        fitted_draft_length: !args.spec.recent_draft_length,
+        fitted_draft_length: true,
     };
     let (mut plain_rates, mut spec_rates) = (Vec::new(), Vec::new());
     // Decode alone (after the prefill, which speculation does not change): on long prompts

@@ -21,8 +21,8 @@
 //! drafted rounds have been timed, the gate runs a few plain rounds to learn a plain token's
 //! cost, unless the drafter accepts so much that no measured cost would make it lose.
 //!
-//! With [`DraftGate::with_fitted_length`] (the command line's default; `--recent-draft-length`
-//! turns it off), once rounds of two or more
+//! With [`DraftGate::with_fitted_length`] (the default; a deploy config's
+//! `fitted_draft_length = false` turns it off), once rounds of two or more
 //! lengths have been timed, the draft length follows from the costs instead: a line fitted to
 //! a round's seconds against its window length, and the long-memory rate at which the draft at
 //! each position is accepted given that the ones before it were, give each length's expected
