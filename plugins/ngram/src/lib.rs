@@ -24,8 +24,11 @@ fn default_max() -> usize {
     3
 }
 
+/// A one-token match proposes whatever followed the last occurrence of a common token; its
+/// drafts are rejected often enough that the gate pauses the drafter on free text. Two tokens
+/// of context measured faster on both prompt sets (BENCHMARKS.md, ngram's minimum match).
 fn default_min() -> usize {
-    1
+    2
 }
 
 /// The loaded drafter (just its settings).
