@@ -123,3 +123,85 @@ fn dense_rows_give_plain_dot_products_with_any_loads_in_flight() {
         assert_eq!(seen[i], *rows, "case {i} printed {} rows", seen[i]);
     }
 }
+
+/// The driver of the window check: for each case, TOKENS inputs staged K apart, rows R at a
+/// time through rows_dot_window and each token alone through rows_dot, lane by lane; prints
+/// "case token row single window" with the sums' bits.
+const WINDOW_DRIVER: &str = r#"
+template <typename T, int K, int R, int TOKENS>
+void run_window(int index, int rows, uint64_t seed) {
+  Lcg g{seed};
+  const size_t w_chunks = size_t(rows) * K * sizeof(T) / 16 + 1, x_chunks = size_t(TOKENS) * K * sizeof(T) / 16 + 1;
+  std::vector<uint4> w(w_chunks), x(x_chunks);
+  T* wt = reinterpret_cast<T*>(w.data());
+  T* xt = reinterpret_cast<T*>(x.data());
+  for (size_t i = 0; i < size_t(rows) * K; i++) wt[i] = from_float<T>(g.next());
+  for (size_t i = 0; i < size_t(TOKENS) * K; i++) xt[i] = from_float<T>(g.next());
+  for (int r0 = 0; r0 < rows; r0 += R) {
+    const T* ptr[R];
+    for (int i = 0; i < R; i++) ptr[i] = wt + size_t(r0 + i) * K;
+    float single[R * TOKENS] = {}, window[R * TOKENS] = {};
+    for (int lane = 0; lane < 32; lane++) {
+      threadIdx.x = lane;
+      for (int t = 0; t < TOKENS; t++) {
+        float part[R];
+        rows_dot<T, K, R, 8>(ptr, xt + size_t(t) * K, part);
+        for (int i = 0; i < R; i++) single[i * TOKENS + t] += part[i];
+      }
+      float part[R * TOKENS];
+      rows_dot_window<T, K, R, TOKENS, K>(ptr, xt, part);
+      for (int i = 0; i < R * TOKENS; i++) window[i] += part[i];
+    }
+    for (int i = 0; i < R; i++)
+      for (int t = 0; t < TOKENS; t++) {
+        uint32_t a, b;
+        std::memcpy(&a, &single[i * TOKENS + t], 4);
+        std::memcpy(&b, &window[i * TOKENS + t], 4);
+        std::printf("%d %d %d %u %u\n", index, t, r0 + i, a, b);
+      }
+  }
+}
+"#;
+
+/// A verify window scores each token as a decode step would only if every (row, token) sum of
+/// `rows_dot_window` (the window kernels' dense row dots, the window products' included) is
+/// `rows_dot`'s for that token alone, bit for bit: checked here for the default model's and
+/// the 31B's widths, with as many tokens as the kernels stage.
+#[test]
+fn window_row_dots_equal_each_tokens_own_row_dots_bit_for_bit() {
+    use mlx_spec::kernels::window_post_attention::ROWS_DOT_WINDOW;
+    let dir = tempfile::tempdir().unwrap();
+    // (element type, K, rows a call, tokens, rows): the 31B's feed-forward input (5 tokens
+    // fit a block) and hidden size, E4B's width, float32.
+    let cases = [
+        ("bf16", 21504, 1, 5, 2),
+        ("bf16", 5376, 2, 8, 4),
+        ("bf16", 2560, 1, 3, 3),
+        ("float", 1024, 2, 4, 4),
+    ];
+    let mut source =
+        format!("{CUDA_HOST_SHIM}{HOST_SHIM}{HEADER}{ROWS_DOT_WINDOW}{DRIVER}{WINDOW_DRIVER}\nint main() {{\n");
+    for (i, (t, k, r, tokens, rows)) in cases.iter().enumerate() {
+        source += &format!(
+            "  run_window<{t}, {k}, {r}, {tokens}>({i}, {rows}, {});\n",
+            41 + i
+        );
+    }
+    source += "  return 0;\n}\n";
+    let printed = compile_and_run(dir.path(), &source);
+    let mut seen = vec![0; cases.len()];
+    for line in printed.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(f.len(), 5, "unexpected line {line:?}");
+        let case: usize = f[0].parse().unwrap();
+        assert_eq!(
+            f[3], f[4],
+            "case {case} token {} row {}: the window's sum differs from the token's own",
+            f[1], f[2]
+        );
+        seen[case] += 1;
+    }
+    for (i, (_, _, _, tokens, rows)) in cases.iter().enumerate() {
+        assert_eq!(seen[i], tokens * rows, "case {i} printed {} sums", seen[i]);
+    }
+}

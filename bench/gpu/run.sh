@@ -69,6 +69,10 @@
 #              steps, with the window kernels (its 8-bit weights loaded dense) and with MLX's
 #              operations (mlx-spec-lab --verify-window lets those take the window whole), in the
 #              checkpoint's dtype and in bf16: which windows compute what steps compute
+#   window-31b  the 31B's verify windows (random bf16 weights, window kernels; its feed-forward
+#              takes the window products) of k = WINDOW_31B_KS tokens (default 2 4 5) against
+#              k decode steps, then replayed drafts (4 a round, each right with probability
+#              1, 0.8, 0.6) vs plain decoding, outputs checked equal
 #   drafters   the drafters (DRAFTERS) vs plain on the default model, free-text set, with
 #              each --fused-kernels value of DRAFTER_KERNELS (default: none, MLX's operations);
 #              DRAFTER_ARGS: more bench options (e.g. --no-auto-off to draft every round)
@@ -423,6 +427,23 @@ if want window; then
         2>>"$RES/window.err" | tee -a "$RES/window.md"
     row "verify windows with and without the fused kernels | printed above, kept in window.md"
 fi
+if want window-31b; then
+    # Whether the 31B's windows compute what its decode steps compute, and what speculation
+    # then gains on it at known acceptance rates.
+    for k in ${WINDOW_31B_KS:-2 4 5}; do
+        line="$(timeout 200 "$LAB" --device gpu --random-weights --model "$ROOT/configs/gemma-4-31b.json" \
+            --dtype bf16 --prompt-tokens 512 --repeats 2 --verify-window "$k" \
+            2>>"$RES/window-31b.err" | tee -a "$RES/window-31b.md" | tail -n 1)"
+        row "31B bf16 (random) verify window of $k vs $k decode steps | ${line:-failed: $(tail -n 1 "$RES/window-31b.err")}"
+    done
+    echo "## replayed drafts, 31B bf16, prompt 512, 64 tokens" | tee -a "$RES/window-31b.md"
+    timeout 280 "$LAB" --device gpu --random-weights --model "$ROOT/configs/gemma-4-31b.json" \
+        --dtype bf16 --prompt-tokens 512 --gen-tokens 64 --repeats 1 \
+        --replay-drafts "${REPLAY_RATES:-1,0.8,0.6}" --replay-draft-lengths 4 \
+        2>>"$RES/window-31b.err" | tee -a "$RES/window-31b.md" || tail -n 3 "$RES/window-31b.err"
+    row "speculation with replayed drafts vs plain, 31B bf16 | printed above, kept in window-31b.md"
+fi
+
 if want window-default; then
     # Which verify windows compute what decode steps compute on the default model: the loop
     # runs a window whole on a GPU only through the window kernels (a window through MLX's

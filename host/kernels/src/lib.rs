@@ -56,6 +56,7 @@ pub mod source_files;
 pub mod window_attention_heads;
 pub mod window_output_head;
 pub mod window_post_attention;
+pub mod window_products;
 
 pub use decode_path::CudaDecode;
 

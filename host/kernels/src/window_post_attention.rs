@@ -37,7 +37,7 @@ use super::products::{element_bytes, HEADER as PRODUCTS_HEADER, THREADS};
 use super::{PerSharedMemory, TemplateArg};
 
 /// `rows_dot_window`, the row dots of every window kernel (after the products' header).
-pub(crate) const ROWS_DOT_WINDOW: &str = include_str!("cuda/rows_dot_window.cuh");
+pub const ROWS_DOT_WINDOW: &str = include_str!("cuda/rows_dot_window.cuh");
 
 /// Device helpers added to the post-attention kernel's ones, after [`ROWS_DOT_WINDOW`] and the
 /// 4-bit window helpers ([`super::affine4::WINDOW_HEADER`]).

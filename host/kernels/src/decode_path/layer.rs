@@ -10,6 +10,7 @@ use super::{kernel_weight, product_weight, CudaDecode, LayerState};
 use crate::post_attention::{self, post_attention, PerLayerInput, PostAttention};
 use crate::products::{gated_product, product_residual, serves_token, GateUp};
 use crate::window_post_attention::{self, window_post_attention};
+use crate::window_products::{self, window_gated_product, window_product_residual};
 use mlx_spec_model::gemma4::cache::KvView;
 use mlx_spec_model::gemma4::layer::{DecoderLayer, PleGate};
 use mlx_spec_model::gemma4::linear::Linear;
@@ -32,6 +33,9 @@ impl CudaDecode {
         } = call;
         let (attn, view) = self.attention(layer, state, x, offset, cache, shared)?;
         if let Some(out) = self.one_kernel_after_attention(layer, state, x, &attn, per_layer)? {
+            return Ok((out, view));
+        }
+        if let Some(out) = self.window_products_after_attention(layer, state, x, &attn)? {
             return Ok((out, view));
         }
         let x = self.closing_product(
@@ -267,6 +271,94 @@ impl CudaDecode {
     }
 }
 
+impl CudaDecode {
+    /// A window (2-8 tokens) of a layer too wide for the post-attention kernel, whose decode
+    /// steps run the three products, through their window forms ([`window_products`]): each
+    /// token gets what a decode step gives it. Dense weights, no MoE branch, no per-layer
+    /// input; `None` otherwise.
+    fn window_products_after_attention(
+        &self,
+        layer: &DecoderLayer,
+        state: &LayerState,
+        x: &Array,
+        z: &Array,
+    ) -> Result<Option<Array>> {
+        let fused = self.kernels;
+        if !(fused.window && fused.products) || x.ndim() != 2 || x.shape()[0] < 2 {
+            return Ok(None);
+        }
+        let Some(weights) = dense_products(layer) else {
+            return Ok(None);
+        };
+        let tokens = x.shape()[0] as usize;
+        if products_window(&weights, z.shape()[z.ndim() - 1] as usize, x.dtype()) < tokens {
+            return Ok(None);
+        }
+        let [output, gate, up, down] = weights;
+        let x1 = window_product_residual(
+            z,
+            output,
+            x,
+            &layer.post_attention_norm,
+            layer.eps,
+            None,
+            &state.counters[0],
+        )?;
+        let act =
+            window_gated_product(&x1, Some(&layer.pre_feedforward_norm), layer.eps, gate, up)?;
+        let out = window_product_residual(
+            &act,
+            down,
+            &x1,
+            &layer.post_feedforward_norm,
+            layer.eps,
+            Some(&state.layer_scalar),
+            &state.counters[1],
+        )?;
+        Ok(Some(out))
+    }
+}
+
+/// The attention output, gate, up and down matrices of a layer whose decode steps run the
+/// three products over dense weights (no MoE branch, no per-layer input); `None` otherwise.
+fn dense_products(layer: &DecoderLayer) -> Option<[&Array; 4]> {
+    if layer.moe.is_some() || layer.ple.is_some() {
+        return None;
+    }
+    fn dense(l: &Linear) -> Option<&Array> {
+        match l {
+            Linear::Dense(d) => Some(&d.weight),
+            Linear::Quantized(_) => None,
+        }
+    }
+    let mlp = &layer.mlp;
+    Some([
+        dense(layer.attention.o_proj())?,
+        dense(&mlp.gate_proj)?,
+        dense(&mlp.up_proj)?,
+        dense(&mlp.down_proj)?,
+    ])
+}
+
+/// The most tokens the window products take for these weights and an attention `width`, 1
+/// where the post-attention kernel serves the layer's decode steps (its window form then
+/// gives their values) or they take no window.
+fn products_window(weights: &[&Array; 4], width: usize, dtype: mlx_rs::Dtype) -> usize {
+    let [_, gate, _, _] = weights;
+    let (hidden, n) = (gate.shape()[1] as usize, gate.shape()[0] as usize);
+    if post_attention::serves(hidden, width, n, 0, dtype) {
+        return 1;
+    }
+    (2..=window_products::MAX_TOKENS)
+        .rev()
+        .find(|&t| {
+            [width, hidden, n]
+                .into_iter()
+                .all(|k| window_products::serves(k, t, dtype))
+        })
+        .unwrap_or(1)
+}
+
 /// Gate, up and down as the fused post-attention kernel reads them.
 fn mlp_weights(
     layer: &DecoderLayer,
@@ -323,13 +415,16 @@ pub(super) fn largest_window(layer: &DecoderLayer, dtype: mlx_rs::Dtype) -> usiz
         return 1;
     }
     let (hidden, width, n) = (hidden as usize, width as usize, n as usize);
-    // A window kernel gives the values of the single-token kernel it matches, so a layer too
-    // wide for that one (the 31B's 21 504-wide feed-forward input: its decode steps run the
-    // three products) takes no window.
-    if !post_attention::serves(hidden, width, n, per_layer, dtype) {
-        return 1;
-    }
     let heads = super::attention::largest_window(&layer.attention, hidden, dtype);
+    // A window kernel gives the values of the single-token kernel it matches: a layer too
+    // wide for the post-attention kernel (the 31B's 21 504-wide feed-forward input) runs the
+    // three products in its decode steps, and their window forms in a window.
+    if !post_attention::serves(hidden, width, n, per_layer, dtype) {
+        return match dense_products(layer) {
+            Some(weights) => heads.min(products_window(&weights, width, dtype)),
+            None => 1,
+        };
+    }
     (2..=heads)
         .rev()
         .find(|&t| window_post_attention::serves(hidden, width, n, per_layer, t, dtype, bits))
