@@ -65,9 +65,10 @@ def main():
         config = os.path.join(tmp, "deploy.toml")
         with open(config, "w") as f:
             # Drafting never pauses: whether each request drafts is under test, not the gate,
-            # which may judge ngram not worth its rounds on a machine where they cost more.
+            # which may judge ngram not worth its rounds on a machine where they cost more; a
+            # one-token match, so that the test's short outputs always find one.
             f.write('[server]\napi_key_env = "MLX_SPEC_OPENAI_TEST_KEY"\n')
-            f.write('[drafter]\nname = "ngram"\nauto_off = false\n')
+            f.write('[drafter]\nname = "ngram"\nauto_off = false\n[drafter.config]\nmin_ngram = 1\n')
         proc, addr, log = start(binary, config)
         try:
             run(addr)

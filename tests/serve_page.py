@@ -187,7 +187,7 @@ def main():
         with open(config, "w") as f:
             # Drafting never pauses: the page's colouring is under test, not the gate, which
             # may judge ngram not worth its rounds on a machine where they cost more.
-            f.write('[drafter]\nname = "ngram"\nauto_off = false\n')
+            f.write('[drafter]\nname = "ngram"\nauto_off = false\n[drafter.config]\nmin_ngram = 1\n')
         proc, addr, _log = start(binary, config, key=None)
         try:
             query = urllib.parse.urlencode(
