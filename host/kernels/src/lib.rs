@@ -91,7 +91,8 @@ pub struct Fused {
     /// 4-bit) and the soft-cap as one kernel.
     pub output_head: bool,
     /// The window kernels ([`window_attention_heads`], [`window_post_attention`],
-    /// [`window_output_head`]) for windows of 2-8 tokens over dense or 4-bit weights, in place
+    /// [`window_output_head`]) for windows of 2-8 tokens over dense or 4-bit weights, and
+    /// [`window_products`] for dense layers too wide for the post-attention kernel, in place
     /// of MLX's operations.
     pub window: bool,
 }
