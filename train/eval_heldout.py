@@ -7,6 +7,11 @@ writes) is dequantized first, so the number is that of the weights mlx-spec runs
   python eval_heldout.py MODEL_DIR [MODEL_DIR...] [--windows N] [--data DIR]
 
 --windows 0 evaluates every window (slow on a CPU: about 0.3 s a window for 25 M parameters).
+
+--per-file CONTEXT scores each file instead, as `mlx-spec perplexity` does: BOS first, no EOS,
+cut into chunks of at most CONTEXT predicted tokens, each chunk from a fresh context that
+starts at the token before its first target (0 = the model's max_position_embeddings, the
+context it serves). The loss is the mean over every predicted token of every file.
 """
 
 import argparse
@@ -76,14 +81,47 @@ def loss_on(model, windows, batch=8):
     return tot / cnt
 
 
+@torch.no_grad()
+def per_file_loss(model, tokens, index, context):
+    """Sum of -log p over every file of `index` (each BOS + text, the EOS dropped), in chunks."""
+    tot, cnt = 0.0, 0
+    for doc in index:
+        ids = torch.from_numpy(tokens[doc["start"] : doc["start"] + doc["n_tokens"] - 1].astype(np.int64))
+        first = 1
+        while first < len(ids):
+            n = min(context, len(ids) - first)
+            chunk = ids[first - 1 : first + n][None]
+            logits = model(input_ids=chunk[:, :-1], use_cache=False).logits.float()
+            tot += F.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
+            cnt += n
+            first += n
+    return tot, cnt
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+")
     ap.add_argument("--windows", type=int, default=200)
     ap.add_argument("--data", default=str(HERE / "data"))
+    ap.add_argument("--per-file", type=int, default=None, metavar="CONTEXT",
+                    help="score whole files in chunks of CONTEXT tokens (0 = the served context)")
+    ap.add_argument("--sets", default="heldout,unseen")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     data = Path(args.data)
+    names = args.sets.split(",")
+    if args.per_file is not None:
+        for d in args.models:
+            model = load_model(d)
+            context = args.per_file or json.loads((Path(d) / "config.json").read_text())["max_position_embeddings"]
+            row = {"model": d, "per_file_context": context}
+            for name in names:
+                index = json.loads((data / f"{name}_index.json").read_text())
+                tot, cnt = per_file_loss(model, load_bin(data / f"{name}.bin"), index, context)
+                loss = tot / cnt
+                row[name] = {"files": len(index), "tokens": cnt, "loss": round(loss, 4), "ppl": round(math.exp(loss), 3)}
+            print(json.dumps(row), flush=True)
+        return
     sets = {name: eval_windows(load_bin(data / f"{name}.bin"), 512, args.windows) for name in ("heldout", "unseen")}
     for d in args.models:
         model = load_model(d)

@@ -103,8 +103,8 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 print('== transformers', transformers.__version__, 'from', transformers.__file__.rsplit('/', 2)[0], '| numpy', numpy.__version__)"
 
 # ---------------------------------------------------------------- assistant drafter
+# The scripts beside this one (the checkout's, or the payload's copies when it runs from there).
 SCRIPTS="$HERE"
-[ -f "$PAYLOAD/train_model.py" ] && SCRIPTS="$PAYLOAD"
 if [ "${TASK:-model}" = "assistant" ]; then
   TARGET="${TARGET:-$HERE/../models/gemma4-code-25m}"
   NAME="${NAME:-assistant}"
@@ -200,15 +200,31 @@ EOF
 fi
 
 # ---------------------------------------------------------------- train
-if [ -n "${OUT:-}" ]; then
+SLICED=()
+if [ -n "${STATE:-}" ]; then
+  # A run in slices (STATE=<file on the GPU machine's disk>, SLICE=<minutes per call>): each
+  # call trains one slice and saves the state beside the run folder, which must outlive the
+  # call; the call that completes MINUTES goes on to the evaluation, checks and export below.
+  RUN="$(dirname "$STATE")/run"
+  SLICED=(--state "$STATE" --slice-minutes "${SLICE:?SLICE (minutes per call) goes with STATE}")
+  [ -f "$STATE" ] || rm -rf "$RUN"
+  rm -f "$RUN/PAUSED"
+elif [ -n "${OUT:-}" ]; then
   RUN="$WORK/run"
+  rm -rf "$RUN"
 else
   RUN="$HERE/out/run"
+  rm -rf "$RUN"
 fi
-rm -rf "$RUN"
 mkdir -p "$RUN"
 "$PY" "$SCRIPTS/train_model.py" --device cuda --data "$PAYLOAD/data" --tokenizer "$PAYLOAD/data/tokenizer" \
-  --out "$RUN" --max-minutes "$MINUTES" "$@" 2>&1 | tee "$RUN/train_stdout.log"
+  --out "$RUN" --max-minutes "$MINUTES" "${SLICED[@]}" "$@" 2>&1 | tee -a "$RUN/train_stdout.log"
+if [ -f "$RUN/PAUSED" ]; then
+  [ -n "${OUT:-}" ] && cp "$RUN/train_stdout.log" "$RUN/eval_log.csv" "$OUT/"
+  echo "== slice done: $(cat "$RUN/PAUSED"); call again with the same STATE to go on"
+  rm -rf "$WORK" "${UNPACK:-}"
+  exit 0
+fi
 
 # ---------------------------------------------------------------- check + summary
 "$PY" "$SCRIPTS/verify_checkpoint.py" "$RUN/model" 2>&1 | tee -a "$RUN/train_stdout.log"

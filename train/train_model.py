@@ -337,6 +337,8 @@ def main():
     ap.add_argument("--max-minutes", type=float, default=6.0, help="wall-clock budget of the training loop")
     ap.add_argument("--max-steps", type=int, default=0, help="0 = no step limit")
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--eval-seq-len", type=int, default=512,
+                    help="window of the held-out evaluations (512 for every model so far, so figures compare)")
     ap.add_argument("--batch-size", type=int, default=None, help="default 64 on cuda, 8 on cpu")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
@@ -354,6 +356,11 @@ def main():
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--attn", default="sdpa", help="attention implementation for training")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--state", default=None,
+                    help="resumable training state: loaded when the file exists, written when a slice ends")
+    ap.add_argument("--slice-minutes", type=float, default=0.0,
+                    help="with --state: stop after this many minutes of training and save the state, so a "
+                         "budget longer than one machine session runs as several (0 = no slices)")
     ap.add_argument("--save-dtype", choices=["f32", "bf16"], default="bf16",
                     help="dtype of the saved checkpoint (bf16: half the bytes to bring back from "
                          "a GPU machine; train/quantize_checkpoint.py makes the shipped model)")
@@ -394,8 +401,8 @@ def main():
     assert int(train.max()) < MODEL_KW["vocab_size"] and int(held.max()) < MODEL_KW["vocab_size"]
     log(f"== data: train {len(train):,} tokens, held-out {len(held):,} tokens")
     train_t = torch.from_numpy(train.astype(np.int64)).to(device)
-    windows = eval_windows(held, args.seq_len, args.eval_windows)
-    final_windows = eval_windows(held, args.seq_len, args.final_eval_windows)
+    windows = eval_windows(held, args.eval_seq_len, args.eval_windows)
+    final_windows = eval_windows(held, args.eval_seq_len, args.final_eval_windows)
 
     try:
         cfg = make_config(args.attn)
@@ -449,12 +456,43 @@ def main():
     offs = torch.arange(args.seq_len + 1, device=device)
     hi = len(train) - args.seq_len - 1
 
-    train_log = open(out / "train_log.csv", "w", newline="")
-    eval_log = open(out / "eval_log.csv", "w", newline="")
+    best = {"loss": float("inf"), "step": None, "tokens": None, "state": None}
+    step, tokens = 0, 0
+    # Time already trained in earlier slices: the schedule and the logs count from the
+    # first slice, so a run in slices follows the same schedule as one in one go.
+    prior_train_s = 0.0
+    resumed = args.state and Path(args.state).is_file()
+    if resumed:
+        st = torch.load(args.state, map_location=device, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        gen.set_state(st["generator"].cpu())
+        step, tokens, prior_train_s = st["step"], st["tokens"], st["train_seconds"]
+        best.update(st["best"])
+        log(f"== resumed from {args.state}: step {step}, {tokens:,} tokens, {prior_train_s / 60:.2f} min trained")
+    (out / "PAUSED").unlink(missing_ok=True)
+    mode = "a" if resumed else "w"
+    train_log = open(out / "train_log.csv", mode, newline="")
+    eval_log = open(out / "eval_log.csv", mode, newline="")
     tw = csv.writer(train_log)
     ew = csv.writer(eval_log)
-    tw.writerow(["step", "tokens", "seconds", "train_loss", "lr"])
-    ew.writerow(["step", "tokens", "seconds", "heldout_loss", "heldout_ppl"])
+    if not resumed:
+        tw.writerow(["step", "tokens", "seconds", "train_loss", "lr"])
+        ew.writerow(["step", "tokens", "seconds", "heldout_loss", "heldout_ppl"])
+
+    def save_state():
+        state = {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "generator": gen.get_state(),
+            "step": step,
+            "tokens": tokens,
+            "train_seconds": prior_train_s + (time.time() - t_start - eval_time),
+            "best": best,
+        }
+        tmp = Path(args.state + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(args.state)
 
     def run_eval(step, tokens, t_wall):
         t = time.time()
@@ -470,22 +508,29 @@ def main():
         log(f"   eval step {step:6d}: held-out loss {loss:.4f}  ppl {math.exp(loss):.2f}  ({time.time() - t:.1f}s){mark}")
         return loss, time.time() - t
 
-    best = {"loss": float("inf"), "step": None, "tokens": None, "state": None}
     t_start = time.time()
     eval_time = 0.0
-    step, tokens = 0, 0
     acc_loss, acc_n = torch.zeros((), device=device), 0
     last_train_loss = float("nan")
     first_step_s = None
     log(f"== training: batch {args.batch_size} x seq {args.seq_len}, lr {args.lr}, warmup {warmup}, "
         f"budget {args.max_minutes} min, max_steps {args.max_steps or '-'}, compile {compiled}")
     while True:
-        train_s = time.time() - t_start - eval_time
+        slice_s = time.time() - t_start - eval_time
+        train_s = prior_train_s + slice_s
         progress = train_s / budget_s if budget_s > 0 else 0.0
         if args.max_steps:
             progress = max(progress, step / args.max_steps)
         if progress >= 1.0:
             break
+        if args.state and args.slice_minutes > 0 and slice_s >= args.slice_minutes * 60.0:
+            save_state()
+            (out / "PAUSED").write_text(f"step {step}\n")
+            log(f"== slice done at step {step} ({train_s / 60:.2f} of {args.max_minutes} min): state in {args.state}; "
+                "run the same command again to go on")
+            train_log.close()
+            eval_log.close()
+            return
         lr = lr_at(step, progress, args, warmup)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -520,7 +565,7 @@ def main():
             last_train_loss = (acc_loss / acc_n).item()
             acc_loss.zero_()
             acc_n = 0
-            wall = time.time() - t_start
+            wall = prior_train_s + time.time() - t_start
             tw.writerow([step, tokens, f"{wall:.2f}", f"{last_train_loss:.5f}", f"{lr:.6g}"])
             train_log.flush()
             if step % (args.log_every * 10) == 0:
@@ -528,13 +573,13 @@ def main():
                 log(f"   step {step:6d}  tokens {tokens:12,d}  loss {last_train_loss:.4f}  lr {lr:.2e}  "
                     f"{tps:,.0f} tok/s  {wall:.0f}s")
         if args.eval_every and step % args.eval_every == 0:
-            _, dt = run_eval(step, tokens, time.time() - t_start)
+            _, dt = run_eval(step, tokens, prior_train_s + time.time() - t_start)
             eval_time += dt
     if acc_n:
         last_train_loss = (acc_loss / acc_n).item()
-        wall = time.time() - t_start
+        wall = prior_train_s + time.time() - t_start
         tw.writerow([step, tokens, f"{wall:.2f}", f"{last_train_loss:.5f}", f"{lr:.6g}"])
-    train_wall = time.time() - t_start
+    train_wall = prior_train_s + time.time() - t_start
     train_s = train_wall - eval_time
     log(f"== trained {step} steps, {tokens:,} tokens in {train_wall / 60:.2f} min "
         f"({tokens / max(train_s, 1e-9):,.0f} tok/s excluding evals)")
@@ -556,7 +601,7 @@ def main():
         f"ppl {math.exp(heldout_fp32):.2f}  ({time.time() - t:.1f}s)")
     unseen_fp32 = None
     if (data / "unseen.bin").is_file():
-        unseen_windows = eval_windows(load_bin(data / "unseen.bin"), args.seq_len, args.final_eval_windows)
+        unseen_windows = eval_windows(load_bin(data / "unseen.bin"), args.eval_seq_len, args.final_eval_windows)
         unseen_fp32 = evaluate(model, unseen_windows, args.batch_size, device, fp32)
         log(f"   final unseen-packages loss float32 ({len(unseen_windows)} windows): {unseen_fp32:.4f}  "
             f"ppl {math.exp(unseen_fp32):.2f}")
@@ -581,7 +626,7 @@ def main():
         "final_train_loss": last_train_loss,
         "heldout_loss": heldout_fp32,
         "heldout_ppl": math.exp(heldout_fp32),
-        "heldout_eval_tokens": int(final_windows.shape[0] * args.seq_len),
+        "heldout_eval_tokens": int(final_windows.shape[0] * args.eval_seq_len),
         "unseen_loss": unseen_fp32,
         "unseen_ppl": math.exp(unseen_fp32) if unseen_fp32 is not None else None,
         "last_step_periodic_eval_loss": last_eval_loss,
