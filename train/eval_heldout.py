@@ -122,7 +122,7 @@ def main():
                 row[name] = {"files": len(index), "tokens": cnt, "loss": round(loss, 4), "ppl": round(math.exp(loss), 3)}
             print(json.dumps(row), flush=True)
         return
-    sets = {name: eval_windows(load_bin(data / f"{name}.bin"), 512, args.windows) for name in ("heldout", "unseen")}
+    sets = {name: eval_windows(load_bin(data / f"{name}.bin"), 512, args.windows) for name in names}
     for d in args.models:
         model = load_model(d)
         row = {"model": d}

@@ -207,15 +207,13 @@ if [ -n "${STATE:-}" ]; then
   # call; the call that completes MINUTES goes on to the evaluation, checks and export below.
   RUN="$(dirname "$STATE")/run"
   SLICED=(--state "$STATE" --slice-minutes "${SLICE:?SLICE (minutes per call) goes with STATE}")
-  [ -f "$STATE" ] || rm -rf "$RUN"
-  rm -f "$RUN/PAUSED"
 elif [ -n "${OUT:-}" ]; then
   RUN="$WORK/run"
-  rm -rf "$RUN"
 else
   RUN="$HERE/out/run"
-  rm -rf "$RUN"
 fi
+# A run starts from an empty folder; a resumed one keeps its logs.
+if [ -z "${STATE:-}" ] || [ ! -f "$STATE" ]; then rm -rf "$RUN"; fi
 mkdir -p "$RUN"
 "$PY" "$SCRIPTS/train_model.py" --device cuda --data "$PAYLOAD/data" --tokenizer "$PAYLOAD/data/tokenizer" \
   --out "$RUN" --max-minutes "$MINUTES" "${SLICED[@]}" "$@" 2>&1 | tee -a "$RUN/train_stdout.log"

@@ -429,6 +429,14 @@ def main():
     seen = {}
     deferred = []
     unseen_names = {p[0] for p in UNSEEN}
+
+    def add_training_file(stats, key, path, text):
+        doc, form = train_document(key, path, text)
+        forms[form] = forms.get(form, 0) + 1
+        train_docs.append(doc)
+        stats["train_files"] += 1
+        stats["train_bytes"] += len(doc.encode("utf-8"))
+
     for name, version, lic, sha, _plat in packages + UNSEEN:
         z = zipfile.ZipFile(wheels[name])
         stats = {"name": name, "version": version, "license": lic, "wheel": wheels[name].name,
@@ -474,12 +482,7 @@ def main():
                 # decided once every held-out and unseen file is known (below)
                 deferred.append((stats, f"{name}/{path}", path, text))
             else:
-                doc, form = train_document(f"{name}/{path}", path, text)
-                nbytes = len(doc.encode("utf-8"))
-                forms[form] = forms.get(form, 0) + 1
-                train_docs.append(doc)
-                stats["train_files"] += 1
-                stats["train_bytes"] += nbytes
+                add_training_file(stats, f"{name}/{path}", path, text)
         stats_all.append(stats)
         print(f"   {name:14s} {version:9s} {lic:26s} train {stats['train_files']:4d} files "
               f"{stats['train_bytes'] / 1e6:6.2f} MB | held-out {stats['heldout_files']:3d} files "
@@ -492,11 +495,7 @@ def main():
             if is_near_copy(index, text):
                 stats["dropped"]["near_copy_of_heldout"] = stats["dropped"].get("near_copy_of_heldout", 0) + 1
                 continue
-            doc, form = train_document(key, path, text)
-            forms[form] = forms.get(form, 0) + 1
-            train_docs.append(doc)
-            stats["train_files"] += 1
-            stats["train_bytes"] += len(doc.encode("utf-8"))
+            add_training_file(stats, key, path, text)
         near = {st["name"]: st["dropped"]["near_copy_of_heldout"] for st in stats_all
                 if st["dropped"].get("near_copy_of_heldout")}
         print(f"   near copies dropped: {near or 'none'}")
