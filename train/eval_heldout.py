@@ -11,7 +11,11 @@ writes) is dequantized first, so the number is that of the weights mlx-spec runs
 --per-file CONTEXT scores each file instead, as `mlx-spec perplexity` does: BOS first, no EOS,
 cut into chunks of at most CONTEXT predicted tokens, each chunk from a fresh context that
 starts at the token before its first target (0 = the model's max_position_embeddings, the
-context it serves). The loss is the mean over every predicted token of every file.
+context it serves; several comma-separated contexts score the files once each). The loss is
+the mean over every predicted token of every file.
+
+--device cuda runs on a GPU (float32; PyTorch keeps TF32 off for matrix products unless told
+otherwise), the way train/gpu_run.sh TASK=eval calls it on the GPU machine.
 """
 
 import argparse
@@ -30,7 +34,7 @@ sys.path.insert(0, str(HERE))
 from train_model import eval_windows, load_bin  # noqa: E402
 
 
-def load_model(d):
+def load_model(d, attn="eager"):
     from safetensors.torch import load_file
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
@@ -38,7 +42,7 @@ def load_model(d):
     cj = json.loads((d / "config.json").read_text())
     q = cj.get("quantization")
     if not q:
-        return Gemma4ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+        return Gemma4ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation=attn).eval()
     stored = {}
     for f in sorted(d.glob("model*.safetensors")):
         stored.update(load_file(str(f)))
@@ -62,7 +66,7 @@ def load_model(d):
             state[name] = t.float()
     cfg_kw = {k: v for k, v in cj.items() if k not in ("quantization", "quantization_config")}
     cfg = Gemma4TextConfig(**cfg_kw)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     model = Gemma4ForCausalLM(cfg).eval()
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -71,10 +75,10 @@ def load_model(d):
 
 
 @torch.no_grad()
-def loss_on(model, windows, batch=8):
+def loss_on(model, windows, batch=8, device="cpu"):
     tot, cnt = 0.0, 0
     for i in range(0, len(windows), batch):
-        w = torch.from_numpy(windows[i : i + batch])
+        w = torch.from_numpy(windows[i : i + batch]).to(device)
         logits = model(input_ids=w[:, :-1], use_cache=False).logits.float()
         tot += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum").item()
         cnt += w[:, 1:].numel()
@@ -82,11 +86,11 @@ def loss_on(model, windows, batch=8):
 
 
 @torch.no_grad()
-def per_file_loss(model, tokens, index, context):
+def per_file_loss(model, tokens, index, context, device="cpu"):
     """Sum of -log p over every file of `index` (each BOS + text, the EOS dropped), in chunks."""
     tot, cnt = 0.0, 0
     for doc in index:
-        ids = torch.from_numpy(tokens[doc["start"] : doc["start"] + doc["n_tokens"] - 1].astype(np.int64))
+        ids = torch.from_numpy(tokens[doc["start"] : doc["start"] + doc["n_tokens"] - 1].astype(np.int64)).to(device)
         first = 1
         while first < len(ids):
             n = min(context, len(ids) - first)
@@ -103,31 +107,36 @@ def main():
     ap.add_argument("models", nargs="+")
     ap.add_argument("--windows", type=int, default=200)
     ap.add_argument("--data", default=str(HERE / "data"))
-    ap.add_argument("--per-file", type=int, default=None, metavar="CONTEXT",
+    ap.add_argument("--per-file", default=None, metavar="CONTEXT[,CONTEXT...]",
                     help="score whole files in chunks of CONTEXT tokens (0 = the served context)")
     ap.add_argument("--sets", default="heldout,unseen")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--attn", default="eager", help="attention implementation: eager or sdpa")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     data = Path(args.data)
     names = args.sets.split(",")
     if args.per_file is not None:
+        contexts = [int(c) for c in args.per_file.split(",")]
         for d in args.models:
-            model = load_model(d)
-            context = args.per_file or json.loads((Path(d) / "config.json").read_text())["max_position_embeddings"]
-            row = {"model": d, "per_file_context": context}
-            for name in names:
-                index = json.loads((data / f"{name}_index.json").read_text())
-                tot, cnt = per_file_loss(model, load_bin(data / f"{name}.bin"), index, context)
-                loss = tot / cnt
-                row[name] = {"files": len(index), "tokens": cnt, "loss": round(loss, 4), "ppl": round(math.exp(loss), 3)}
-            print(json.dumps(row), flush=True)
+            model = load_model(d, args.attn).to(args.device)
+            served = json.loads((Path(d) / "config.json").read_text())["max_position_embeddings"]
+            for context in contexts:
+                context = context or served
+                row = {"model": d, "per_file_context": context, "device": args.device, "attn": args.attn}
+                for name in names:
+                    index = json.loads((data / f"{name}_index.json").read_text())
+                    tot, cnt = per_file_loss(model, load_bin(data / f"{name}.bin"), index, context, args.device)
+                    loss = tot / cnt
+                    row[name] = {"files": len(index), "tokens": cnt, "loss": round(loss, 4), "ppl": round(math.exp(loss), 3)}
+                print(json.dumps(row), flush=True)
         return
     sets = {name: eval_windows(load_bin(data / f"{name}.bin"), 512, args.windows) for name in names}
     for d in args.models:
-        model = load_model(d)
+        model = load_model(d, args.attn).to(args.device)
         row = {"model": d}
         for name, w in sets.items():
-            loss = loss_on(model, w)
+            loss = loss_on(model, w, device=args.device)
             row[name] = {"windows": len(w), "loss": round(loss, 4), "ppl": round(math.exp(loss), 3)}
         print(json.dumps(row), flush=True)
 

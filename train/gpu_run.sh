@@ -17,6 +17,8 @@
 # train_log.csv, train_stdout.log); its final check uses transformers' glm4_moe, which the
 # payload's trimmed transformers keeps.
 #   TASK=mtp NAME=pre bash gpu_run.sh 6 --chain pre_norm & TASK=mtp NAME=post bash gpu_run.sh 6 --chain post_norm & wait
+# TASK=eval scores whole held-out and unseen files as `mlx-spec perplexity` does, for the model
+# folders of MODELS at the contexts of CONTEXTS (see the section below); MINUTES is unused.
 # The payload is looked for, in order: $PARTS, a folder holding the parts written by
 # pack_for_gpu.sh (gpu-payload.tar.NN + PARTS.sha256; they are joined and unpacked into a
 # scratch folder); $PAYLOAD; the folder of this script when it holds wheels/ and data/
@@ -105,6 +107,20 @@ print('== transformers', transformers.__version__, 'from', transformers.__file__
 # ---------------------------------------------------------------- assistant drafter
 # The scripts beside this one (the checkout's, or the payload's copies when it runs from there).
 SCRIPTS="$HERE"
+
+# ---------------------------------------------------------------- per-file evaluation
+# TASK=eval scores the payload's held-out and unseen files whole, as `mlx-spec perplexity`
+# does (eval_heldout.py --per-file), for each model folder of MODELS (default: the checkout's
+# default model) at each context of CONTEXTS (default "0,512": the served context, then 512),
+# in float32 on the GPU. One JSON line per model and context, also appended to $OUT/eval.jsonl.
+if [ "${TASK:-model}" = "eval" ]; then
+  for m in ${MODELS:-$HERE/../models/gemma4-code-25m}; do
+    "$PY" "$SCRIPTS/eval_heldout.py" "$m" --data "$PAYLOAD/data" --per-file "${CONTEXTS:-0,512}" \
+      --device cuda | tee -a ${OUT:+"$OUT/eval.jsonl"}
+  done
+  rm -rf "$WORK" "${UNPACK:-}"
+  exit 0
+fi
 if [ "${TASK:-model}" = "assistant" ]; then
   TARGET="${TARGET:-$HERE/../models/gemma4-code-25m}"
   NAME="${NAME:-assistant}"
