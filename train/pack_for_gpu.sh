@@ -13,7 +13,10 @@
 #                  (a call carries at most 64 MiB with the working tree); gpu_run.sh joins them
 #
 # Run here after prepare_corpus.py and train_tokenizer.py:   bash train/pack_for_gpu.sh
-# Env: PYTHON (a python with pip, default python3); PART_MB; PACK_NUMPY=1 to carry numpy too
+# Env: PYTHON (a python with pip, default python3); PART_MB; TRAIN_MB=N to carry only the
+# first N MB of train.bin (a drafter's run reads a fraction of the corpus: with TRAIN_MB=100 the
+# payload is about 30 MB, so one call carries it with the working tree and a target model);
+# PACK_NUMPY=1 to carry numpy too
 # (+16.6 MB; the H200 machine's python already has numpy 2.5.2, so it is left out by default;
 # gpu_run.sh installs a carried numpy only when the GPU python has none).
 set -euo pipefail
@@ -92,9 +95,15 @@ done
 XZ_OPT="-6 -T0" tar -C "$TRIM" -cJf "$PAYLOAD/transformers-5.24.0-trimmed.tar.xz" .
 rm -rf "$TRIM"
 
-for f in train.bin heldout.bin unseen.bin; do
+for f in heldout.bin unseen.bin; do
   xz -6 -T0 -c "$DATA/$f" > "$PAYLOAD/data/$f.xz"
 done
+if [ -n "${TRAIN_MB:-}" ]; then
+  # Tokens are uint16: cut at an even byte count, so no token is split.
+  head -c $((TRAIN_MB * 1000000 / 2 * 2)) "$DATA/train.bin" | xz -6 -T0 -c > "$PAYLOAD/data/train.bin.xz"
+else
+  xz -6 -T0 -c "$DATA/train.bin" > "$PAYLOAD/data/train.bin.xz"
+fi
 cp "$DATA"/heldout_index.json "$DATA"/unseen_index.json "$DATA"/manifest.json \
    "$DATA"/tokenizer_stats.json "$PAYLOAD/data/"
 cp "$DATA"/tokenizer/tokenizer.json "$DATA"/tokenizer/tokenizer_config.json "$PAYLOAD/data/tokenizer/"
