@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trained_for import write as write_trained_for  # noqa: E402
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -512,6 +513,8 @@ def main():
     target, tcfg, assistant, steps, seconds = train(args)
     # Saved first, so that a failure below never loses the training run.
     model_dir = save(assistant, tcfg, args, args.out)
+    # mlx-spec warns when the drafter runs with another target (trained_for.py).
+    write_trained_for(args.target, model_dir)
     device = next(assistant.parameters()).device
     heldout = np.fromfile(args.heldout_bin, dtype=np.uint16)
     metrics = {

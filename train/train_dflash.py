@@ -61,6 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trained_for import write as write_trained_for  # noqa: E402
 
 from train_dspark import load_target, rms, rope, sample_anchors, target_pass, windows  # noqa: E402
 
@@ -499,6 +500,8 @@ def main():
     target, tcfg, model, cfg, steps, seconds = train(args)
     # Saved first, so that a failure below never loses the training run.
     model_dir = save(model, cfg, args.out)
+    # mlx-spec warns when the drafter runs with another target (trained_for.py).
+    write_trained_for(args.target, model_dir)
     device = next(model.parameters()).device
     metrics = {
         "params": sum(p.numel() for p in model.parameters()),

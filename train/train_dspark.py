@@ -60,6 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trained_for import write as write_trained_for  # noqa: E402
 
 THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
 
@@ -650,6 +651,8 @@ def main():
     target, tcfg, model, cfg, steps, seconds = train(args)
     # Saved first, so that a failure below never loses the training run.
     model_dir = save(model, cfg, args.out)
+    # mlx-spec warns when the drafter runs with another target (trained_for.py).
+    write_trained_for(args.target, model_dir)
     device = next(model.parameters()).device
     metrics = {
         "params": sum(p.numel() for p in model.parameters()),

@@ -58,6 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trained_for import write as write_trained_for  # noqa: E402
 
 CHAINS = ("pre_norm", "post_norm")
 
@@ -581,6 +582,8 @@ def main():
     target, tcfg, port, row, steps, seconds = train(args)
     # Saved first, so that a failure below never loses the training run.
     model_dir = save(row, tcfg, args.chain, args.out)
+    # mlx-spec warns when the drafter runs with another target (trained_for.py).
+    write_trained_for(args.target, model_dir)
     device = next(row.parameters()).device
     metrics = {
         "params": sum(p.numel() for p in row.parameters()),

@@ -357,14 +357,22 @@ fn run_job(job: Job) -> Result<()> {
             if k == 0 || k > 64 {
                 bail!("--num-draft-tokens must be between 1 and 64, got {k}");
             }
-            Some((instantiate(plugin, &choice.overrides)?, k, manifest))
+            let trained_for = plugins::trained_for(plugin, &choice.overrides)?;
+            let provider = instantiate(plugin, &choice.overrides)?;
+            Some((provider, k, manifest, trained_for, &choice.name))
         }
         _ => None,
     };
 
     let loaded = load_model(&job.model, &job.random)?;
-    if let Some((_, _, manifest)) = &provider {
+    if let Some((_, _, manifest, trained_for, name)) = &provider {
         plugins::check_needs(manifest, &target_spec(&loaded.model))?;
+        plugins::warn_if_trained_for_another_target(
+            trained_for.as_ref(),
+            name,
+            &loaded.model,
+            &job.model.model,
+        )?;
     }
     let tok = loaded.tokenizer.as_ref();
     let request = GenerateRequest {
@@ -390,7 +398,7 @@ fn run_job(job: Job) -> Result<()> {
         Ok(())
     };
     let (tokens, stats, spec) = match &provider {
-        Some((provider, k, _)) => {
+        Some((provider, k, ..)) => {
             let options = SpecOptions {
                 num_draft_tokens: *k,
                 auto_off: job.drafter.as_ref().is_some_and(|d| d.auto_off),
@@ -720,9 +728,17 @@ fn run_draft(args: DraftArgs) -> Result<()> {
     }
     let registry = Registry::scan(&args.plugins_dirs)?;
     let plugin = registry.get(&args.drafter)?;
-    let provider = instantiate(plugin, &parse_overrides(&args.drafter_set)?)?;
+    let overrides = parse_overrides(&args.drafter_set)?;
+    let trained_for = plugins::trained_for(plugin, &overrides)?;
+    let provider = instantiate(plugin, &overrides)?;
     let loaded = load_model(&args.model, &args.random)?;
     plugins::check_needs(plugin.manifest, &target_spec(&loaded.model))?;
+    plugins::warn_if_trained_for_another_target(
+        trained_for.as_ref(),
+        &args.drafter,
+        &loaded.model,
+        &args.model.model,
+    )?;
     let ids = prompt_ids(&args.input, loaded.tokenizer.as_ref(), &args.model.model)?;
     let result =
         mlx_spec::speculative::first_drafts(&loaded.model, &provider, &ids, args.num_draft_tokens)?;
@@ -783,9 +799,16 @@ fn run_calibrate(args: CalibrateArgs) -> Result<()> {
         "calibration_log".into(),
         toml::Value::String(log.to_string_lossy().into_owned()),
     );
+    let trained_for = plugins::trained_for(plugin, &overrides)?;
     let provider = instantiate(plugin, &overrides)?;
     let loaded = load_model(&args.model, &RandomArgs::none())?;
     plugins::check_needs(plugin.manifest, &target_spec(&loaded.model))?;
+    plugins::warn_if_trained_for_another_target(
+        trained_for.as_ref(),
+        &args.drafter,
+        &loaded.model,
+        &args.model.model,
+    )?;
     let tokenizer = loaded.tokenizer.as_ref().with_context(|| {
         format!(
             "{} has no tokenizer.json to encode the prompt set",

@@ -21,7 +21,9 @@ pub fn run(args: &BenchArgs, drafter: &str) -> Result<()> {
     let registry = Registry::scan(&args.spec.plugins_dirs)?;
     let plugin = registry.get(drafter)?;
     let manifest = plugin.manifest;
-    let provider = instantiate(plugin, &parse_overrides(&args.spec.drafter_set)?)?;
+    let overrides = parse_overrides(&args.spec.drafter_set)?;
+    let trained_for = plugins::trained_for(plugin, &overrides)?;
+    let provider = instantiate(plugin, &overrides)?;
     let k = args
         .spec
         .num_draft_tokens
@@ -38,6 +40,12 @@ pub fn run(args: &BenchArgs, drafter: &str) -> Result<()> {
     plugins::check_needs(
         manifest,
         &crate::speculative::target_port::target_spec(model),
+    )?;
+    plugins::warn_if_trained_for_another_target(
+        trained_for.as_ref(),
+        drafter,
+        model,
+        &args.model.model,
     )?;
     let need_tokenizer = || {
         loaded

@@ -104,6 +104,7 @@ pub fn read_manifest(path: &Path) -> Result<Manifest, String> {
 }
 
 mod revision1;
+pub mod trained_for;
 
 /// A loaded plugin library: its root module, of the interface revision it was built with.
 #[derive(Clone, Copy)]
@@ -422,6 +423,38 @@ pub fn instantiate(plugin: Plugin<'_>, overrides: &toml::Table) -> Result<DraftP
             manifest.plugin.name
         ),
     }
+}
+
+/// The `trained_for.json` record of the checkpoint a drafter is configured with (the manifest's
+/// defaults overridden by `overrides`), when that checkpoint has one.
+pub fn trained_for(
+    plugin: Plugin<'_>,
+    overrides: &toml::Table,
+) -> Result<Option<trained_for::TrainedFor>> {
+    let mut config = plugin.manifest.defaults.clone();
+    for (k, v) in overrides {
+        config.insert(k.clone(), v.clone());
+    }
+    match trained_for::checkpoint_dir(plugin.dir, &config) {
+        Some(dir) => trained_for::TrainedFor::read(&dir)
+            .with_context(|| format!("drafter {:?}", plugin.manifest.plugin.name)),
+        None => Ok(None),
+    }
+}
+
+/// Warns on stderr when the drafter `name` was trained for another target than `model`.
+pub fn warn_if_trained_for_another_target(
+    record: Option<&trained_for::TrainedFor>,
+    name: &str,
+    model: &crate::model::gemma4::Gemma4Model,
+    model_dir: &Path,
+) -> Result<()> {
+    if let Some(record) = record {
+        if let Some(warning) = record.mismatch(model, model_dir)? {
+            tracing::warn!("drafter {name:?}: {warning}");
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -25,7 +25,11 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::generate::{GenerateRequest, StopReason};
 use crate::load::LoadOptions;
-use crate::plugins::{check_needs, instantiate, Registry, HOST_KEY_NUM_DRAFT_TOKENS};
+use crate::plugins::trained_for::TrainedFor;
+use crate::plugins::{
+    check_needs, instantiate, trained_for, warn_if_trained_for_another_target, Registry,
+    HOST_KEY_NUM_DRAFT_TOKENS,
+};
 use crate::sampler::SamplingParams;
 use crate::speculative::target_port::target_spec;
 use crate::speculative::{warm_up_windows, GateMemory, SpecOptions, SpecStats, SpecStepper};
@@ -271,6 +275,8 @@ struct Loaded {
     info: DrafterInfo,
     origin: String,
     manifest: Manifest,
+    /// The target its checkpoint was trained for, when the checkpoint says.
+    trained_for: Option<TrainedFor>,
     provider: DraftProviderBox,
     auto_off: bool,
     fitted_draft_length: bool,
@@ -306,6 +312,8 @@ fn load_drafters(config: &EngineConfig) -> Result<(Option<Registry>, Vec<Loaded>
                 spec.name
             );
         }
+        let trained_for = trained_for(plugin, &spec.overrides)
+            .with_context(|| format!("{}: drafter {:?}", spec.origin, spec.name))?;
         let provider = instantiate(plugin, &spec.overrides)
             .with_context(|| format!("{}: drafter {:?}", spec.origin, spec.name))?;
         out.push(Loaded {
@@ -317,6 +325,7 @@ fn load_drafters(config: &EngineConfig) -> Result<(Option<Registry>, Vec<Loaded>
             },
             origin: spec.origin.clone(),
             manifest,
+            trained_for,
             provider,
             auto_off: spec.auto_off,
             fitted_draft_length: spec.fitted_draft_length,
@@ -362,6 +371,12 @@ fn run(
         for d in &drafters {
             check_needs(&d.manifest, &target_spec(&loaded.model))
                 .with_context(|| format!("{}: drafter {:?}", d.origin, d.info.name))?;
+            warn_if_trained_for_another_target(
+                d.trained_for.as_ref(),
+                &d.info.name,
+                &loaded.model,
+                &config.load.path,
+            )?;
             let probe = GenerateRequest {
                 prompt_ids: vec![loaded.model.config.bos_token_id.unwrap_or(0)],
                 max_tokens: 1,
