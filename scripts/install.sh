@@ -56,8 +56,11 @@ if [[ "$(uname -s)" == Linux ]]; then
     cp -P "$libdir"/*.so* "$PREFIX/lib/mlx-spec/"
 fi
 
-rm -rf "$SHARE/models/gemma4-code-25m"
-cp -R "$ROOT/models/gemma4-code-25m" "$SHARE/models/"
+# The default model is the one the host names (DEFAULT_MODEL_DIR in host/src/lib.rs).
+default_model="$(sed -n 's/^pub const DEFAULT_MODEL_DIR: &str = "\(.*\)";/\1/p' "$ROOT/host/src/lib.rs")"
+[[ -n "$default_model" && -d "$ROOT/$default_model" ]] || die "cannot find the default model named in host/src/lib.rs"
+rm -rf "$SHARE/$default_model"
+cp -R "$ROOT/$default_model" "$SHARE/models/"
 
 # Each plugin folder as the host reads it: the manifest and, beside it, the library this
 # checkout built (else the copy already beside the manifest).

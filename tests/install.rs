@@ -23,7 +23,10 @@ fn the_installed_binary_runs_the_main_command_from_another_directory() {
         String::from_utf8_lossy(&install.stderr)
     );
     let share = prefix.path().join("share/mlx-spec");
-    assert!(share.join("models/gemma4-code-25m/config.json").is_file());
+    assert!(share
+        .join(mlx_spec::DEFAULT_MODEL_DIR)
+        .join("config.json")
+        .is_file());
     assert!(share.join("plugins/ngram/plugin.toml").is_file());
     // A plugin's own files travel with it; its sources do not.
     assert!(share
@@ -90,7 +93,7 @@ fn the_installed_binary_runs_the_main_command_from_another_directory() {
     assert_eq!(with_assistant["stats"]["drafter"], "assistant");
     assert!(with_assistant["stats"]["drafter_error"].is_null());
     // The model it loaded is the installed copy.
-    let installed_model = share.join("models/gemma4-code-25m");
+    let installed_model = share.join(mlx_spec::DEFAULT_MODEL_DIR);
     assert!(
         stderr.contains(&installed_model.display().to_string()),
         "the default model was not read from {}: {stderr}",

@@ -448,7 +448,9 @@ fn the_window_kernels_take_dense_and_4bit_models_but_not_moe() {
 #[test]
 fn the_window_kernels_take_the_default_model_once_dense() {
     use mlx_spec::kernels::{CudaDecode, Fused};
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/gemma4-code-25m");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(mlx_spec::DEFAULT_MODEL_DIR);
     let packed = Gemma4Model::load(&dir, DtypeChoice::Auto, None).unwrap();
     let largest = |model: &Gemma4Model| {
         CudaDecode::new(model, Fused::every())

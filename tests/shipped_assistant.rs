@@ -7,16 +7,13 @@
 
 mod common;
 
-use common::{ids_arg, json_of, mlx_spec, repo_root};
+use common::{default_model, ids_arg, json_of, mlx_spec, repo_root};
 use serde_json::Value;
 
 const CODE_PROMPT: &str = "import os\n\n\ndef read_config(path):\n";
 
 fn model() -> String {
-    repo_root()
-        .join("models/gemma4-code-25m")
-        .display()
-        .to_string()
+    default_model().display().to_string()
 }
 
 fn plugins() -> String {

@@ -12,13 +12,13 @@
 
 mod common;
 
-use common::{json_of, mlx_spec, repo_root};
+use common::{default_model, json_of, mlx_spec, repo_root};
 use serde_json::Value;
 
 const CODE_PROMPT: &str = "import os\n\n\ndef read_config(path):\n";
 
 fn generate(extra: &[&str]) -> Value {
-    let model = repo_root().join("models/gemma4-code-25m");
+    let model = default_model();
     let plugins = repo_root().join("plugins");
     let mut args = vec![
         "generate",
@@ -70,7 +70,7 @@ fn each_shipped_drafter_is_lossless_and_accepted() {
 /// `train/train_dflash.py --verify-only plugins/dflash/checkpoint --zlab-src ...` (model card).
 #[test]
 fn the_shipped_dflash_block_is_zlabs() {
-    let model = repo_root().join("models/gemma4-code-25m");
+    let model = default_model();
     let plugins = repo_root().join("plugins");
     const PROMPT: [u32; 48] = [
         2, 109, 755, 132, 2291, 121, 7596, 6150, 947, 3251, 525, 305, 567, 1216, 1421, 564, 5420,
@@ -127,7 +127,7 @@ fn calibrated_thresholds_cut_the_deepspec_blocks_and_stay_lossless() {
     let text = std::fs::read_to_string(repo_root().join("bench/prompts/free_text.jsonl")).unwrap();
     let set = tmp.join("set.jsonl");
     std::fs::write(&set, text.lines().take(3).collect::<Vec<_>>().join("\n")).unwrap();
-    let model = repo_root().join("models/gemma4-code-25m");
+    let model = default_model();
     let plugins = repo_root().join("plugins");
     let checkpoint_setting = format!("checkpoint={:?}", checkpoint.to_str().unwrap());
     let out = mlx_spec(&[

@@ -24,9 +24,10 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The default model shipped in the repo (trained on code; models/gemma4-code-25m/README.md).
+/// The default model shipped in the repo (trained on code; its model card beside it), the one
+/// the shipped drafters are trained for.
 pub fn default_model() -> PathBuf {
-    repo_root().join("models/gemma4-code-25m")
+    repo_root().join(mlx_spec::DEFAULT_MODEL_DIR)
 }
 
 pub fn fixture(name: &str) -> PathBuf {
