@@ -1146,7 +1146,9 @@ fn a_bad_deploy_file_or_plugin_stops_the_start_naming_where() {
 
 #[test]
 fn a_request_past_its_timeout_is_ended_with_an_error() {
-    let (_dir, config) = deployment("[server]\nrequest_timeout_s = 0.3\n");
+    // Long enough that a 4-token request finishes on a loaded 2-core machine, far shorter
+    // than 4 000 tokens take anywhere.
+    let (_dir, config) = deployment("[server]\nrequest_timeout_s = 2.0\n");
     let server = Server::start(&config, &[], &[]);
     let body =
         json!({"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": true, "speculation": "off"});
