@@ -104,7 +104,6 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import transformers, numpy; from transformers import Gemma4ForCausalLM; \
 print('== transformers', transformers.__version__, 'from', transformers.__file__.rsplit('/', 2)[0], '| numpy', numpy.__version__)"
 
-# ---------------------------------------------------------------- assistant drafter
 # The scripts beside this one (the checkout's, or the payload's copies when it runs from there).
 SCRIPTS="$HERE"
 
@@ -121,6 +120,8 @@ if [ "${TASK:-model}" = "eval" ]; then
   rm -rf "$WORK" "${UNPACK:-}"
   exit 0
 fi
+
+# ---------------------------------------------------------------- assistant drafter
 if [ "${TASK:-model}" = "assistant" ]; then
   TARGET="${TARGET:-$HERE/../models/gemma4-code-25m}"
   NAME="${NAME:-assistant}"

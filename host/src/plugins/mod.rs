@@ -387,6 +387,15 @@ pub struct Plugin<'a> {
     pub dir: &'a Path,
 }
 
+/// A drafter's configuration: its manifest's defaults overridden by `overrides`.
+fn configuration(manifest: &Manifest, overrides: &toml::Table) -> toml::Table {
+    let mut config = manifest.defaults.clone();
+    for (k, v) in overrides {
+        config.insert(k.clone(), v.clone());
+    }
+    config
+}
+
 /// Builds a drafter from a plugin with its manifest defaults overridden by `overrides`. The
 /// drafter resolves relative paths of its configuration against the plugin's folder.
 pub fn instantiate(plugin: Plugin<'_>, overrides: &toml::Table) -> Result<DraftProviderBox> {
@@ -395,10 +404,7 @@ pub fn instantiate(plugin: Plugin<'_>, overrides: &toml::Table) -> Result<DraftP
         library,
         dir,
     } = plugin;
-    let mut config = manifest.defaults.clone();
-    for (k, v) in overrides {
-        config.insert(k.clone(), v.clone());
-    }
+    let mut config = configuration(manifest, overrides);
     // A host setting that manifests may carry as a default; the drafter never sees it.
     config.remove(HOST_KEY_NUM_DRAFT_TOKENS);
     let json = serde_json::to_string(&config)
@@ -431,10 +437,7 @@ pub fn trained_for(
     plugin: Plugin<'_>,
     overrides: &toml::Table,
 ) -> Result<Option<trained_for::TrainedFor>> {
-    let mut config = plugin.manifest.defaults.clone();
-    for (k, v) in overrides {
-        config.insert(k.clone(), v.clone());
-    }
+    let config = configuration(plugin.manifest, overrides);
     match trained_for::checkpoint_dir(plugin.dir, &config) {
         Some(dir) => trained_for::TrainedFor::read(&dir)
             .with_context(|| format!("drafter {:?}", plugin.manifest.plugin.name)),
