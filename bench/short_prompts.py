@@ -2,7 +2,8 @@
 """Do short, bare prompts get an answer? Each prompt of bench/prompts/short.jsonl (a signature,
 a signature with its docstring, a class header, an import block; no `# file:` header) is
 continued greedily for 64 tokens by `mlx-spec generate`; a prompt passes when at least 16
-tokens come before any end-of-text. Prints a Markdown table (the text escaped) and the count.
+tokens come before any end-of-text, a beginning-of-text (the model closing the file and
+starting another one) counting as one. Prints a Markdown table (the text escaped) and the count.
 
   python3 bench/short_prompts.py [--model DIR] [--bin target/release/mlx-spec] [--json]
 
@@ -11,6 +12,7 @@ Exit status 0 when at least --need prompts pass (default 18 of 20), 1 otherwise.
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,13 +32,25 @@ def run(binary, model, prompt):
     return json.loads(out.stdout)
 
 
-def before_end(result):
-    """Generated tokens before the first end-of-text (all of them when none came)."""
+def before_end(result, bos):
+    """Generated tokens before the first end-of-text or beginning-of-text (all of them when
+    neither came)."""
     stats = result["stats"]
-    n = stats["generated_tokens"]
-    if stats["stop_token"] is not None and result["tokens"] and result["tokens"][-1] == stats["stop_token"]:
-        n -= 1
-    return n
+    tokens = result["tokens"][: stats["generated_tokens"]]
+    ends = {bos}
+    if stats["stop_token"] is not None:
+        ends.add(stats["stop_token"])
+    return next((i for i, t in enumerate(tokens) if t in ends), len(tokens))
+
+
+def bos_of(model):
+    """The model's beginning-of-text id (config.json); the default model is the one the host
+    names in host/src/lib.rs."""
+    if model is None:
+        lib = (ROOT / "host" / "src" / "lib.rs").read_text(encoding="utf-8")
+        model = ROOT / re.search(r'DEFAULT_MODEL_DIR: &str = "([^"]+)"', lib).group(1)
+    config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    return config.get("text_config", config).get("bos_token_id", config.get("bos_token_id"))
 
 
 def main():
@@ -48,10 +62,11 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = [json.loads(line) for line in open(args.prompts, encoding="utf-8") if line.strip()]
+    bos = bos_of(args.model)
     results = []
     for row in rows:
         r = run(args.bin, args.model, row["prompt"])
-        n = before_end(r)
+        n = before_end(r, bos)
         results.append({"id": row["id"], "kind": row["kind"], "prompt": row["prompt"], "tokens_before_end": n,
                         "stop_reason": r["stats"]["stop_reason"], "pass": n >= MIN_TOKENS, "text": r["text"]})
     passed = sum(r["pass"] for r in results)

@@ -11,30 +11,73 @@ use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model};
 use mlx_spec::plugins::trained_for::{target_fingerprint, TrainedFor};
 
 const TRAINED_FOR_THE_DEFAULT_MODEL: [&str; 4] = ["assistant", "glm-mtp", "deepspec", "dflash"];
-const NEXT_MODEL: &str = "models/gemma4-code-25m-v2";
 
 fn fingerprint_of(dir: &std::path::Path, dtype: Dtype) -> String {
     let model = Gemma4Model::load(dir, DtypeChoice::Fixed(dtype), None).unwrap();
     target_fingerprint(&model).unwrap()
 }
 
+/// A copy of the default model whose final norm differs in one bf16 mantissa bit: the same
+/// shapes (every drafter still runs with it), but to the fingerprint another target, as a
+/// retrained or fine-tuned model of the same architecture would be.
+fn another_target_of_the_same_shape(into: &std::path::Path) -> std::path::PathBuf {
+    let dir = into.join("gemma4-code-25m-retrained");
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(default_model()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
+            continue;
+        }
+        let mut bytes = std::fs::read(&path).unwrap();
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+        let Some(norm) = header.get("model.norm.weight") else {
+            continue;
+        };
+        assert_eq!(
+            norm["dtype"], "BF16",
+            "the default model stores its norms in bf16"
+        );
+        let start = norm["data_offsets"][0].as_u64().unwrap() as usize;
+        // The low byte of the first value holds its last mantissa bit.
+        bytes[8 + header_len + start] ^= 1;
+        std::fs::write(&path, bytes).unwrap();
+        return dir;
+    }
+    panic!("no shard of the default model holds model.norm.weight");
+}
+
 /// The host's fingerprint of the default model is the one the Python script wrote into every
 /// shipped checkpoint that reads the target's states, whatever float dtype the model runs in;
-/// the next model's differs.
+/// a one-bit change of the final norm gives another.
 #[test]
 fn shipped_checkpoints_name_the_default_model_by_its_fingerprint() {
     let default = fingerprint_of(&default_model(), Dtype::Float32);
     assert_eq!(default, fingerprint_of(&default_model(), Dtype::Bfloat16));
+    let name = default_model()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
     for plugin in TRAINED_FOR_THE_DEFAULT_MODEL {
         let dir = repo_root().join("plugins").join(plugin).join("checkpoint");
         let record = TrainedFor::read(&dir)
             .unwrap()
             .unwrap_or_else(|| panic!("{plugin}: no trained_for.json"));
-        assert_eq!(record.target, "gemma4-code-25m", "{plugin}");
+        assert_eq!(record.target, name, "{plugin}");
         assert_eq!(record.final_norm_sha256, default, "{plugin}");
     }
-    let next = fingerprint_of(&repo_root().join(NEXT_MODEL), Dtype::Float32);
-    assert_ne!(next, default);
+    let tmp = tempfile::tempdir().unwrap();
+    let other = fingerprint_of(
+        &another_target_of_the_same_shape(tmp.path()),
+        Dtype::Float32,
+    );
+    assert_ne!(other, default);
 }
 
 fn stderr_of_a_short_run(model: &std::path::Path) -> String {
@@ -61,11 +104,18 @@ fn stderr_of_a_short_run(model: &std::path::Path) -> String {
 fn a_drafter_run_with_another_target_is_warned_about_and_still_runs() {
     let quiet = stderr_of_a_short_run(&default_model());
     assert!(!quiet.contains("was trained for"), "{quiet}");
-    let warned = stderr_of_a_short_run(&repo_root().join(NEXT_MODEL));
+    let tmp = tempfile::tempdir().unwrap();
+    let warned = stderr_of_a_short_run(&another_target_of_the_same_shape(tmp.path()));
+    let name = default_model()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
     assert!(
         warned.contains("drafter \"assistant\"")
-            && warned.contains("trained for the target \"gemma4-code-25m\"")
-            && warned.contains("gemma4-code-25m-v2"),
+            && warned.contains(&format!("trained for the target \"{name}\""))
+            && warned.contains("gemma4-code-25m-retrained"),
         "{warned}"
     );
 }

@@ -279,7 +279,7 @@ mod tests {
     #[test]
     fn small_checkpoints_load_dense_where_their_quantized_form_would_cost_or_block_drafting() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let eight_bit = root.join("models/gemma4-code-25m");
+        let eight_bit = root.join(crate::DEFAULT_MODEL_DIR);
         let text = std::fs::read_to_string(eight_bit.join("config.json")).unwrap();
         assert!(text.contains("\"bits\": 8"), "the default model is 8-bit");
         let four_bit = tempfile::tempdir().unwrap();
