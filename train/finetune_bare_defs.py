@@ -7,10 +7,15 @@ definition; when that definition is the last of its file and is only a docstring
 methods, protocol stubs), the document is `BOS def f(...):\\n    \"\"\"doc\"\"\"\\n EOS`, which is
 exactly what a user's short prompt looks like, and greedy decoding then ends at once.
 
-Samples (seeded, reproducible): half are BOS + a top-level `def`/`class` line of a training
-file followed by at least MIN_FOLLOW more lines of that file, cut to --seq-len tokens, so no
-end-of-text follows a definition; half are random windows of train.bin as in pre-training, so
-the rest of the distribution holds. AdamW at a constant --lr after a short warm-up, float32.
+Samples (seeded, reproducible), alternating: BOS + a top-level `def`/`class` line of a training
+file and the rest of that file (at least MIN_FOLLOW more lines), so no end-of-text follows a
+bare definition; then a random window of train.bin as in pre-training, so the rest of the
+distribution holds. Half the definition samples are tokenized the way a prompt is (cut after
+one of their first lines, each piece on its own; `prompt_shaped`). A definition sample shorter than --seq-len ends as its file does, with
+EOS, and is filled up with a training document from its BOS: the order pre-training saw
+(BOS ... EOS BOS ...). Filling it with a window that is not a document's start would teach
+the model that a file may break off into a new one (BOS) anywhere. AdamW at a constant --lr
+after a short warm-up, float32.
 
   python finetune_bare_defs.py SRC_MODEL_DIR OUT_MODEL_DIR [--minutes 12] [--lr 1e-4]
 
@@ -32,8 +37,9 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 DOC_SEP = "\x1e\n"
-BOS = 2
+BOS, EOS = 2, 1
 MIN_FOLLOW = 12
+PROMPT_LINES = 8
 TOP = re.compile(r"(def |async def |class )")
 
 
@@ -48,6 +54,20 @@ def def_starts(doc):
                 j -= 1
             out.append("\n".join(lines[j:]))
     return out
+
+
+def prompt_shaped(tok, text, rng):
+    """The ids of a definition sample. Half of them are tokenized in two pieces, cut after one
+    of the first PROMPT_LINES lines, as a user's prompt is: inside a file a newline merges with
+    the next line's indentation into one token, so a prompt that ends in a newline ends in a
+    token the corpus never shows mid-file, and the model must learn what follows it."""
+    if rng.random() < 0.5:
+        return tok.encode(text, add_special_tokens=False).ids
+    lines = text.split("\n")
+    cut = rng.randrange(1, min(PROMPT_LINES, len(lines) - 1) + 1)
+    head = "\n".join(lines[:cut]) + "\n"
+    tail = "\n".join(lines[cut:])
+    return tok.encode(head, add_special_tokens=False).ids + tok.encode(tail, add_special_tokens=False).ids
 
 
 def main():
@@ -78,15 +98,18 @@ def main():
     model = Gemma4ForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa").train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     n = args.seq_len + 1
-    t0, step, k = time.time(), 0, 0
+    doc_starts = np.flatnonzero(train[: len(train) - n] == BOS)  # each with a whole window after it
+    t0, step, k, sample = time.time(), 0, 0, 0
     while time.time() - t0 < args.minutes * 60:
         rows = []
-        for b in range(args.batch_size):
-            if b % 2 == 0:
-                ids = [BOS] + tok.encode(texts[k % len(texts)], add_special_tokens=False).ids
+        for _ in range(args.batch_size):
+            sample += 1
+            if sample % 2 == 1:
+                ids = [BOS] + prompt_shaped(tok, texts[k % len(texts)], rng) + [EOS]
                 k += 1
-                if len(ids) < n:
-                    ids += [int(x) for x in train[:n - len(ids)]]  # never shorter than a window
+                if len(ids) < n:  # the file ended: the next document follows, from its BOS
+                    s = int(doc_starts[rng.randrange(0, len(doc_starts))])
+                    ids += [int(x) for x in train[s : s + n - len(ids)]]
                 rows.append(ids[:n])
             else:
                 s = rng.randrange(0, len(train) - n)
