@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{default_model, json_of, mlx_spec, repo_root};
+use common::{default_model, default_model_name, json_of, mlx_spec, repo_root};
 use serde_json::{json, Value};
 
 fn target_dir() -> PathBuf {
@@ -378,12 +378,7 @@ fn completions_and_chat_answer_as_openai_does_and_match_the_command_line() {
         (200, json!("ok"))
     );
     let models = server.get("/v1/models").json();
-    let name = default_model()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let name = default_model_name();
     assert_eq!(models["data"][0]["id"], name.as_str());
     assert_eq!(models["data"][0]["speculation"]["default"], "ngram");
 

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{default_model, mlx_spec, repo_root};
+use common::{default_model, default_model_name, mlx_spec, repo_root};
 use mlx_rs::Dtype;
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model};
 use mlx_spec::plugins::trained_for::{target_fingerprint, TrainedFor};
@@ -17,16 +17,23 @@ fn fingerprint_of(dir: &std::path::Path, dtype: Dtype) -> String {
     target_fingerprint(&model).unwrap()
 }
 
+/// Copies the plain files of `from` (not its folders) into `to`, which it creates.
+fn copy_files(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
 /// A copy of the default model whose final norm differs in one bf16 mantissa bit: the same
 /// shapes (every drafter still runs with it), but to the fingerprint another target, as a
 /// retrained or fine-tuned model of the same architecture would be.
 fn another_target_of_the_same_shape(into: &std::path::Path) -> std::path::PathBuf {
     let dir = into.join("gemma4-code-25m-retrained");
-    std::fs::create_dir_all(&dir).unwrap();
-    for entry in std::fs::read_dir(default_model()).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
-    }
+    copy_files(&default_model(), &dir);
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
@@ -58,12 +65,7 @@ fn another_target_of_the_same_shape(into: &std::path::Path) -> std::path::PathBu
 fn shipped_checkpoints_name_the_default_model_by_its_fingerprint() {
     let default = fingerprint_of(&default_model(), Dtype::Float32);
     assert_eq!(default, fingerprint_of(&default_model(), Dtype::Bfloat16));
-    let name = default_model()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let name = default_model_name();
     for plugin in TRAINED_FOR_THE_DEFAULT_MODEL {
         let dir = repo_root().join("plugins").join(plugin).join("checkpoint");
         let record = TrainedFor::read(&dir)
@@ -106,12 +108,7 @@ fn a_drafter_run_with_another_target_is_warned_about_and_still_runs() {
     assert!(!quiet.contains("was trained for"), "{quiet}");
     let tmp = tempfile::tempdir().unwrap();
     let warned = stderr_of_a_short_run(&another_target_of_the_same_shape(tmp.path()));
-    let name = default_model()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let name = default_model_name();
     assert!(
         warned.contains("drafter \"assistant\"")
             && warned.contains(&format!("trained for the target \"{name}\""))
@@ -126,21 +123,8 @@ fn a_malformed_record_is_an_error_naming_the_file() {
     let tmp = tempfile::tempdir().unwrap();
     let plugin = tmp.path().join("assistant");
     let src = repo_root().join("plugins/assistant");
-    std::fs::create_dir_all(plugin.join("checkpoint")).unwrap();
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let entry = entry.unwrap();
-        if entry.file_type().unwrap().is_file() {
-            std::fs::copy(entry.path(), plugin.join(entry.file_name())).unwrap();
-        }
-    }
-    for entry in std::fs::read_dir(src.join("checkpoint")).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(
-            entry.path(),
-            plugin.join("checkpoint").join(entry.file_name()),
-        )
-        .unwrap();
-    }
+    copy_files(&src, &plugin);
+    copy_files(&src.join("checkpoint"), &plugin.join("checkpoint"));
     std::fs::write(
         plugin.join("checkpoint/trained_for.json"),
         r#"{"target": "gemma4-code-25m"}"#,

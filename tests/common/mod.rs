@@ -30,6 +30,15 @@ pub fn default_model() -> PathBuf {
     repo_root().join(mlx_spec::DEFAULT_MODEL_DIR)
 }
 
+/// The default model's folder name, which the host reports as the model's name.
+pub fn default_model_name() -> String {
+    default_model()
+        .file_name()
+        .and_then(|n| n.to_str())
+        .expect("the default model's folder has a UTF-8 name")
+        .to_owned()
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     repo_root().join("tests/fixtures").join(name)
 }
