@@ -6,7 +6,7 @@
 #   - a drafter that is always wrong: what auto-off leaves of the cost of bad drafts.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-MODEL="${1:-$ROOT/models/gemma4-code-25m}"
+MODEL="${1:-$ROOT/models/gemma4-code-25m-v2}"
 shift || true
 BIN="$ROOT/target/release/mlx-spec"
 LIB=libmlx_spec_test_drafter.so

@@ -3,7 +3,7 @@
 #
 #   PREFIX/bin/mlx-spec                       the binary
 #   PREFIX/lib/mlx-spec/                      the libmlx it was built against (Linux)
-#   PREFIX/share/mlx-spec/models/gemma4-code-25m   the default model
+#   PREFIX/share/mlx-spec/models/gemma4-code-25m-v2   the default model
 #   PREFIX/share/mlx-spec/plugins/<name>/     each drafter plugin: plugin.toml, its library and
 #                                             what it ships beside them (a checkpoint folder)
 #

@@ -484,17 +484,7 @@ fn check_trained_model_against_transformers(model_dir: &std::path::Path, golden:
 /// The default model, trained on real code.
 #[test]
 fn trained_default_model_matches_transformers_on_held_out_code() {
-    check_trained_model_against_transformers(&default_model(), "gemma4-code-25m.safetensors");
-}
-
-/// The next default model (models/gemma4-code-25m-v2, trained on 2048-token windows of a
-/// larger corpus; it becomes the default once the drafters are retrained for it).
-#[test]
-fn next_default_model_matches_transformers_on_held_out_code() {
-    check_trained_model_against_transformers(
-        &repo_root().join("models/gemma4-code-25m-v2"),
-        "gemma4-code-25m-v2.safetensors",
-    );
+    check_trained_model_against_transformers(&default_model(), "gemma4-code-25m-v2.safetensors");
 }
 
 /// The CPU loads small quantized checkpoints dense (`mlx_spec::load`): the same weights,

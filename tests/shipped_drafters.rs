@@ -40,13 +40,15 @@ fn generate(extra: &[&str]) -> Value {
 #[test]
 fn each_shipped_drafter_is_lossless_and_accepted() {
     let plain = generate(&[]);
-    // (drafter, the least share of drafts accepted; measured on this prompt when they shipped:
-    // glm-mtp 0.72, deepspec 0.16 and dflash 0.20 with whole blocks, draft-model 0.44)
+    // (drafter, the least share of drafts accepted: about half the share measured on this
+    // prompt with gemma4-code-25m-v2, whose greedy text here repeats a comment line: glm-mtp
+    // 0.58, deepspec 0.08 and dflash 0.11 with whole blocks, draft-model 0.28; a random-weight
+    // drafter of this vocabulary accepts next to nothing)
     for (drafter, floor) in [
-        ("glm-mtp", 0.4),
-        ("deepspec", 0.1),
-        ("dflash", 0.1),
-        ("draft-model", 0.3),
+        ("glm-mtp", 0.3),
+        ("deepspec", 0.04),
+        ("dflash", 0.05),
+        ("draft-model", 0.14),
     ] {
         let spec = generate(&["--drafter", drafter, "--no-auto-off"]);
         assert_eq!(spec["tokens"], plain["tokens"], "{drafter}");
@@ -94,10 +96,10 @@ fn the_shipped_dflash_block_is_zlabs() {
         "--json",
     ]);
     let v = json_of(&out);
-    assert_eq!(v["anchor"], 7596, "{v}");
+    assert_eq!(v["anchor"], 5223, "{v}");
     assert_eq!(
         v["drafts"],
-        serde_json::json!([121, 525, 305, 305, 305, 305, 305]),
+        serde_json::json!([189, 121, 525, 525, 305, 305, 305]),
         "{v}"
     );
 }

@@ -7,7 +7,7 @@
 # MINUTES (default 6) is the wall-clock budget of the training loop; final evaluation,
 # saving and the golden add about half a minute on top.
 # TASK=assistant trains the assistant drafter for the target in $TARGET (default
-# models/gemma4-code-25m of the checkout this script sits in) instead of the model, into
+# models/gemma4-code-25m-v2 of the checkout this script sits in) instead of the model, into
 # train/out/$NAME/ (NAME defaults to "assistant"), or with $OUT set into one file
 # $OUT/$NAME.tar.gz (model.safetensors, config.json, generation_config.json, metrics.json,
 # train_log.csv, train_stdout.log), so that several shapes can train side by side on one GPU:
@@ -113,7 +113,7 @@ SCRIPTS="$HERE"
 # default model) at each context of CONTEXTS (default "0,512": the served context, then 512),
 # in float32 on the GPU. One JSON line per model and context, also appended to $OUT/eval.jsonl.
 if [ "${TASK:-model}" = "eval" ]; then
-  for m in ${MODELS:-$HERE/../models/gemma4-code-25m}; do
+  for m in ${MODELS:-$HERE/../models/gemma4-code-25m-v2}; do
     "$PY" "$SCRIPTS/eval_heldout.py" "$m" --data "$PAYLOAD/data" --per-file "${CONTEXTS:-0,512}" \
       --device cuda | tee -a ${OUT:+"$OUT/eval.jsonl"}
   done
@@ -123,7 +123,7 @@ fi
 
 # ---------------------------------------------------------------- assistant drafter
 if [ "${TASK:-model}" = "assistant" ]; then
-  TARGET="${TARGET:-$HERE/../models/gemma4-code-25m}"
+  TARGET="${TARGET:-$HERE/../models/gemma4-code-25m-v2}"
   NAME="${NAME:-assistant}"
   if [ -n "${OUT:-}" ]; then RUN="$WORK/$NAME"; else RUN="$HERE/out/$NAME"; fi
   rm -rf "$RUN"
@@ -169,7 +169,7 @@ fi
 
 # ---------------------------------------------------------------- MTP row (glm-mtp)
 if [ "${TASK:-model}" = "mtp" ]; then
-  TARGET="${TARGET:-$HERE/../models/gemma4-code-25m}"
+  TARGET="${TARGET:-$HERE/../models/gemma4-code-25m-v2}"
   NAME="${NAME:-mtp}"
   if [ -n "${OUT:-}" ]; then RUN="$WORK/$NAME"; else RUN="$HERE/out/$NAME"; fi
   rm -rf "$RUN"

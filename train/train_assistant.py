@@ -23,7 +23,7 @@ that it does and that transformers' own forward drafts what this module drafts.
 Needs torch, numpy, safetensors, transformers==5.24.0. Reads token files written by
 train_tokenizer.py (flat little-endian uint16).
 
-  python train/train_assistant.py --target models/gemma4-code-25m \\
+  python train/train_assistant.py --target models/gemma4-code-25m-v2 \\
       --train-bin train/data/train.bin --heldout-bin train/data/heldout.bin \\
       --out train/out/assistant --max-minutes 6
 

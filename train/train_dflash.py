@@ -37,7 +37,7 @@ Needs torch, numpy, safetensors and transformers with Gemma 4 (the target pass; 
 needs Qwen3 and z-lab's `dflash/model.py`, fetched, never committed). Reads the flat uint16 token
 files of train_tokenizer.py.
 
-  python train/train_dflash.py --target models/gemma4-code-25m \\
+  python train/train_dflash.py --target models/gemma4-code-25m-v2 \\
       --train-bin train/data/train.bin --heldout-bin train/data/heldout.bin \\
       --out train/out/dflash --layers 2 --max-minutes 6
 

@@ -36,7 +36,7 @@ Needs torch, numpy, safetensors and transformers with Gemma 4 (the target pass);
 needs DeepSpec's source and the transformers it pins (5.10.2). Reads the flat uint16 token
 files of train_tokenizer.py.
 
-  python train/train_dspark.py --target models/gemma4-code-25m \\
+  python train/train_dspark.py --target models/gemma4-code-25m-v2 \\
       --train-bin train/data/train.bin --heldout-bin train/data/heldout.bin \\
       --out train/out/dspark --layers 1 --ffn 1536 --markov-rank 64 --max-minutes 6
 

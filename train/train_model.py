@@ -59,7 +59,7 @@ MAX_SHARD = "15MB"
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-# The second default model (gemma4-code-25m). The first one (gemma4-code-7m) had hidden 256,
+# The shape of the 25 M default models (gemma4-code-25m, then -v2). The first one (gemma4-code-7m) had hidden 256,
 # 4 heads / 1 KV head, MLP 512 and 6 layers S S S F S F: 7.4 M parameters.
 MODEL_KW = dict(
     vocab_size=8192,

@@ -34,7 +34,7 @@ its logits and greedy drafts match this module's on a held-out prompt.
 Needs torch, numpy, safetensors, transformers==5.24.0 (with its glm4_moe folder for the
 check). Reads the flat uint16 token files of train_tokenizer.py.
 
-  python train/train_mtp.py --target models/gemma4-code-25m \\
+  python train/train_mtp.py --target models/gemma4-code-25m-v2 \\
       --train-bin train/data/train.bin --heldout-bin train/data/heldout.bin \\
       --out train/out/mtp --chain pre_norm --max-minutes 6
 

@@ -451,7 +451,7 @@ if want window-default; then
     for dtype in auto bf16; do
         for fused in default none; do
             for k in 2 4 8; do
-                line="$(timeout 120 "$LAB" --device gpu --model "$ROOT/models/gemma4-code-25m" --dtype "$dtype" \
+                line="$(timeout 120 "$LAB" --device gpu --model "$ROOT/models/gemma4-code-25m-v2" --dtype "$dtype" \
                     --fused-kernels "$fused" --prompt-tokens 64 --repeats 3 --verify-window "$k" \
                     2>>"$RES/window-default.err" | tail -n 1)"
                 row "default model ($dtype), --fused-kernels $fused, window of $k vs steps | ${line:-failed: $(tail -n 1 "$RES/window-default.err")}"

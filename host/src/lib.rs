@@ -32,8 +32,8 @@ pub use mlx_spec_model::weights;
 pub use mlx_spec_kernels as kernels;
 
 /// The default model's folder under [`home`]: a small Gemma 4 trained on Python code
-/// (`models/gemma4-code-25m/README.md`).
-pub const DEFAULT_MODEL_DIR: &str = "models/gemma4-code-25m";
+/// (`models/gemma4-code-25m-v2/README.md`).
+pub const DEFAULT_MODEL_DIR: &str = "models/gemma4-code-25m-v2";
 
 /// The variable that names mlx-spec's home folder, overriding where the binary looks.
 pub const HOME_VAR: &str = "MLX_SPEC_HOME";

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Golden drafts of the shipped assistant drafter (plugins/assistant/checkpoint) for the
-default model (models/gemma4-code-25m, dequantized to float32), computed by transformers'
+default model (models/gemma4-code-25m-v2, dequantized to float32), computed by transformers'
 own Gemma4AssistantForCausalLM: for each prompt, the target's greedy anchor and six chained
 greedy drafts of the round that follows the prompt's prefill. tests/shipped_assistant.rs
 checks that `mlx-spec draft` proposes the same tokens.
@@ -54,7 +54,7 @@ def round_after(target, drafter, ids):
 def main():
     from transformers import Gemma4AssistantForCausalLM
 
-    model_dir = ROOT / "models/gemma4-code-25m"
+    model_dir = ROOT / "models/gemma4-code-25m-v2"
     checkpoint = ROOT / "plugins/assistant/checkpoint"
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     target, _ = load_target(model_dir, "cpu", torch.float32)

@@ -8,7 +8,7 @@ the summed negative log-likelihood (nats, float64 sums of float32 log-softmax ro
 attention, float32 weights) is written with the token count to tests/goldens/perplexity.json.
 
 Models: the bf16 fixture tests/fixtures/tiny-wrapped-bf16 (upcast to float32: exactly its
-stored values) and the default model models/gemma4-code-25m, dequantized from its 8-bit
+stored values) and the default model models/gemma4-code-25m-v2, dequantized from its 8-bit
 weights the way mlx-spec reconstructs them (train/eval_heldout.py's loader).
 
   python tests/oracle/make_perplexity_goldens.py        (venv of tests/oracle/requirements.txt)
@@ -27,8 +27,8 @@ TEXT = "tests/fixtures/perplexity/sample.py"
 CASES = [
     ("tests/fixtures/tiny-wrapped-bf16", None),
     ("tests/fixtures/tiny-wrapped-bf16", 40),
-    ("models/gemma4-code-25m", None),
-    ("models/gemma4-code-25m", 100),
+    ("models/gemma4-code-25m-v2", None),
+    ("models/gemma4-code-25m-v2", 100),
 ]
 
 

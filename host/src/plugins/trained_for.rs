@@ -28,7 +28,7 @@ pub const FILE_NAME: &str = "trained_for.json";
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainedFor {
-    /// The target's name, for the message (e.g. `gemma4-code-25m`).
+    /// The target's name, for the message (e.g. `gemma4-code-25m-v2`).
     pub target: String,
     /// [`target_fingerprint`] of that target, 64 hex digits.
     pub final_norm_sha256: String,
