@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::{default_model, fixture, max_abs_diff, repo_root, Golden, FIXTURES};
+use common::{
+    default_model, default_model_name, fixture, max_abs_diff, repo_root, Golden, FIXTURES,
+};
 use mlx_rs::Dtype;
 use mlx_spec::generate::{generate, greedy_token, GenerateRequest, StopReason};
 use mlx_spec::model::gemma4::{DtypeChoice, Gemma4Model, LogitsFor, ModelCache};
@@ -481,10 +483,12 @@ fn check_trained_model_against_transformers(model_dir: &std::path::Path, golden:
     assert_eq!(got, want, "greedy continuation differs from transformers");
 }
 
-/// The default model, trained on real code.
+/// The default model, trained on real code; its golden is named after its folder
+/// (`tests/goldens/<model>.safetensors`, as `train/quantize_checkpoint.py` is told to write it).
 #[test]
 fn trained_default_model_matches_transformers_on_held_out_code() {
-    check_trained_model_against_transformers(&default_model(), "gemma4-code-25m-v2.safetensors");
+    let golden = format!("{}.safetensors", default_model_name());
+    check_trained_model_against_transformers(&default_model(), &golden);
 }
 
 /// The CPU loads small quantized checkpoints dense (`mlx_spec::load`): the same weights,
